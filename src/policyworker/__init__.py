@@ -1,0 +1,64 @@
+"""policyworker: move policy weights from trainers to rollout engines after every step.
+
+Public surface (guarded by ``tests/test_public_api.py``): import from here, not from
+submodules, unless you write a transport (then ``policyworker.transports.base``).
+"""
+
+from .comm import CommGroup, new_group
+from .core import WorkerCore, private_runtime_dir
+from .device import DeviceFacts, device_facts
+from .errors import (
+    ConfigError,
+    PeerLost,
+    PlanError,
+    PlanMismatch,
+    PolicyWorkerError,
+    ProtocolError,
+    RefitAborted,
+    RefitTimeout,
+    TornWeights,
+    TransportError,
+    TransportLoadError,
+    WorkerClosed,
+)
+from .registry import TransportInfo, TransportRegistry, list_transports, load_transport
+from .rollout import RolloutWorker
+from .transports.base import RefitReport, Transport, TransportContext
+from .watchdog import Deadline, RefitWatchdog, process_watchdog
+from .worker import AbstractPolicyWorker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AbstractPolicyWorker",
+    "CommGroup",
+    "ConfigError",
+    "Deadline",
+    "DeviceFacts",
+    "PeerLost",
+    "PlanError",
+    "PlanMismatch",
+    "PolicyWorkerError",
+    "ProtocolError",
+    "RefitAborted",
+    "RefitReport",
+    "RefitTimeout",
+    "RefitWatchdog",
+    "RolloutWorker",
+    "TornWeights",
+    "Transport",
+    "TransportContext",
+    "TransportError",
+    "TransportInfo",
+    "TransportLoadError",
+    "TransportRegistry",
+    "WorkerClosed",
+    "WorkerCore",
+    "__version__",
+    "device_facts",
+    "list_transports",
+    "load_transport",
+    "new_group",
+    "private_runtime_dir",
+    "process_watchdog",
+]

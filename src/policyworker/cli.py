@@ -1,0 +1,94 @@
+"""``policyworker`` command line: demo | transports | plan | bench | drill."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _cmd_transports(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .registry import TransportRegistry
+
+    registry = TransportRegistry()
+    infos = registry.list()
+    if args.load:
+        for info in infos:
+            try:
+                registry.load(info.name)
+            except Exception as exc:  # show every broken plugin, keep listing the rest
+                print(f"{info.name}: {exc}", file=sys.stderr)
+        infos = registry.list()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(info) for info in infos], indent=2))
+        return 0
+    table = Table(title="policyworker transports")
+    for col in ("name", "distribution", "target", "loaded"):
+        table.add_column(col)
+    for info in infos:
+        table.add_row(info.name, info.distribution, info.target, "yes" if info.loaded else "no")
+    Console().print(table)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(args)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .layout.report import format_plan_report, plan_report
+
+    report = plan_report(args.preset, args.train, args.gen)
+    print(format_plan_report(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="policyworker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="run trainers and rollouts on this host (CPU, gloo) and refit")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--timeout", type=float, default=120.0, help="bound on the whole world (s)")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("transports", help="list registered transports (imports none unless --load)")
+    p.add_argument("--load", action="store_true", help="import each one and report failures")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_transports)
+
+    p = sub.add_parser("plan", help="print the reshard plan's byte counts for a preset and layouts")
+    p.add_argument("--preset", required=True)
+    p.add_argument("--train", required=True, help="e.g. tp=2,pp=2,dp=1")
+    p.add_argument("--gen", required=True, help="e.g. tp=4,dp=1")
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(func=_cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .errors import PolicyWorkerError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PolicyWorkerError as exc:
+        print(f"policyworker {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

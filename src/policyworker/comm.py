@@ -1,0 +1,345 @@
+"""Independent, abortable process groups among arbitrary processes.
+
+A :class:`CommGroup` is a ``TCPStore`` + ``PrefixStore`` + ``ProcessGroupGloo`` (CPU)
+or ``ProcessGroupNCCL`` (CUDA), built without ``init_process_group``: the trainer's
+own default group (if any) is never touched, and several groups can coexist (the
+update group, one group per pipeline stage, one per SGLang engine).
+
+Every operation is bounded. Collectives are issued asynchronously and completed by
+:meth:`CommGroup.wait`, which waits for the work against a deadline and against the
+group's abort flag (gloo works are waited on by a per-group waiter thread, NCCL works
+are polled). So a watchdog on another thread can abort a refit that is
+blocked in a collective: ``abort()`` sets the flag (and aborts the backend where it
+can), the waiting thread sees it within a millisecond and raises ``RefitAborted``.
+An aborted group is dead: build a new one (``init_collective`` again) to recover.
+
+Ranks: rank 0 of a group hosts its store at ``(host, port)``; every other rank
+connects to it. All ranks must call collectives in the same order (the usual
+deadlock hazard of collectives): a rank that skips one makes its peers wait until
+their deadline.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError, RefitAborted, RefitTimeout, translate_comm_error
+
+__all__ = ["DEFAULT_TIMEOUT_S", "CommGroup", "new_group"]
+
+DEFAULT_TIMEOUT_S = 120.0
+
+# Poll backoff for work handles: start tight (small messages finish in microseconds),
+# grow to 1 ms so a long transfer does not burn a core spinning.
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 1e-3
+
+
+def _check_timeout(timeout_s: float, what: str = "timeout_s") -> float:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise ConfigError(f"{what} must be a number of seconds, got {timeout_s!r}")
+    if not (timeout_s > 0) or timeout_s != timeout_s or timeout_s == float("inf"):
+        raise ConfigError(f"{what} must be a finite number > 0, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    for value, name in ((rank, "rank"), (world_size, "world_size")):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name} must be an int, got {value!r}")
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is outside [0, {world_size})")
+
+
+class CommGroup:
+    """One independent process group with bounded, abortable operations.
+
+    Not thread-safe except :meth:`abort`, which any thread may call at any time.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        store: dist.Store,
+        *,
+        rank: int,
+        world_size: int,
+        backend: str,
+        name: str,
+        timeout_s: float,
+        owner_store: dist.TCPStore | None,
+    ) -> None:
+        self.pg = pg
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.name = name
+        self.timeout_s = timeout_s
+        self._owner_store = owner_store  # keep the master store alive as long as the group
+        self._aborted = threading.Event()
+        self._cond = threading.Condition()
+        self._waiter: ThreadPoolExecutor | None = None
+        self._closed = False
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    # -- state ---------------------------------------------------------------------
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    def abort(self) -> None:
+        """Abort every pending and future operation of this group (any thread, non-blocking).
+
+        Waiters raise ``RefitAborted``. For NCCL the communicator is aborted too, so
+        kernels blocked on a dead peer return.
+        """
+        if self._aborted.is_set():
+            return
+        self._aborted.set()
+        self._notify()
+        if self.backend == "nccl":
+            # NCCL kernels spin on the GPU until the communicator is aborted; gloo waits
+            # are already unblocked by our polling and the pair dies with the group.
+            abort = getattr(self.pg, "abort", None)
+            if abort is not None:
+                try:
+                    abort()
+                except RuntimeError:
+                    pass  # already torn down: aborting twice is not an error for us
+
+    def close(self) -> None:
+        """Release the group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._aborted.set()
+        self._notify()
+        if self._waiter is not None:
+            # A waiter stuck on a dead gloo pair returns at the group's own timeout; don't join it.
+            self._waiter.shutdown(wait=False, cancel_futures=True)
+        shutdown = getattr(self.pg, "shutdown", None) if self.backend == "nccl" else None
+        if shutdown is not None:
+            try:
+                shutdown()
+            except RuntimeError:
+                pass  # a dead communicator cannot be shut down twice; nothing to release
+        self.pg = None  # type: ignore[assignment]
+        self._owner_store = None
+
+    # -- waiting -------------------------------------------------------------------
+    def _completion(self, work) -> Future:
+        """A future that completes with ``work``.
+
+        gloo's point-to-point works only make progress inside ``work.wait()`` (their
+        ``is_completed()`` stays False and they have no future), and that wait cannot
+        be interrupted. So gloo works are waited on by one waiter thread per group, in
+        issue order, and the caller waits on the future, where an abort can reach it.
+        NCCL works complete on the GPU; ``is_completed()`` polls their CUDA event.
+        """
+        if self._waiter is None:
+            self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"policyworker-wait-{self.name}")
+        future = self._waiter.submit(work.wait)
+        future.add_done_callback(self._notify)
+        return future
+
+    def _notify(self, _future=None) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait(self, work, *, deadline: float | None = None, what: str = "collective") -> None:
+        """Complete ``work`` before ``deadline`` (``time.monotonic()`` seconds).
+
+        Raises ``RefitAborted`` when the group is aborted, ``RefitTimeout`` past the
+        deadline, ``PeerLost`` when the peer went away; never hangs.
+        """
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
+        if self.backend == "nccl":
+            self._poll(work, deadline, what)
+            return
+        future = work if isinstance(work, Future) else self._completion(work)
+        with self._cond:
+            while not future.done():
+                if self._aborted.is_set():
+                    raise RefitAborted(f"{what} on group {self.name!r} was aborted", rank=self.rank)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RefitTimeout(f"{what} on group {self.name!r} did not finish in time", rank=self.rank)
+                self._cond.wait(remaining)
+        exc = future.exception()
+        if exc is not None:
+            if self._aborted.is_set():
+                raise RefitAborted(f"{what} on group {self.name!r} was aborted", rank=self.rank) from exc
+            raise translate_comm_error(exc, rank=self.rank, what=f"{what} on group {self.name!r}") from exc
+
+    def _poll(self, work, deadline: float, what: str) -> None:
+        pause = _POLL_MIN_S
+        while True:
+            if self._aborted.is_set():
+                raise RefitAborted(f"{what} on group {self.name!r} was aborted", rank=self.rank)
+            try:
+                if work.is_completed():
+                    work.wait()
+                    return
+            except Exception as exc:  # torch raises RuntimeError/DistBackendError subclasses
+                if self._aborted.is_set():
+                    raise RefitAborted(f"{what} on group {self.name!r} was aborted", rank=self.rank) from exc
+                raise translate_comm_error(exc, rank=self.rank, what=f"{what} on group {self.name!r}") from exc
+            if time.monotonic() >= deadline:
+                raise RefitTimeout(f"{what} on group {self.name!r} did not finish in time", rank=self.rank)
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    def wait_all(self, works: Sequence, *, deadline: float | None = None, what: str = "collective") -> None:
+        for w in works:
+            self.wait(w, deadline=deadline, what=what)
+
+    def _guard(self) -> None:
+        if self._closed or self.pg is None:
+            raise RefitAborted(f"group {self.name!r} is closed", rank=self.rank)
+        if self._aborted.is_set():
+            raise RefitAborted(f"group {self.name!r} was aborted", rank=self.rank)
+
+    # -- operations (issue + wait) -------------------------------------------------
+    def broadcast(self, tensor: torch.Tensor, src: int, *, deadline: float | None = None) -> None:
+        self._guard()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.wait(self.pg.broadcast([tensor], opts), deadline=deadline, what="broadcast")
+
+    def all_reduce(self, tensor: torch.Tensor, *, op=dist.ReduceOp.SUM, deadline: float | None = None) -> None:
+        self._guard()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self.wait(self.pg.allreduce([tensor], opts), deadline=deadline, what="all_reduce")
+
+    def all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor, *, deadline: float | None = None) -> None:
+        self._guard()
+        self.wait(self.pg.allgather([out], [tensor]), deadline=deadline, what="all_gather")
+
+    def barrier(self, *, deadline: float | None = None) -> None:
+        # A tiny all_reduce instead of pg.barrier(): the same on every backend, and abortable.
+        self.all_reduce(torch.zeros(1, dtype=torch.int32, device=self.device), deadline=deadline)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
+        """Start a point-to-point send; complete it with :meth:`wait`."""
+        self._guard()
+        return self.pg.send([tensor], dst, tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0):
+        """Start a point-to-point receive; complete it with :meth:`wait`."""
+        self._guard()
+        return self.pg.recv([tensor], src, tag)
+
+    def __repr__(self) -> str:
+        state = "aborted" if self.aborted else ("closed" if self._closed else "open")
+        return f"CommGroup({self.name!r}, rank={self.rank}/{self.world_size}, {self.backend}, {state})"
+
+
+def new_group(
+    *,
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    name: str,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    verify: bool = True,
+) -> CommGroup:
+    """Build an independent group; rank 0 hosts the store at ``(host, port)``.
+
+    ``backend`` defaults to nccl when CUDA is available, else gloo. With ``verify`` a
+    warm-up runs: rank 0 broadcasts (magic, world_size, nonce); every rank checks the
+    world size matches its own and all-reduces its verdict, so every rank knows every
+    rank agreed. Raises ``ConfigError`` (bad arguments, port in use, disagreement) or
+    ``PeerLost`` / ``RefitTimeout`` (a peer never came) — never hangs past ``timeout_s``.
+    """
+    _check_rank(rank, world_size)
+    timeout_s = _check_timeout(timeout_s)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ConfigError(f"port must be an int in (0, 65536), got {port!r}")
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"host must be a non-empty string, got {host!r}")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    timeout = _dt.timedelta(seconds=timeout_s)
+    is_master = rank == 0
+    try:
+        store = dist.TCPStore(
+            host, port, world_size, is_master, timeout=timeout, wait_for_workers=False
+        )
+    except Exception as exc:  # torch raises DistNetworkError / RuntimeError with errno text
+        text = str(exc)
+        if is_master and ("in use" in text or "EADDRINUSE" in text or "errno: 98" in text):
+            raise ConfigError(f"port {port} on {host} is already in use (group {name!r})", rank=rank) from exc
+        raise translate_comm_error(exc, rank=rank, what=f"store connect for group {name!r}") from exc
+    prefixed = dist.PrefixStore(f"policyworker/{name}", store)
+    try:
+        if backend == "gloo":
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    except Exception as exc:
+        raise translate_comm_error(exc, rank=rank, what=f"creating group {name!r}") from exc
+    group = CommGroup(
+        pg,
+        prefixed,
+        rank=rank,
+        world_size=world_size,
+        backend=backend,
+        name=name,
+        timeout_s=timeout_s,
+        owner_store=store,
+    )
+    if verify:
+        try:
+            _warm_up(group, deadline=time.monotonic() + timeout_s)
+        except BaseException:
+            group.close()
+            raise
+    return group
+
+
+_MAGIC = 0x50574B31  # "PWK1"
+
+
+def _warm_up(group: CommGroup, *, deadline: float) -> None:
+    """Broadcast from rank 0, check on every rank, all-reduce the verdicts."""
+    dev = group.device
+    if group.rank == 0:
+        hello = torch.tensor([_MAGIC, group.world_size, secrets.randbits(62)], dtype=torch.int64, device=dev)
+    else:
+        hello = torch.zeros(3, dtype=torch.int64, device=dev)
+    group.broadcast(hello, 0, deadline=deadline)
+    magic, size, _nonce = (int(v) for v in hello.tolist())
+    ok = magic == _MAGIC and size == group.world_size
+    verdict = torch.tensor([0 if ok else 1], dtype=torch.int64, device=dev)
+    group.all_reduce(verdict, deadline=deadline)
+    bad = int(verdict.item())
+    if not ok:
+        raise ConfigError(
+            f"group {group.name!r}: rank 0 says world_size={size}, this rank says {group.world_size}",
+            rank=group.rank,
+        )
+    if bad:
+        raise ConfigError(
+            f"group {group.name!r}: {bad} rank(s) disagree on the world size", rank=group.rank
+        )
+

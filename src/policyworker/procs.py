@@ -1,0 +1,143 @@
+"""Spawning a small world of real processes, with every wait bounded.
+
+Used by the demo, the benchmarks and the multi-process tests. Each process runs
+``target(rank, *args)`` (a picklable top-level function) in a fresh interpreter
+(spawn), and its return value — plain data — comes back through a queue. A process
+that raises sends back its traceback text; a world that does not finish in
+``timeout_s`` is killed, every process of it, and reported.
+
+This is local process control, not a network protocol: results travel over
+multiprocessing's own pipe between a parent and the children it spawned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue as _queue
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import PolicyWorkerError
+
+__all__ = ["ProcessFailed", "World", "free_port", "run_world", "start_world"]
+
+
+class ProcessFailed(PolicyWorkerError):
+    """A spawned process raised, died, or the world ran out of time."""
+
+    def __init__(self, message: str, *, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _child(target: Callable[..., Any], rank: int, args: tuple, results, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    try:
+        value = target(rank, *args)
+        results.put((rank, True, value))
+    except BaseException:  # report every failure, KeyboardInterrupt included, then exit
+        results.put((rank, False, traceback.format_exc()))
+
+
+@dataclass
+class World:
+    """Handles of a started world; see :func:`run_world` for the usual one-shot use."""
+
+    procs: list[mp.process.BaseProcess]
+    results: Any
+
+    def pid(self, rank: int) -> int:
+        return self.procs[rank].pid
+
+    def signal(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.procs[rank].pid, sig)
+
+    def collect(self, timeout_s: float, *, allow_dead: Sequence[int] = ()) -> dict[int, Any]:
+        """Wait for every rank's result until ``timeout_s``; kill all on failure."""
+        deadline = time.monotonic() + timeout_s
+        out: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        pending = {r for r in range(len(self.procs)) if r not in allow_dead}
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                for r in pending:
+                    failures[r] = "did not finish in time"
+                break
+            try:
+                rank, ok, value = self.results.get(timeout=min(remaining, 0.2))
+            except _queue.Empty:
+                for r in list(pending):
+                    p = self.procs[r]
+                    if not p.is_alive() and p.exitcode not in (None, 0):
+                        # Give the queue a moment: a result may still be in the pipe.
+                        time.sleep(0.05)
+                        if not p.is_alive() and self.results.empty():
+                            failures[r] = f"exited with code {p.exitcode} and no result"
+                            pending.discard(r)
+                continue
+            pending.discard(rank)
+            if ok:
+                out[rank] = value
+            else:
+                failures[rank] = value
+        self.close()
+        if failures:
+            detail = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items()))
+            raise ProcessFailed(f"{len(failures)} process(es) failed:\n{detail}", failures=failures)
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.join(timeout=2.0)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=2.0)
+
+
+def start_world(
+    target: Callable[..., Any],
+    nprocs: int,
+    args: tuple = (),
+    *,
+    env: dict[str, str] | None = None,
+) -> World:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    procs = []
+    for rank in range(nprocs):
+        p = ctx.Process(target=_child, args=(target, rank, args, results, child_env), daemon=True)
+        p.start()
+        procs.append(p)
+    return World(procs, results)
+
+
+def run_world(
+    target: Callable[..., Any],
+    nprocs: int,
+    args: tuple = (),
+    *,
+    timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``target(rank, *args)`` in ``nprocs`` spawned processes; return results by rank."""
+    world = start_world(target, nprocs, args, env=env)
+    out = world.collect(timeout_s)
+    return [out[r] for r in range(nprocs)]

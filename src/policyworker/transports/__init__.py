@@ -1,0 +1,1 @@
+"""Built-in transports. Each module is imported only when its transport is chosen."""

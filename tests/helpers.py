@@ -1,0 +1,20 @@
+"""Small helpers for tests (not fixtures)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policyworker import AbstractPolicyWorker
+
+
+class BareWorker(AbstractPolicyWorker):
+    """The abstract core with the model-specific methods left out (tests of the core only)."""
+
+    async def prepare_nccl_reshard_refit_info(self, train_parallelism, gen_parallelism, train_world_size, gen_world_size) -> dict:
+        raise NotImplementedError("not part of the core under test")
+
+    async def nccl_reshard_refit(self, kv_scales=None, refit_timeout_s=None) -> Any:
+        raise NotImplementedError("not part of the core under test")
+
+    async def get_reference_policy_logprobs(self, *, data, micro_batch_size=None):
+        raise NotImplementedError("not part of the core under test")
