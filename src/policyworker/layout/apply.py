@@ -1,0 +1,223 @@
+"""Moving bytes by a plan: pack, unpack, and building expected shards.
+
+Pure functions over torch tensors; the transports call `pack` on the sender and
+`unpack` on the receiver, tests call `apply_plan` to run a whole plan in one
+process. A transfer's message is its copies back to back (plan order, no padding),
+each copy's box in row-major order — `pack` and `unpack` are each other's inverse.
+
+Views: a copy's region of a local tensor is ``narrow(d, at[d], stop[d] - start[d])``
+per dim — one strided view, one ``copy_``, however many rows it spans. Messages are
+raw bytes (``torch.uint8``) so mixed dtypes share a buffer without alignment rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping, Sequence
+from math import prod
+
+import torch
+
+from policyworker.errors import PlanError
+from policyworker.layout.plan import Copy, ReshardPlan, Transfer, dtype_size
+
+__all__ = [
+    "apply_plan",
+    "bucket_copies",
+    "copy_nbytes",
+    "dest_shards",
+    "empty_local_tensors",
+    "local_shape",
+    "pack",
+    "source_shards",
+    "unpack",
+]
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise PlanError(f"unknown torch dtype {name!r}")
+    return dtype
+
+
+def _region(t: torch.Tensor, at: Sequence[int], start: Sequence[int],
+            stop: Sequence[int]) -> torch.Tensor:
+    for d, (a, s, e) in enumerate(zip(at, start, stop)):
+        t = t.narrow(d, a, e - s)
+    return t
+
+
+def _as_bytes(view: torch.Tensor) -> torch.Tensor:
+    """``view`` reinterpreted as uint8 (last dim widened by the item size)."""
+    if view.dim() == 0:
+        view = view.reshape(1)
+    if view.stride(-1) != 1:
+        view = view.contiguous()
+    return view.view(torch.uint8)
+
+
+def copy_nbytes(plan: ReshardPlan, copy: Copy) -> int:
+    p = plan.params[copy.param]
+    return prod(b - a for a, b in zip(copy.start, copy.stop)) * dtype_size(p.dtype)
+
+
+def local_shape(plan: ReshardPlan, side: str, rank: int, name: str) -> tuple[int, ...]:
+    """Shape of local tensor ``name`` on ``rank`` of ``side`` ("src" or "dst")."""
+    t = plan.local_tensors(side, rank).get(name)
+    if t is None:
+        raise PlanError(f"rank {rank} has no {side} tensor {name!r}", rank=rank, param=name)
+    return t.shape
+
+
+def _lookup(local: Mapping[str, torch.Tensor], name: str, rank_hint: str) -> torch.Tensor:
+    try:
+        return local[name]
+    except KeyError:
+        raise PlanError(f"{rank_hint} local tensors lack {name!r}", param=name) from None
+
+
+def pack(plan: ReshardPlan, copies: Sequence[Copy], local_tensors: Mapping[str, torch.Tensor],
+         out: torch.Tensor, offset: int = 0) -> int:
+    """Sender side: write each copy's source region into ``out`` (flat uint8) from
+    byte ``offset`` on, back to back. Returns the offset after the last byte."""
+    names, params = plan.body.tensor_names, plan.params
+    for c in copies:
+        src = _region(_lookup(local_tensors, names[c.src_tensor], "sender"),
+                      c.src_at, c.start, c.stop)
+        n = src.numel() * dtype_size(params[c.param].dtype)
+        raw = _as_bytes(src)
+        out.narrow(0, offset, n).view(raw.shape).copy_(raw)
+        offset += n
+    return offset
+
+
+def unpack(plan: ReshardPlan, copies: Sequence[Copy], buf: torch.Tensor,
+           local_tensors: MutableMapping[str, torch.Tensor], offset: int = 0) -> int:
+    """Receiver side: the inverse of `pack`, writing into views of ``local_tensors``
+    (which must be contiguous in their last dim). Returns the offset after the last byte."""
+    names, params = plan.body.tensor_names, plan.params
+    for c in copies:
+        dst = _region(_lookup(local_tensors, names[c.dst_tensor], "receiver"),
+                      c.dst_at, c.start, c.stop)
+        n = dst.numel() * dtype_size(params[c.param].dtype)
+        if dst.dim() == 0:
+            dst = dst.reshape(1)
+        if dst.stride(-1) != 1:
+            raise PlanError(f"receiver tensor {names[c.dst_tensor]!r} is not contiguous in "
+                            "its last dim", param=names[c.dst_tensor])
+        raw = dst.view(torch.uint8)
+        raw.copy_(buf.narrow(0, offset, n).view(raw.shape))
+        offset += n
+    return offset
+
+
+def bucket_copies(plan: ReshardPlan, copies: Sequence[Copy], max_bytes: int) -> list[list[Copy]]:
+    """Split ``copies`` into buckets of at most ``max_bytes`` (in order).
+
+    A copy larger than ``max_bytes`` is cut along its first dim longer than one into
+    row blocks that fit (a single row larger than ``max_bytes`` becomes its own
+    bucket). Deterministic, so sender and receiver compute the same buckets.
+    """
+    if max_bytes < 1:
+        raise PlanError(f"max_bytes must be positive, got {max_bytes}")
+    buckets: list[list[Copy]] = []
+    cur: list[Copy] = []
+    used = 0
+    for c in copies:
+        for part in _split(plan, c, max_bytes):
+            n = copy_nbytes(plan, part)
+            if cur and used + n > max_bytes:
+                buckets.append(cur)
+                cur, used = [], 0
+            cur.append(part)
+            used += n
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def _split(plan: ReshardPlan, c: Copy, max_bytes: int) -> list[Copy]:
+    n = copy_nbytes(plan, c)
+    if n <= max_bytes:
+        return [c]
+    extents = [b - a for a, b in zip(c.start, c.stop)]
+    dim = next((d for d, e in enumerate(extents) if e > 1), None)
+    if dim is None:
+        return [c]
+    row = n // extents[dim]
+    step = max(1, max_bytes // row)
+    parts = []
+    for lo in range(0, extents[dim], step):
+        hi = min(extents[dim], lo + step)
+        parts.append(Copy(c.param, _shift(c.start, dim, lo),
+                          _shift(c.stop, dim, hi - extents[dim]),
+                          c.src_tensor, _shift(c.src_at, dim, lo),
+                          c.dst_tensor, _shift(c.dst_at, dim, lo)))
+    return parts
+
+
+def _shift(t: tuple[int, ...], dim: int, by: int) -> tuple[int, ...]:
+    return t[:dim] + (t[dim] + by,) + t[dim + 1:]
+
+
+def empty_local_tensors(plan: ReshardPlan, side: str, rank: int,
+                        device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Uninitialised local tensors of ``rank`` on ``side`` ("src"/"dst"), by local name."""
+    return {name: torch.empty(t.shape, dtype=_torch_dtype(t.dtype), device=device)
+            for name, t in plan.local_tensors(side, rank).items()}
+
+
+def _shards(plan: ReshardPlan, side: str, rank: int,
+            full_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    params = plan.params
+    out = {}
+    for name, t in plan.local_tensors(side, rank).items():
+        local = torch.empty(t.shape, dtype=_torch_dtype(t.dtype))
+        for p in t.pieces:
+            pname = params[p.param].name
+            full = _lookup(full_state, pname, "full state")
+            if tuple(full.shape) != params[p.param].shape or full.dtype != local.dtype:
+                raise PlanError(f"full tensor {pname!r} is {tuple(full.shape)} {full.dtype}, "
+                                f"the plan expects {params[p.param].shape} {local.dtype}",
+                                param=pname)
+            _region(local, p.at, p.start, p.stop).copy_(_region(full, p.start, p.start, p.stop))
+        out[name] = local
+    return out
+
+
+def source_shards(plan: ReshardPlan, src_rank: int,
+                  full_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What training rank ``src_rank`` holds, cut from full (unsharded) tensors."""
+    return _shards(plan, "src", src_rank, full_state)
+
+
+def dest_shards(plan: ReshardPlan, dst_rank: int,
+                full_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What generation rank ``dst_rank`` must hold after a refit (fused tensors fused)."""
+    return _shards(plan, "dst", dst_rank, full_state)
+
+
+def apply_plan(
+    plan: ReshardPlan,
+    source_local_by_rank: Mapping[int, Mapping[str, torch.Tensor]],
+    dest_local_by_rank: Mapping[int, MutableMapping[str, torch.Tensor]],
+) -> int:
+    """Run every transfer in one process (pack into a buffer, unpack from it).
+
+    Returns the bytes moved. Each transfer's buffer is exactly ``nbytes`` long: a
+    plan whose byte accounting is off fails here, as it would on the wire.
+    """
+    moved = 0
+    for t in plan.transfers:
+        moved += _run(plan, t, source_local_by_rank[t.src], dest_local_by_rank[t.dst])
+    return moved
+
+
+def _run(plan: ReshardPlan, t: Transfer, src: Mapping[str, torch.Tensor],
+         dst: MutableMapping[str, torch.Tensor]) -> int:
+    buf = torch.empty(t.nbytes, dtype=torch.uint8)
+    end = pack(plan, t.copies, src, buf)
+    if end != t.nbytes or unpack(plan, t.copies, buf, dst) != t.nbytes:
+        raise PlanError(f"transfer {t.stage}/{t.src}->{t.dst} packs {end} bytes, "
+                        f"declares {t.nbytes}")
+    return t.nbytes

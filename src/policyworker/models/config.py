@@ -1,0 +1,142 @@
+"""Model shapes: a frozen `ModelConfig` and named presets with real published shapes.
+
+The presets are shapes only (no weights are downloaded anywhere in policyworker);
+weights come from a seed, see :mod:`policyworker.models.params`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from policyworker.errors import ConfigError
+
+__all__ = ["FAMILIES", "PRESETS", "ModelConfig", "get_preset"]
+
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelConfig:
+    """Shape of a Llama/Qwen-architecture causal LM.
+
+    ``num_experts > 0`` makes every layer's MLP a mixture of experts (as in
+    Qwen3-MoE with ``decoder_sparse_step=1``); ``intermediate_size`` is then unused
+    by the layers and ``moe_intermediate_size`` is each expert's width.
+    ``qkv_bias`` adds biases to q/k/v (Qwen2); ``qk_norm`` adds per-head RMSNorms
+    on q and k (Qwen3).
+    """
+
+    family: Family
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(f"unknown model family {self.family!r}; known: {FAMILIES}")
+        for attr in ("vocab_size", "hidden_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            value = getattr(self, attr)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"ModelConfig.{attr} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+                f"{self.num_kv_heads} (grouped-query attention needs whole groups)"
+            )
+        if self.num_experts < 0:
+            raise ConfigError(f"num_experts must be >= 0, got {self.num_experts}")
+        if self.is_moe:
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError("an MoE config needs moe_intermediate_size > 0")
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                    f"[1, num_experts={self.num_experts}]"
+                )
+        elif self.intermediate_size <= 0:
+            raise ConfigError("a dense config needs intermediate_size > 0")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def q_size(self) -> int:
+        """Rows of q_proj: num_heads * head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Rows of k_proj (and v_proj): num_kv_heads * head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+    def with_(self, **changes: object) -> ModelConfig:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _qwen3(name: str, **kw: object) -> ModelConfig:
+    base: dict[str, object] = dict(
+        family="qwen3", vocab_size=151936, num_heads=16, num_kv_heads=8, head_dim=128,
+        qk_norm=True, rope_theta=1_000_000.0, name=name,
+    )
+    base.update(kw)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+# Shapes from the published Hugging Face configs of each model.
+PRESETS: dict[str, ModelConfig] = {
+    "qwen3-0.6b": _qwen3("qwen3-0.6b", hidden_size=1024, intermediate_size=3072,
+                         num_layers=28, tie_word_embeddings=True),
+    "qwen3-1.7b": _qwen3("qwen3-1.7b", hidden_size=2048, intermediate_size=6144,
+                         num_layers=28, tie_word_embeddings=True),
+    "qwen3-8b": _qwen3("qwen3-8b", hidden_size=4096, intermediate_size=12288,
+                       num_layers=36, num_heads=32, num_kv_heads=8),
+    "qwen3-30b-a3b": _qwen3("qwen3-30b-a3b", family="qwen3_moe", hidden_size=2048,
+                            intermediate_size=6144, num_layers=48, num_heads=32,
+                            num_kv_heads=4, num_experts=128, moe_intermediate_size=768,
+                            num_experts_per_tok=8),
+    # Test-sized shapes: every rule (GQA, qk-norm, untied head, experts) in a few KB.
+    "tiny": ModelConfig(family="qwen3", vocab_size=256, hidden_size=64,
+                        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_dim=16, qk_norm=True, rope_theta=10_000.0, name="tiny"),
+    "tiny-moe": ModelConfig(family="qwen3_moe", vocab_size=256, hidden_size=64,
+                            intermediate_size=128, num_layers=2, num_heads=4,
+                            num_kv_heads=2, head_dim=16, qk_norm=True, num_experts=4,
+                            moe_intermediate_size=32, num_experts_per_tok=2,
+                            rope_theta=10_000.0, name="tiny-moe"),
+    "tiny-qwen2": ModelConfig(family="qwen2", vocab_size=256, hidden_size=64,
+                              intermediate_size=128, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=16, qkv_bias=True,
+                              tie_word_embeddings=True, rope_theta=10_000.0,
+                              name="tiny-qwen2"),
+    "tiny-llama": ModelConfig(family="llama", vocab_size=256, hidden_size=64,
+                              intermediate_size=128, num_layers=3, num_heads=4,
+                              num_kv_heads=4, head_dim=16, rope_theta=10_000.0,
+                              name="tiny-llama"),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The preset called ``name``; ConfigError listing the known ones otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
