@@ -20,7 +20,12 @@ from policyworker.layout.apply import (
     unpack,
 )
 from policyworker.layout.boxes import Layout, LocalSpec, Piece, chunk_bounds, merge_layouts
-from policyworker.layout.dtensor import dtensor_layout, shard_pieces
+from policyworker.layout.dtensor import (
+    dtensor_layout,
+    dtensor_specs,
+    placement_layout,
+    shard_pieces,
+)
 from policyworker.layout.parallelism import Parallelism, RankCoords
 from policyworker.layout.plan import (
     Copy,
@@ -58,6 +63,7 @@ __all__ = [
     "copy_nbytes",
     "dest_shards",
     "dtensor_layout",
+    "dtensor_specs",
     "dtype_size",
     "empty_local_tensors",
     "format_plan_report",
@@ -66,6 +72,7 @@ __all__ = [
     "match_rule",
     "merge_layouts",
     "pack",
+    "placement_layout",
     "plan_from_layouts",
     "plan_report",
     "rule_layout",

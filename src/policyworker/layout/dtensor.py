@@ -22,11 +22,16 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+try:  # FSDP2's placement when it shards a dim that tensor parallelism already split
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _StridedShard = None  # type: ignore[assignment,misc]
+
 from policyworker.errors import PlanError
 from policyworker.layout.boxes import Layout, LocalSpec, Piece
 from policyworker.layout.rules import dtype_name
 
-__all__ = ["dtensor_layout", "dtensor_specs", "shard_pieces"]
+__all__ = ["dtensor_layout", "dtensor_specs", "placement_layout", "shard_pieces"]
 
 Run = tuple[int, int, int]  # global [lo, hi) at local position pos
 
@@ -76,14 +81,15 @@ def shard_pieces(
         if isinstance(placement, Partial):
             raise PlanError(f"placement {placement!r} on mesh axis {axis} is a pending "
                             "reduction, not a layout; redistribute first")
-        if not isinstance(placement, Shard):
+        strided = _StridedShard is not None and isinstance(placement, _StridedShard)
+        if not (strided or isinstance(placement, Shard)):
             raise PlanError(f"unsupported placement {placement!r} on mesh axis {axis}")
         dim, parts, index = placement.dim, mesh_shape[axis], coord[axis]
         if not 0 <= dim < len(held):
             raise PlanError(f"placement {placement!r} shards dim {dim} of a "
                             f"{len(held)}-dim tensor")
         cur = held[dim]
-        if type(placement) is Shard:
+        if not strided:
             step = -(-len(cur) // parts)
             lo = min(len(cur), step * index)
             held[dim] = cur[lo:lo + step]  # a range stays a range: one run
@@ -113,24 +119,44 @@ def dtensor_layout(state_dict: Mapping[str, Any], *, world_size: int | None = No
     combine the layouts of several stages with :func:`.boxes.merge_layouts`.
     Anything that is not a DTensor is a PlanError naming it.
     """
-    pieces: dict[str, list[Piece]] = {}
-    tensors: dict[int, dict[str, LocalSpec]] = {}
-    top = -1
+    entries = {}
     for name, t in state_dict.items():
         if not isinstance(t, DTensor):
             raise PlanError(f"{name!r} is a {type(t).__name__}, not a DTensor", param=name)
-        mesh = t.device_mesh
-        ranks: torch.Tensor = mesh.mesh
-        shape = tuple(t.shape)
-        dname = dtype_name(t.dtype)
+        entries[name] = (tuple(t.shape), t.dtype, t.device_mesh.mesh, tuple(t.placements))
+    return placement_layout(entries, world_size=world_size, pp_stage=pp_stage)
+
+
+def placement_layout(
+    entries: Mapping[str, tuple[Sequence[int], Any, torch.Tensor, Sequence[Any]]],
+    *,
+    world_size: int | None = None,
+    pp_stage: int = 0,
+) -> Layout:
+    """The layout of ``{name: (global shape, dtype, mesh ranks, placements)}``.
+
+    ``mesh ranks`` is the tensor of global ranks a DeviceMesh holds (``mesh.mesh``);
+    this is `dtensor_layout` without DTensors, so it runs without a process group.
+    """
+    pieces: dict[str, list[Piece]] = {}
+    tensors: dict[int, dict[str, LocalSpec]] = {}
+    top = -1
+    for name, (shape, dtype, ranks, placements) in entries.items():
+        shape = tuple(shape)
+        dname = dtype_name(dtype)
+        mesh_shape = tuple(ranks.shape)
         out = pieces[name] = []
-        for coord in itertools.product(*(range(n) for n in ranks.shape)):
+        for coord in itertools.product(*(range(n) for n in mesh_shape)):
             rank = int(ranks[coord])
             top = max(top, rank)
-            local_shape, ps = shard_pieces(shape, tuple(ranks.shape), t.placements, coord)
+            local_shape, ps = shard_pieces(shape, mesh_shape, placements, coord)
             for start, stop, at in ps:
                 out.append(Piece(rank, name, start, stop, at))
-            tensors.setdefault(rank, {})[name] = LocalSpec(local_shape, dname)
+            mine = tensors.setdefault(rank, {})
+            if name in mine:
+                raise PlanError(f"rank {rank} appears twice in the mesh of {name!r}",
+                                rank=rank, param=name)
+            mine[name] = LocalSpec(local_shape, dname)
     world = top + 1 if world_size is None else world_size
     if top >= world:
         raise PlanError(f"meshes name rank {top} but world_size is {world}")

@@ -187,6 +187,8 @@ def plan_from_layouts(
         if not dpieces:
             continue
         spieces = src.pieces.get(p.name)
+        if not prod(p.shape):
+            continue  # nothing to move
         if not spieces:
             raise PlanError(f"no training rank holds {p.name!r}", param=p.name)
         classes: dict[Box, list[Piece]] = {}
