@@ -218,3 +218,21 @@ def test_plan_report() -> None:
     msgspec.json.encode(d)
     text = format_plan_report(d)
     assert "tiny" in text and d["hash"][:16] in text
+
+
+def test_validate_accepts_plans_and_catches_tampering() -> None:
+    config = PRESETS["tiny-moe"]
+    plan = build_plan(config, "tp=2,pp=2,dp=2,ep=2", "tp=2,dp=2", 8, 4)
+    plan.validate()
+    body = plan.body
+    t = body.transfers[0]
+    short = msgspec.structs.replace(t, copies=t.copies[1:])
+    bad = ReshardPlan(msgspec.structs.replace(body, transfers=[short] + body.transfers[1:]))
+    with pytest.raises(PlanError):
+        bad.validate()
+    c = t.copies[0]
+    moved = msgspec.structs.replace(c, dst_at=tuple(a + 1000 for a in c.dst_at))
+    t2 = msgspec.structs.replace(t, copies=[moved] + t.copies[1:])
+    with pytest.raises(PlanError, match="does not fit"):
+        ReshardPlan(msgspec.structs.replace(body, transfers=[t2] + body.transfers[1:])).validate()
+    assert plan.layout("src").stage_of_rank == tuple(r // 4 for r in range(8))

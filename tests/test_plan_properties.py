@@ -115,6 +115,7 @@ def test_every_destination_byte_written_exactly_once(case: tuple) -> None:
         assert plan.body.train and t.stage == Parallelism(**plan.body.train).coords(t.src).pp_stage
     for key, count in counts.items():
         assert bool((count == 1).all()), key
+    plan.validate()
 
 
 @given(case=cases())

@@ -4,7 +4,8 @@ The plan is data: msgspec Structs with a canonical msgpack encoding whose sha256
 the plan's hash. Every rank computes the plan itself and compares hashes at connect
 time (a mismatch is `PlanMismatch` at init, never a wrong refit).
 
-Contracts (what :mod:`.planner` guarantees and :func:`ReshardPlan.validate` checks):
+Contracts (what :mod:`.planner` guarantees; :meth:`ReshardPlan.validate` re-checks
+them from the plan alone):
 
 * every byte of every destination local tensor is written by exactly one copy;
 * a copy's source box lies inside one source piece and its destination box inside
@@ -26,6 +27,7 @@ import msgspec
 
 from policyworker.errors import PlanError
 from policyworker.layout.boxes import Layout, LocalSpec, Piece
+from policyworker.layout.parallelism import Parallelism
 
 __all__ = ["Copy", "LocalTensor", "ParamInfo", "PlanBody", "ReshardPlan", "Transfer",
            "WirePiece", "dtype_size"]
@@ -117,8 +119,6 @@ _DECODER = msgspec.msgpack.Decoder(PlanBody)
 
 class ReshardPlan:
     """A computed plan plus indices over it. Build with :func:`.planner.build_plan`."""
-
-    __slots__ = ("__dict__", "body")
 
     def __init__(self, body: PlanBody) -> None:
         self.body = body
@@ -246,6 +246,10 @@ class ReshardPlan:
         """The side's `Layout` rebuilt from the plan (pieces and local shapes)."""
         names, params = self.body.tensor_names, self.body.params
         world = self.body.train_world_size if side == "src" else self.body.gen_world_size
+        stages: tuple[int, ...] = (0,) * world
+        if side == "src" and self.body.train is not None:
+            par = Parallelism(**self.body.train)
+            stages = tuple(par.coords(r).pp_stage for r in range(world))
         pieces: dict[str, list[Piece]] = {}
         tensors: dict[int, dict[str, LocalSpec]] = {r: {} for r in range(world)}
         for t in (self.body.sources if side == "src" else self.body.dests):
@@ -253,8 +257,61 @@ class ReshardPlan:
             for p in t.pieces:
                 pieces.setdefault(params[p.param].name, []).append(
                     Piece(t.rank, names[t.name], p.start, p.stop, p.at))
-        return Layout(world_size=world, stage_of_rank=(0,) * world, pieces=pieces,
-                      tensors=tensors)
+        return Layout(world_size=world, stage_of_rank=stages, pieces=pieces, tensors=tensors)
+
+    def validate(self) -> None:
+        """Check the plan's internal contracts; PlanError naming the first violation.
+
+        Checks that each copy's boxes lie inside its parameter, its source piece's
+        tensor and its destination tensor (on the transfer's ranks), that the
+        transfers' byte counts add up, that each destination tensor receives exactly
+        its size in elements, and that each transfer's stage is its source's stage.
+        Together with the planner's disjoint-tiling check this means every
+        destination byte is written exactly once. Linear in copies (~3 s for the
+        300k copies of the Qwen3-30B-A3B 64 -> 16 plan on one CPU core).
+        """
+        params = self.body.params
+        stage_of = None
+        if self.body.train is not None:
+            par = Parallelism(**self.body.train)
+            stage_of = [par.coords(r).pp_stage for r in range(par.world_size)]
+        src_locals, dst_locals = self._src_locals, self._dst_locals
+        names = self.body.tensor_names
+        received: dict[tuple[int, int], int] = {}
+        for t in self.body.transfers:
+            if stage_of is not None and stage_of[t.src] != t.stage:
+                raise PlanError(f"transfer {t.src}->{t.dst} is in stage {t.stage}, its "
+                                f"source in stage {stage_of[t.src]}", rank=t.src)
+            total = 0
+            for c in t.copies:
+                p = params[c.param]
+                ext = [b - a for a, b in zip(c.start, c.stop)]
+                if len(ext) != len(p.shape) or any(e <= 0 for e in ext) or any(
+                        a < 0 or b > s for a, b, s in zip(c.start, c.stop, p.shape)):
+                    raise PlanError(f"copy box {c.start}..{c.stop} outside {p.name!r} "
+                                    f"{p.shape}", param=p.name)
+                for side, rank, tensor, at, local in (
+                        ("source", t.src, c.src_tensor, c.src_at, src_locals),
+                        ("destination", t.dst, c.dst_tensor, c.dst_at, dst_locals)):
+                    lt = local.get(rank, {}).get(names[tensor])
+                    if lt is None or lt.dtype != p.dtype or any(
+                            a < 0 or a + e > s for a, e, s in zip(at, ext, lt.shape)):
+                        raise PlanError(f"copy of {p.name!r} does not fit {side} tensor "
+                                        f"{names[tensor]!r} of rank {rank}", rank=rank,
+                                        param=p.name)
+                vol = prod(ext)
+                total += vol * dtype_size(p.dtype)
+                key = (t.dst, c.dst_tensor)
+                received[key] = received.get(key, 0) + vol
+            if total != t.nbytes:
+                raise PlanError(f"transfer {t.src}->{t.dst} declares {t.nbytes} bytes, its "
+                                f"copies hold {total}", rank=t.src)
+        for lt in self.body.dests:
+            got = received.get((lt.rank, lt.name), 0)
+            if got != prod(lt.shape):
+                raise PlanError(f"destination tensor {names[lt.name]!r} of rank {lt.rank} "
+                                f"receives {got} of {prod(lt.shape)} elements", rank=lt.rank,
+                                param=names[lt.name])
 
     # -- byte accounting -----------------------------------------------------------
     @cached_property
