@@ -18,3 +18,21 @@ class BareWorker(AbstractPolicyWorker):
 
     async def get_reference_policy_logprobs(self, *, data, micro_batch_size=None):
         raise NotImplementedError("not part of the core under test")
+
+
+from policyworker.reshard_worker import NcclReshardMixin  # noqa: E402
+
+
+class ShardTrainer(NcclReshardMixin, BareWorker):
+    """A trainer holding given local shards (tests of the refit path only)."""
+
+    def __init__(self, *, local_params, source, **kwargs):
+        super().__init__(**kwargs)
+        self.local_params = local_params
+        self.source = source
+
+    def _refit_local_params(self):
+        return self.local_params
+
+    def _refit_model_source(self):
+        return self.source

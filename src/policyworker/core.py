@@ -263,6 +263,10 @@ class WorkerCore:
         return self.last_profile_path
 
     # -- lifecycle -------------------------------------------------------------------
+    def _groups(self) -> list[CommGroup]:
+        """Every group this worker is in (aborted first on shutdown)."""
+        return [g for g in (getattr(self, a, None) for a in ("model_update_group", "pp_comm_group")) if g is not None]
+
     def _close_resources(self) -> None:
         """Subclasses release their own resources here (runs once, on shutdown)."""
 
@@ -273,10 +277,8 @@ class WorkerCore:
         self._closed = True
         # Abort groups first: a refit blocked in a collective then returns promptly,
         # so the executor below drains instead of waiting out a deadline.
-        for attr in ("model_update_group", "pp_comm_group"):
-            group = getattr(self, attr, None)
-            if group is not None:
-                group.abort()
+        for group in self._groups():
+            group.abort()
         for state in list(self._transport_state.values()):
             transport = state.get("transport")
             if transport is not None and hasattr(transport, "aclose"):

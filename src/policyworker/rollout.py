@@ -2,7 +2,14 @@
 
 It joins the same groups as the trainers — the update group as rank
 ``train_world_size + rank`` and every pipeline stage's reshard group after that
-stage's trainers — receives refits, and keeps ``weight_version``.
+stage's trainers — holds its weights in the generation layout (its own tp shard,
+fused ``qkv_proj`` / ``gate_up_proj`` where the plan says so), receives refits and
+keeps ``weight_version``.
+
+Versions: a refit of version v commits only after every expected byte arrived and
+every rank of the update group reported success. Otherwise the worker stays at v-1;
+if bytes of the live tensors were already overwritten it is *torn*: ``weights()``
+raises ``TornWeights`` until a full refit commits.
 """
 
 from __future__ import annotations
@@ -10,9 +17,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .comm import CommGroup, new_group
+from collections.abc import Mapping
+
+import torch
+
+from .comm import CommGroup, _check_timeout, new_group
 from .core import WorkerCore
-from .errors import ConfigError
+from .errors import ConfigError, RefitAborted, TornWeights
+from .layout.apply import empty_local_tensors
+from .layout.plan import ReshardPlan
+from .reshard_worker import check_local_tensors
+from .transports.base import RefitReport, TransportContext
+from .transports.nccl_reshard import NcclReshardTransport
+from .watchdog import process_watchdog
 from .worker import SUPPORTED_NCCL_PEERS, _check_int
 
 __all__ = ["RolloutWorker"]
@@ -23,7 +40,9 @@ class RolloutWorker(WorkerCore):
 
     role = "rollout"
 
-    def __init__(self, *, rank: int = 0, gen_world_size: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self, *, rank: int = 0, gen_world_size: int = 1, reshard_options: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(rank=rank, **kwargs)
         _check_int(gen_world_size, "gen_world_size", minimum=1)
         if rank >= gen_world_size:
@@ -31,6 +50,12 @@ class RolloutWorker(WorkerCore):
         self.gen_world_size = gen_world_size
         self.stage_groups: dict[int, CommGroup] = {}
         self.weight_version = 0
+        self.torn = False
+        self.kv_scales: dict[str, float] | None = None
+        self.params: dict[str, torch.Tensor] = {}
+        self.last_report: RefitReport | None = None
+        #: Options of the NcclReshardTransport (must match the trainers').
+        self.reshard_options: dict[str, Any] = dict(reshard_options or {})
 
     def _zmq_binds(self) -> bool:
         return False  # the colocated trainer binds the device's endpoint
@@ -91,6 +116,89 @@ class RolloutWorker(WorkerCore):
                 name=f"reshard_pp{stage}",
                 timeout_s=self.timeout_s,
             )
+
+    # -- weights and versions --------------------------------------------------------
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The live weights for serving; raises ``TornWeights`` while torn."""
+        if self.torn:
+            raise TornWeights(
+                f"rollout rank {self.rank}: a failed refit left the weights partly overwritten "
+                f"(last committed version {self.weight_version}); a full refit must commit first",
+                rank=self.rank,
+            )
+        return self.params
+
+    def load_refit_plan(
+        self, plan: ReshardPlan | Mapping[str, Any], *, params: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        """Adopt the trainers' reshard plan (``prepare_nccl_reshard_refit_info``'s dict).
+
+        ``params``: this rank's tensors in the generation layout; by default they are
+        allocated (zeros) from the plan. A plan that does not fit them is a ConfigError.
+        """
+        self._ensure_open()
+        if not isinstance(plan, ReshardPlan):
+            if not isinstance(plan, Mapping):
+                raise ConfigError(f"plan must be a ReshardPlan or its refit-info dict, got {type(plan).__name__}")
+            plan = ReshardPlan.from_dict(dict(plan))
+        if plan.body.gen_world_size != self.gen_world_size:
+            raise ConfigError(
+                f"the plan is for {plan.body.gen_world_size} generation ranks, this world has {self.gen_world_size}"
+            )
+        if params is None:
+            params = {k: v.zero_() for k, v in empty_local_tensors(plan, "dst", self.rank, self.device).items()}
+        else:
+            check_local_tensors(plan, "dst", self.rank, params)
+        self.params = dict(params)
+        state = self._refit_transport_state("nccl_reshard")
+        state["plan"] = plan
+        state.pop("connected_hash", None)
+
+    async def receive_nccl_reshard_refit(self, *, refit_timeout_s: float | None = None) -> RefitReport:
+        """Receive one refit from the trainers; commit it or raise (see module docstring)."""
+        timeout = None if refit_timeout_s is None else _check_timeout(refit_timeout_s, "refit_timeout_s")
+        self._ensure_open()
+        state = self._refit_transport_state("nccl_reshard")
+        plan = state.get("plan")
+        if plan is None:
+            raise ConfigError("call load_refit_plan before receiving a refit", rank=self.rank)
+        if not self.stage_groups or self.model_update_group is None:
+            raise ConfigError("join the update group and the stage groups before receiving a refit", rank=self.rank)
+        transport = state.get("transport")
+        if transport is None:
+            transport = state["transport"] = NcclReshardTransport(**self.reshard_options)
+        if state.get("groups") != self.stage_groups or state.get("update_group") is not self.model_update_group:
+            state["groups"], state["update_group"] = dict(self.stage_groups), self.model_update_group
+            state.pop("connected_hash", None)
+        groups = [*self.stage_groups.values(), self.model_update_group]
+        deadline = None
+        if timeout is not None:
+            deadline = process_watchdog().arm(timeout, [g.abort for g in groups], label=f"rollout rank {self.rank}")
+        ctx = TransportContext(
+            worker=self, role="receive", rank=self.rank, device=self.device_facts, state=state,
+            params=self.params, plan=plan, deadline=deadline, executor=self._executor,
+        )
+        try:
+            if state.get("connected_hash") != plan.hash:
+                await transport.connect(ctx)
+            report = await transport.receive(ctx)
+        except BaseException as exc:
+            if state.get("touched"):
+                self.torn = True
+            if isinstance(exc, RefitAborted) and deadline is not None:
+                deadline.check()
+            raise
+        finally:
+            if deadline is not None:
+                process_watchdog().disarm(deadline)
+        self.weight_version = report.version
+        self.kv_scales = state.get("kv_scales")
+        self.torn = False
+        self.last_report = report
+        return report
+
+    def _groups(self) -> list[CommGroup]:
+        return [*super()._groups(), *self.stage_groups.values()]
 
     def _close_resources(self) -> None:
         for group in self.stage_groups.values():

@@ -1,0 +1,196 @@
+"""The trainer side of ``nccl_reshard`` for any worker that can name its local tensors.
+
+:class:`NcclReshardMixin` implements ``prepare_nccl_reshard_refit_info`` and
+``nccl_reshard_refit`` on top of two hooks a concrete worker provides:
+
+* ``_refit_local_params()`` — this rank's local tensors by name (its shards in the
+  training layout; DTensors are read through ``to_local()``);
+* ``_refit_model_source()`` — what the plan is computed from: a ``ModelConfig``, a
+  ``{name: (shape, dtype)}`` mapping (placement rules apply), or a state dict of
+  DTensors (their placements *are* the training layout; no rules).
+
+State lives in ``_refit_transport_state("nccl_reshard")``: the plan, the transport,
+its ring buffers, the group handles and the last sent ``version``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .errors import ConfigError, RefitAborted
+from .layout.plan import ReshardPlan
+from .layout.planner import as_parallelism, build_plan, plan_from_layouts
+from .transports.base import RefitReport, TransportContext
+from .transports.nccl_reshard import NcclReshardTransport
+from .watchdog import process_watchdog
+
+__all__ = ["NcclReshardMixin", "check_local_tensors", "plan_for_source", "validate_kv_scales"]
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # very old torch: no DTensor, so nothing is one
+        return False
+    return isinstance(t, DTensor)
+
+
+def plan_for_source(
+    source: Any,
+    train_parallelism: Any,
+    gen_parallelism: Any,
+    train_world_size: int,
+    gen_world_size: int,
+    *,
+    gen_fused: bool = True,
+    dtype: Any = "bfloat16",
+) -> ReshardPlan:
+    """The reshard plan from a ModelConfig / specs (rules) or a DTensor state dict.
+
+    ``dtype`` applies to a ModelConfig's parameters (specs and DTensors carry their own).
+    """
+    if isinstance(source, Mapping) and source and all(_is_dtensor(t) for t in source.values()):
+        from .layout.dtensor import dtensor_layout, dtensor_specs
+        from .layout.rules import rule_layout
+
+        gen = as_parallelism(gen_parallelism, "gen")
+        gen.check_world_size(gen_world_size, side="gen")
+        specs = dtensor_specs(source)
+        src = dtensor_layout(source, world_size=train_world_size)
+        dst = rule_layout(specs, gen, fused=gen_fused)
+        train = as_parallelism(train_parallelism, "train") if train_parallelism is not None else None
+        return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=gen_fused)
+    return build_plan(source, train_parallelism, gen_parallelism, train_world_size, gen_world_size,
+                      gen_fused=gen_fused, dtype=dtype)
+
+
+def check_local_tensors(plan: ReshardPlan, side: str, rank: int, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise ``ConfigError`` unless ``tensors`` are exactly the plan's local tensors of ``rank``."""
+    want = plan.local_tensors(side, rank)
+    missing = sorted(set(want) - set(tensors))
+    if missing:
+        raise ConfigError(f"{side} rank {rank} lacks {len(missing)} local tensors the plan needs, e.g. {missing[0]!r}",
+                          rank=rank, param=missing[0])
+    for name, spec in want.items():
+        t = tensors[name]
+        if tuple(t.shape) != tuple(spec.shape) or str(t.dtype).removeprefix("torch.") != spec.dtype:
+            raise ConfigError(
+                f"{side} rank {rank}: {name!r} is {str(t.dtype).removeprefix('torch.')}{list(t.shape)}, "
+                f"the plan says {spec.dtype}{list(spec.shape)}", rank=rank, param=name)
+
+
+def validate_kv_scales(kv_scales: Any) -> dict[str, float] | None:
+    if kv_scales is None:
+        return None
+    if not isinstance(kv_scales, Mapping):
+        raise ConfigError(f"kv_scales must be a mapping of name to float, got {type(kv_scales).__name__}")
+    out = {}
+    for k, v in kv_scales.items():
+        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"kv_scales entry {k!r}: {v!r} is not a finite float")
+        out[k] = float(v)
+    return out
+
+
+class NcclReshardMixin:
+    """Trainer-side ``nccl_reshard``; mix into an ``AbstractPolicyWorker`` subclass."""
+
+    #: Options of the NcclReshardTransport (bucket_bytes, in_flight, checksum).
+    reshard_options: dict[str, Any] = {}
+
+    def _refit_local_params(self) -> Mapping[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _refit_model_source(self) -> Any:
+        raise NotImplementedError
+
+    def _local_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in self._refit_local_params().items():
+            t = t.to_local() if _is_dtensor(t) else t
+            out[name] = t.detach()
+        return out
+
+    async def prepare_nccl_reshard_refit_info(
+        self, train_parallelism: Any, gen_parallelism: Any, train_world_size: int, gen_world_size: int
+    ) -> dict:
+        """Compute the reshard plan (once) and return its wire-safe dict, equal on every rank.
+
+        Checks this rank's local tensors against the plan: a mismatch is a
+        ``ConfigError`` now, not a failure mid-refit. The plan replaces any earlier one.
+        """
+        self._ensure_open()
+        local = self._local_tensors()
+        dtypes = {t.dtype for t in local.values() if t.is_floating_point()}
+        plan = await self._run(
+            plan_for_source, self._refit_model_source(), train_parallelism, gen_parallelism,
+            train_world_size, gen_world_size, dtype=dtypes.pop() if len(dtypes) == 1 else torch.bfloat16,
+        )
+        if self.rank >= plan.body.train_world_size:
+            raise ConfigError(f"train rank {self.rank} is outside the plan's {plan.body.train_world_size} ranks")
+        await self._run(check_local_tensors, plan, "src", self.rank, local)
+        state = self._refit_transport_state("nccl_reshard")
+        state["plan"] = plan
+        state.pop("connected_hash", None)
+        return plan.refit_info()
+
+    def _reshard_transport(self, state: dict) -> NcclReshardTransport:
+        transport = state.get("transport")
+        if transport is None:
+            transport = state["transport"] = NcclReshardTransport(**self.reshard_options)
+        return transport
+
+    async def nccl_reshard_refit(
+        self, kv_scales: dict[str, float] | None = None, refit_timeout_s: float | None = None
+    ) -> RefitReport:
+        """Send one refit of this rank's tensors to the generation ranks, per the plan.
+
+        ``kv_scales`` (rank 0's are sent) travel over ``model_update_group`` after the
+        bulk. With ``refit_timeout_s`` the watchdog aborts the groups when it passes
+        and this raises ``RefitTimeout``; the version then does not advance and the
+        rollouts keep their last committed weights (or are marked torn).
+        """
+        timeout = self._check_refit_timeout(refit_timeout_s)
+        scales = validate_kv_scales(kv_scales)
+        self._ensure_open()
+        state = self._refit_transport_state("nccl_reshard")
+        plan = state.get("plan")
+        if plan is None:
+            raise ConfigError("call prepare_nccl_reshard_refit_info before nccl_reshard_refit", rank=self.rank)
+        if self.pp_comm_group is None:
+            raise ConfigError("call init_nccl_reshard_comm_group before nccl_reshard_refit", rank=self.rank)
+        if self.model_update_group is None:
+            raise ConfigError("call init_collective before nccl_reshard_refit", rank=self.rank)
+        transport = self._reshard_transport(state)
+        if state.get("group") is not self.pp_comm_group or state.get("update_group") is not self.model_update_group:
+            state["group"], state["update_group"] = self.pp_comm_group, self.model_update_group
+            state["stage"] = state.get("pp_stage", 0)
+            state.pop("connected_hash", None)  # new groups: connect (plan check) again
+        groups = [self.pp_comm_group, self.model_update_group]
+        deadline = None
+        if timeout is not None:
+            deadline = process_watchdog().arm(timeout, [g.abort for g in groups], label=f"nccl_reshard rank {self.rank}")
+        ctx = TransportContext(
+            worker=self, role="send", rank=self.rank, device=self.device_facts, state=state,
+            params=self._local_tensors(), plan=plan, options={"kv_scales": scales},
+            deadline=deadline, executor=self._executor,
+        )
+        try:
+            if state.get("connected_hash") != plan.hash:
+                await transport.connect(ctx)
+            version = state.get("version", 0) + 1
+            report = await transport.send(ctx, version)
+        except RefitAborted:
+            if deadline is not None:
+                deadline.check()  # fired: raise RefitTimeout instead
+            raise
+        finally:
+            if deadline is not None:
+                process_watchdog().disarm(deadline)
+        state["version"] = version
+        return report
+

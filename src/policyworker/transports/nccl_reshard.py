@@ -1,0 +1,436 @@
+"""nccl_reshard: trainers send each generation rank exactly its plan's bytes, point to point.
+
+Groups: one per pipeline stage (the stage's trainers first, then every generation
+rank), built by ``init_nccl_reshard_comm_group`` / ``RolloutWorker.
+init_nccl_reshard_comm_groups``; plus ``model_update_group`` for the small leftovers.
+NCCL on GPU, gloo on CPU: the same code.
+
+One refit, both sides:
+
+1. Per (stage, src, dst) transfer, a header (magic, version, bytes, buckets, plan
+   hash) then the transfer's buckets (``bucket_copies``: at most ``bucket_bytes``
+   each). Every message has a global key ``(round, src, dst)`` — round -1 for the
+   header, then the bucket index — and **both sides issue their messages in
+   increasing key order** with at most ``in_flight`` outstanding. The pending
+   message with the smallest key is then posted on both of its ends, so it
+   completes: no cycle of waits, whatever the layouts (the deadlock hazard of
+   point-to-point schedules).
+2. Sender: a bucket whose single source region is contiguous goes out as a view of
+   the parameter (no copy); others are packed into a ring of ``in_flight`` staging
+   buffers that lives across refits. Receiver: likewise straight into a contiguous
+   destination region, else through its ring and ``unpack``.
+3. After the bulk, over ``model_update_group``: trainer rank 0 broadcasts the
+   ``kv_scales`` (msgpack bytes, never pickle), then every rank all-reduces its
+   verdict. A receiver commits only when every expected byte arrived and every
+   rank's verdict is good; the trainer's refit succeeds only then too.
+
+Bytes land in place as they arrive, so a receiver that fails after the first
+bucket is *torn* (the worker marks it and refuses to serve until a full refit).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import torch
+
+from ..errors import ConfigError, PlanMismatch, ProtocolError, RefitAborted, TransportError
+from ..layout.apply import _region, bucket_copies, copy_nbytes, pack, unpack
+from ..layout.parallelism import Parallelism
+from ..layout.plan import Copy, ReshardPlan
+from .base import RefitReport, Transport, TransportContext
+
+__all__ = ["NcclReshardTransport", "stage_members"]
+
+_HEADER_MAGIC = 0x5057524546495431  # "PWREFIT1"
+_HEADER_LEN = 6  # magic, version, nbytes, nbuckets, plan hash (63 bits), checksum flag
+_TAG_HEADER = 0
+
+
+def stage_members(plan: ReshardPlan) -> list[list[int]]:
+    """Training ranks of each pipeline stage, in group order (the plan's rank map)."""
+    train = plan.body.train
+    if train:
+        par = Parallelism(**train)
+        return [list(par.stage_ranks(s)) for s in range(par.pp)]
+    return [list(range(plan.body.train_world_size))]
+
+
+def plan_hash63(plan: ReshardPlan) -> int:
+    return int.from_bytes(bytes.fromhex(plan.hash)[:8], "little") & (2**63 - 1)
+
+
+@dataclass(slots=True)
+class _Msg:
+    """One point-to-point message of a refit (header or bucket)."""
+
+    key: tuple[int, int, int]  # (round, src, dst): the global issue order
+    group: Any  # CommGroup
+    peer: int  # the other end's rank in ``group``
+    tag: int
+    copies: list[Copy] | None  # None: header
+    nbytes: int
+
+
+def _schedule(plan: ReshardPlan, ctx: TransportContext, bucket_bytes: int) -> list[_Msg]:
+    """This rank's messages in global key order (the same order on every rank)."""
+    members = stage_members(plan)
+    msgs: list[_Msg] = []
+    if ctx.role == "send":
+        stage = ctx.state["stage"]
+        group = ctx.state["group"]
+        n_train = len(members[stage])
+        transfers = [t for t in plan.sends(ctx.rank) if t.stage == stage]
+        peer_of = lambda t: n_train + t.dst  # noqa: E731
+        group_of = lambda t: group  # noqa: E731
+    else:
+        groups = ctx.state["groups"]
+        transfers = plan.receives(ctx.rank)
+        peer_of = lambda t: members[t.stage].index(t.src)  # noqa: E731
+        group_of = lambda t: groups[t.stage]  # noqa: E731
+    for t in transfers:
+        buckets = bucket_copies(plan, t.copies, bucket_bytes)
+        g, peer = group_of(t), peer_of(t)
+        msgs.append(_Msg((-1, t.src, t.dst), g, peer, _TAG_HEADER, None, len(buckets)))
+        for r, bucket in enumerate(buckets):
+            nbytes = sum(copy_nbytes(plan, c) for c in bucket)
+            msgs.append(_Msg((r, t.src, t.dst), g, peer, r + 1, bucket, nbytes))
+    msgs.sort(key=lambda m: m.key)
+    return msgs
+
+
+def _direct_view(plan: ReshardPlan, copies: list[Copy], tensors: Mapping[str, torch.Tensor], side: str):
+    """The bucket's bytes as a contiguous view of one local tensor, or None."""
+    if len(copies) != 1:
+        return None
+    c = copies[0]
+    names = plan.body.tensor_names
+    name = names[c.src_tensor] if side == "src" else names[c.dst_tensor]
+    at = c.src_at if side == "src" else c.dst_at
+    t = tensors.get(name)
+    if t is None:
+        return None
+    view = _region(t, at, c.start, c.stop)
+    if not view.is_contiguous():
+        return None
+    return view.reshape(-1).view(torch.uint8) if view.numel() else None
+
+
+def _crc(buf: torch.Tensor) -> int:
+    data = buf if buf.device.type == "cpu" else buf.cpu()
+    return zlib.crc32(memoryview(data.numpy())) & 0x7FFFFFFF
+
+
+class KvScales(msgspec.Struct, frozen=True):
+    """FP8 KV-cache scales sent after the bulk: name → float."""
+
+    scales: dict[str, float]
+
+
+_KV_DECODER = msgspec.msgpack.Decoder(KvScales)
+
+
+class NcclReshardTransport(Transport):
+    """See the module docstring. ``bucket_bytes`` and ``checksum`` must match on every rank."""
+
+    name = "nccl_reshard"
+
+    def __init__(self, *, bucket_bytes: int = 32 << 20, in_flight: int = 4, checksum: bool = False) -> None:
+        for value, what, low in ((bucket_bytes, "bucket_bytes", 1024), (in_flight, "in_flight", 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{what} must be an int >= {low}, got {value!r}", transport=self.name)
+        self.bucket_bytes = bucket_bytes
+        self.in_flight = in_flight
+        self.checksum = bool(checksum)
+        self._closed = False
+
+    # -- connect ---------------------------------------------------------------------
+    async def connect(self, ctx: TransportContext) -> None:
+        if self._closed:
+            raise TransportError("transport is closed", transport=self.name)
+        if not isinstance(ctx.plan, ReshardPlan):
+            raise ConfigError("nccl_reshard needs ctx.plan (a ReshardPlan)", transport=self.name)
+        await ctx.blocking(self._connect, ctx)
+
+    def _connect(self, ctx: TransportContext) -> None:
+        plan = ctx.plan
+        members = stage_members(plan)
+        mine = torch.tensor([plan_hash63(plan), self.bucket_bytes, int(self.checksum)], dtype=torch.int64)
+        groups = [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
+        if ctx.role == "send":
+            stage = ctx.state["stage"]
+            if ctx.rank not in members[stage]:
+                raise ConfigError(f"train rank {ctx.rank} is not in stage {stage} of the plan", rank=ctx.rank)
+        elif len(groups) != len(members):
+            raise ConfigError(f"plan has {len(members)} stages, rollout joined {len(groups)} stage groups")
+        for group in groups:
+            dev = group.device
+            gathered = [torch.zeros(3, dtype=torch.int64, device=dev) for _ in range(group.world_size)]
+            group.all_gather(gathered, mine.to(dev))
+            rows = [g.cpu().tolist() for g in gathered]
+            if any(r[0] != rows[0][0] for r in rows):
+                raise PlanMismatch(
+                    f"ranks of group {group.name!r} hold different reshard plans (hashes differ)",
+                    rank=ctx.rank, transport=self.name,
+                )
+            if any(r[1:] != rows[0][1:] for r in rows):
+                raise ConfigError(
+                    f"ranks of group {group.name!r} disagree on bucket_bytes/checksum: {sorted({tuple(r[1:]) for r in rows})}",
+                    rank=ctx.rank, transport=self.name,
+                )
+        device = groups[0].device
+        ctx.state["schedule"] = _schedule(plan, ctx, self.bucket_bytes)
+        ring_bytes = self.bucket_bytes + (8 if self.checksum else 0)
+        ring = ctx.state.get("ring")
+        if ring is None or len(ring) != self.in_flight or ring[0].numel() != ring_bytes or ring[0].device != device:
+            # Staging lives across refits: fresh pages cost more than the copy itself.
+            ctx.state["ring"] = [torch.empty(ring_bytes, dtype=torch.uint8, device=device) for _ in range(self.in_flight)]
+        ctx.state["connected_hash"] = plan.hash
+
+    # -- refit -----------------------------------------------------------------------
+    async def send(self, ctx: TransportContext, version: int) -> RefitReport:
+        """Send refit ``version``; ``ctx.options["kv_scales"]`` (name → float) rides along."""
+        self._check(ctx)
+        return await ctx.blocking(self._refit, ctx, version)
+
+    async def receive(self, ctx: TransportContext, version: int | None = None) -> RefitReport:
+        """Receive the next refit (its version comes from the trainers' headers).
+
+        Commits nothing itself: on success the caller commits ``report.version``;
+        ``ctx.state["touched"]`` says whether live bytes were overwritten (for a torn
+        mark on failure) and ``ctx.state["kv_scales"]`` holds the received scales.
+        """
+        self._check(ctx)
+        return await ctx.blocking(self._refit, ctx, version)
+
+    def _check(self, ctx: TransportContext) -> None:
+        if self._closed:
+            raise TransportError("transport is closed", transport=self.name)
+        if ctx.state.get("connected_hash") != getattr(ctx.plan, "hash", None):
+            raise TransportError("connect() must run (again) before a refit with this plan", transport=self.name)
+
+    def _deadline(self, ctx: TransportContext) -> float:
+        if ctx.deadline is not None:
+            return ctx.deadline.at
+        return time.monotonic() + max(g.timeout_s for g in self._groups(ctx))
+
+    def _groups(self, ctx: TransportContext) -> list:
+        return [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
+
+    def _refit(self, ctx: TransportContext, version: int | None) -> RefitReport:
+        t0 = time.perf_counter()
+        ctx.state["touched"] = False
+        ctx.state["kv_scales"] = None
+        update_group = ctx.state.get("update_group")
+        failure: ProtocolError | PlanMismatch | None = None
+        try:
+            if ctx.role == "send":
+                nbytes, nbuckets = self._send_bulk(ctx, version)
+            else:
+                nbytes, nbuckets, version, failure = self._recv_bulk(ctx)
+            if update_group is not None:
+                scales, version, failures = exchange_leftovers(
+                    update_group,
+                    is_source=ctx.role == "send" and update_group.rank == 0,
+                    kv_scales=ctx.options.get("kv_scales"),
+                    deadline=self._deadline(ctx),
+                    version=version if version is not None else -1,
+                    ok=failure is None,
+                )
+                ctx.state["kv_scales"] = scales
+            else:
+                failures = int(failure is not None)
+        except RefitAborted:
+            if ctx.deadline is not None:
+                ctx.deadline.check()  # a fired deadline is a RefitTimeout
+            raise
+        if failure is not None:
+            raise failure
+        if failures:
+            raise TransportError(
+                f"refit {version}: {failures} rank(s) failed to receive it; no rollout committed it",
+                rank=ctx.rank, transport=self.name,
+            )
+        return RefitReport(
+            transport=self.name, role=ctx.role, version=int(version), bytes=nbytes,
+            seconds=time.perf_counter() - t0, buckets=nbuckets,
+            peak_extra_bytes=sum(b.numel() for b in ctx.state["ring"]) + ctx.state.get("oversize_bytes", 0),
+        )
+
+    def _send_bulk(self, ctx: TransportContext, version: int) -> tuple[int, int]:
+        plan, params, ring = ctx.plan, ctx.params, ctx.state["ring"]
+        deadline = self._deadline(ctx)
+        hash63 = plan_hash63(plan)
+        pending: deque = deque()  # (work, group, slot or None)
+        free = list(range(len(ring)))
+        total = buckets = 0
+        totals: dict[tuple[int, int], int] = {}
+        for m in ctx.state["schedule"]:
+            if m.copies is not None:
+                totals[(m.key[1], m.key[2])] = totals.get((m.key[1], m.key[2]), 0) + m.nbytes
+        for m in ctx.state["schedule"]:
+            while pending and (len(pending) >= self.in_flight or (m.copies is not None and not free)):
+                work, group, slot = pending.popleft()
+                group.wait(work, deadline=deadline, what="reshard send")
+                if slot is not None:
+                    free.append(slot)
+            if m.copies is None:
+                header = torch.tensor(
+                    [_HEADER_MAGIC, version, totals.get((m.key[1], m.key[2]), 0), m.nbytes, hash63, int(self.checksum)],
+                    dtype=torch.int64, device=m.group.device,
+                )
+                pending.append((m.group.isend(header, m.peer, m.tag), m.group, None))
+                continue
+            direct = None if self.checksum else _direct_view(plan, m.copies, params, "src")
+            if direct is not None:
+                pending.append((m.group.isend(direct, m.peer, m.tag), m.group, None))
+            else:
+                slot = free.pop()
+                buf = self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0))
+                end = pack(plan, m.copies, params, buf)
+                if self.checksum:
+                    buf.narrow(0, end, 8).view(torch.int64).fill_(_crc(buf.narrow(0, 0, end)))
+                    end += 8
+                pending.append((m.group.isend(buf.narrow(0, 0, end), m.peer, m.tag), m.group, slot))
+            total += m.nbytes
+            buckets += 1
+        while pending:
+            work, group, _slot = pending.popleft()
+            group.wait(work, deadline=deadline, what="reshard send")
+        return total, buckets
+
+    def _buffer(self, ctx: TransportContext, slot: int, size: int) -> torch.Tensor:
+        ring = ctx.state["ring"]
+        if size <= ring[slot].numel():
+            return ring[slot].narrow(0, 0, size)
+        # One row wider than a bucket: it cannot be split, so it gets its own buffer.
+        ctx.state["oversize_bytes"] = max(ctx.state.get("oversize_bytes", 0), size)
+        return torch.empty(size, dtype=torch.uint8, device=ring[slot].device)
+
+    def _recv_bulk(self, ctx: TransportContext):
+        """Receive every scheduled message; returns (bytes, buckets, version, failure).
+
+        A protocol failure (bad header, checksum) does not stop the loop: the rest is
+        drained into the ring without touching the weights, so the senders finish and
+        every rank reaches the verdict round, where the failure is shared.
+        """
+        plan, params, ring = ctx.plan, ctx.params, ctx.state["ring"]
+        deadline = self._deadline(ctx)
+        hash63 = plan_hash63(plan)
+        pending: deque = deque()  # (work, msg, slot or None, tensor)
+        free = list(range(len(ring)))
+        total = buckets = 0
+        version: int | None = None
+        failure: ProtocolError | PlanMismatch | None = None
+        expected: dict[tuple[int, int], int] = {}
+        for m in ctx.state["schedule"]:
+            if m.copies is not None:
+                pair = (m.key[1], m.key[2])
+                expected[pair] = expected.get(pair, 0) + m.nbytes
+
+        def check_header(m: _Msg, tensor: torch.Tensor) -> None:
+            nonlocal version
+            magic, v, nbytes, nb, h, ck = (int(x) for x in tensor.cpu().tolist())
+            src = m.key[1]
+            if magic != _HEADER_MAGIC:
+                raise ProtocolError(f"bad refit header from train rank {src}", rank=ctx.rank, transport=self.name)
+            if h != hash63:
+                raise PlanMismatch(f"train rank {src} sends by another plan", rank=ctx.rank, transport=self.name)
+            want = expected.get((src, m.key[2]), 0)
+            if nbytes != want or nb != m.nbytes or ck != int(self.checksum):
+                raise ProtocolError(
+                    f"train rank {src} announces {nbytes} B in {nb} buckets; expected {want} B in {m.nbytes}",
+                    rank=ctx.rank, transport=self.name,
+                )
+            if version is None:
+                version = v
+            elif v != version:
+                raise ProtocolError(f"train ranks disagree on the version ({version} vs {v})",
+                                    rank=ctx.rank, transport=self.name)
+
+        def finish(entry) -> None:
+            nonlocal total, buckets, failure
+            work, m, slot, tensor = entry
+            m.group.wait(work, deadline=deadline, what="reshard receive")
+            if slot is not None:
+                free.append(slot)
+            if failure is not None:
+                return  # draining: bytes are discarded
+            try:
+                if m.copies is None:
+                    check_header(m, tensor)
+                    return
+                if slot is not None:
+                    if self.checksum:
+                        got = int(tensor.narrow(0, m.nbytes, 8).view(torch.int64).item())
+                        if got != _crc(tensor.narrow(0, 0, m.nbytes)):
+                            raise ProtocolError(
+                                f"checksum mismatch in bucket {m.key[0]} from train rank {m.key[1]}",
+                                rank=ctx.rank, transport=self.name,
+                            )
+                    ctx.state["touched"] = True
+                    unpack(plan, m.copies, tensor, params)
+            except (ProtocolError, PlanMismatch) as exc:
+                failure = exc
+                return
+            total += m.nbytes
+            buckets += 1
+
+        for m in ctx.state["schedule"]:
+            while pending and (len(pending) >= self.in_flight or (m.copies is not None and not free)):
+                finish(pending.popleft())
+            if m.copies is None:
+                header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=m.group.device)
+                pending.append((m.group.irecv(header, m.peer, m.tag), m, None, header))
+                continue
+            direct = None if (self.checksum or failure is not None) else _direct_view(plan, m.copies, params, "dst")
+            if direct is not None:
+                ctx.state["touched"] = True  # bytes land in the live tensor from here on
+                pending.append((m.group.irecv(direct, m.peer, m.tag), m, None, direct))
+            else:
+                slot = free.pop()
+                buf = self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0))
+                pending.append((m.group.irecv(buf, m.peer, m.tag), m, slot, buf))
+        while pending:
+            finish(pending.popleft())
+        want = sum(expected.values())
+        if failure is None and total != want:
+            failure = ProtocolError(f"refit received {total} of {want} bytes", rank=ctx.rank, transport=self.name)
+        return total, buckets, version, failure
+
+    async def aclose(self) -> None:
+        self._closed = True
+
+
+# -- leftovers over model_update_group (after the bulk) --------------------------------
+def exchange_leftovers(group, *, is_source: bool, kv_scales: Mapping[str, float] | None, deadline: float,
+                       version: int, ok: bool) -> tuple[dict[str, float] | None, int, int]:
+    """Broadcast kv_scales and the version from rank 0, then all-reduce verdicts.
+
+    Returns (kv_scales, version, failures). Every rank of the update group calls it.
+    """
+    dev = group.device
+    if is_source:
+        payload = msgspec.msgpack.encode(KvScales(dict(kv_scales))) if kv_scales is not None else b""
+        meta = torch.tensor([len(payload), version], dtype=torch.int64, device=dev)
+    else:
+        payload = b""
+        meta = torch.zeros(2, dtype=torch.int64, device=dev)
+    group.broadcast(meta, 0, deadline=deadline)
+    length, version = (int(x) for x in meta.cpu().tolist())
+    scales = None
+    if length:
+        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev) if is_source
+               else torch.empty(length, dtype=torch.uint8, device=dev))
+        group.broadcast(buf, 0, deadline=deadline)
+        scales = _KV_DECODER.decode(bytes(buf.cpu().numpy())).scales if not is_source else dict(kv_scales)
+    verdict = torch.tensor([0 if ok else 1], dtype=torch.int64, device=dev)
+    group.all_reduce(verdict, deadline=deadline)
+    return scales, version, int(verdict.item())
+
