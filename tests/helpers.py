@@ -31,8 +31,11 @@ class ShardTrainer(NcclReshardMixin, BareWorker):
         self.local_params = local_params
         self.source = source
 
-    def _refit_local_params(self):
+    def _refit_local_params(self, plan):
         return self.local_params
 
     def _refit_model_source(self):
         return self.source
+
+    def _refit_dtype(self):
+        return next(iter(self.local_params.values())).dtype

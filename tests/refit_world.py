@@ -1,22 +1,27 @@
-"""A refit world for tests, the demo and benchmarks: trainers and rollouts as processes.
+"""A refit world for tests: trainers and rollouts as real processes.
 
 ``refit_rank`` is the body of one process. Trainers hold seeded shards of a preset in
-the training layout, rollouts receive them in the generation layout; every refit
-uses new weights (seed = version) and each rollout checks its tensors bit for bit.
+the training layout (rule-based, or DTensors sharded FSDP-style over dp), rollouts
+receive them in the generation layout; every refit uses new weights (seed = version)
+and each rollout checks its tensors bit for bit after each commit.
+
+Faults (``spec.fault``), injected on train rank 0 for one version:
+``drop_last_bucket`` (a bucket never sent) and ``flip_byte`` (a byte flipped in flight).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from policyworker import RolloutWorker
+from policyworker import PolicyWorkerError, RolloutWorker
 from policyworker.layout import Parallelism, build_plan, dest_shards, source_shards
-from policyworker.models import get_preset, seeded_state_dict
+from policyworker.models import get_preset, param_specs, seeded_state_dict
 
 from .helpers import ShardTrainer
 
@@ -28,11 +33,15 @@ class RefitSpec:
     gen: str
     refits: int = 2
     dtype: str = "float32"
+    source: str = "rules"  # or "dtensor" (FSDP-style Shard(0) over all trainers)
+    vocab_size: int | None = None  # override, for uneven shards
     update_port: int = 0
     stage_ports: list[int] = field(default_factory=list)
+    train_port: int = 0  # the trainers' own default group (dtensor source)
     options: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = 60.0
     refit_timeout_s: float | None = None
+    fault: dict[str, Any] | None = None
 
     @property
     def train_par(self) -> Parallelism:
@@ -42,61 +51,174 @@ class RefitSpec:
     def gen_par(self) -> Parallelism:
         return Parallelism.parse(self.gen)
 
+    @property
+    def config(self):
+        config = get_preset(self.preset)
+        if self.vocab_size is not None:
+            config = dataclasses.replace(config, vocab_size=self.vocab_size)
+        return config
 
-def refit_rank(rank: int, spec: RefitSpec) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    config = get_preset(spec.preset)
-    dtype = getattr(torch, spec.dtype)
+
+def _dtensor_plan(spec: RefitSpec, dtype: torch.dtype):
+    """The plan for FSDP-style dp shards, built without DTensors (rollouts have none)."""
+    from torch.distributed.tensor import Shard
+
+    from policyworker.layout import placement_layout, plan_from_layouts, rule_layout
+
+    specs = {n: (tuple(s), str(dtype).removeprefix("torch.")) for n, (s, _) in param_specs(spec.config, dtype).items()}
+    n_train = spec.train_par.world_size
+    entries = {n: (s, dtype, torch.arange(n_train), [Shard(0)]) for n, (s, _) in specs.items()}
+    src = placement_layout(entries, world_size=n_train)
+    dst = rule_layout(specs, spec.gen_par, config=spec.config, fused=True)
+    return plan_from_layouts(specs, src, dst, train=spec.train_par, gen=spec.gen_par, gen_fused=True)
+
+
+class _Mute:
+    """A stand-in group whose sends vanish (the message is lost, the sender carries on)."""
+
+    def __init__(self, group) -> None:
+        self._group = group
+        self.device = group.device
+
+    def isend(self, tensor, dst, tag=0):
+        return None
+
+    def wait(self, work, **_kw) -> None:
+        return None
+
+
+class _Flip:
+    """A stand-in group that flips the first byte of what it sends (in-flight corruption)."""
+
+    def __init__(self, group) -> None:
+        self._group = group
+        self.device = group.device
+
+    def isend(self, tensor, dst, tag=0):
+        tensor[0] ^= 0xFF
+        return self._group.isend(tensor, dst, tag)
+
+    def wait(self, work, **kw) -> None:
+        self._group.wait(work, **kw)
+
+
+def _inject(w, spec: RefitSpec, version: int) -> None:
+    if not spec.fault or spec.fault["version"] != version:
+        return
+    kind = spec.fault["kind"]
+    state = w._refit_transport_state("nccl_reshard")
+    if kind == "drop_last_bucket":
+        # The header still announces every bucket; the last one is simply never sent.
+        last = [m for m in state["schedule"] if m.copies is not None][-1]
+        last.group = _Mute(last.group)
+    elif kind == "flip_byte":
+        # Corrupt the first bucket on the wire, after its checksum was computed.
+        first = [m for m in state["schedule"] if m.copies is not None][0]
+        first.group = _Flip(first.group)
+    else:
+        raise ValueError(kind)
+
+
+def _trainer(rank: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
     train, gen = spec.train_par, spec.gen_par
     n_train, n_gen = train.world_size, gen.world_size
-    plan = build_plan(config, train, gen, n_train, n_gen, dtype=dtype)
+    config = spec.config
+
+    def shards(version: int) -> dict[str, torch.Tensor]:
+        return source_shards(plan, rank, seeded_state_dict(config, seed=version, dtype=dtype))
 
     async def main() -> dict[str, Any]:
-        out: dict[str, Any] = {"reports": [], "exact": []}
-        world = n_train + n_gen
-        if rank < n_train:
+        out: dict[str, Any] = {"outcomes": []}
+        local = shards(0)
+        source: Any = config
+        params: Any = local
+        if spec.source == "dtensor":
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec.train_port}", rank=rank,
+                                    world_size=n_train)
+            mesh = init_device_mesh("cpu", (n_train,), mesh_dim_names=("dp",))
             full = seeded_state_dict(config, seed=0, dtype=dtype)
-            local = source_shards(plan, rank, full)
-            w = ShardTrainer(local_params=local, source=config, rank=rank, world_size=n_train,
-                             device="cpu", timeout_s=spec.timeout_s)
-            w.reshard_options = dict(spec.options)
-            await w.init_collective("127.0.0.1", spec.update_port, world, train_world_size=n_train)
-            stage = train.coords(rank).pp_stage
-            members = list(train.stage_ranks(stage))
-            await w.init_nccl_reshard_comm_group(["127.0.0.1"] * train.pp, spec.stage_ports, train.pp, stage,
-                                                 len(members) + n_gen, members.index(rank))
-            info = await w.prepare_nccl_reshard_refit_info(train, gen, n_train, n_gen)
-            out["hash"] = info["hash"]
-            for version in range(1, spec.refits + 1):
-                full = seeded_state_dict(config, seed=version, dtype=dtype)
-                for name, t in source_shards(plan, rank, full).items():
-                    local[name].copy_(t)
+            params = source = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
+            local = {n: t.to_local() for n, t in params.items()}
+        w = ShardTrainer(local_params=params, source=source, rank=rank, world_size=n_train,
+                         device="cpu", timeout_s=spec.timeout_s)
+        w.reshard_options = dict(spec.options)
+        await w.init_collective("127.0.0.1", spec.update_port, n_train + n_gen, train_world_size=n_train)
+        stage = train.coords(rank).pp_stage
+        members = list(train.stage_ranks(stage))
+        await w.init_nccl_reshard_comm_group(["127.0.0.1"] * train.pp, spec.stage_ports, train.pp, stage,
+                                             len(members) + n_gen, members.index(rank))
+        info = await w.prepare_nccl_reshard_refit_info(train, gen, n_train, n_gen)
+        out["hash"] = info["hash"]
+        for version in range(1, spec.refits + 1):
+            for name, t in shards(version).items():
+                local[name].copy_(t)
+            if rank == 0:
+                _inject(w, spec, version)
+            try:
                 rep = await w.nccl_reshard_refit(kv_scales={"layer0.k": 0.5 * version},
                                                  refit_timeout_s=spec.refit_timeout_s)
-                out["reports"].append({"version": rep.version, "bytes": rep.bytes, "seconds": rep.seconds,
-                                       "peak_extra_bytes": rep.peak_extra_bytes})
-        else:
-            g = rank - n_train
-            w = RolloutWorker(rank=g, gen_world_size=n_gen, device="cpu", timeout_s=spec.timeout_s,
-                              reshard_options=spec.options)
-            await w.init_collective("127.0.0.1", spec.update_port, world, train_world_size=n_train)
-            await w.init_nccl_reshard_comm_groups(["127.0.0.1"] * train.pp, spec.stage_ports,
-                                                  [len(train.stage_ranks(s)) for s in range(train.pp)])
-            w.load_refit_plan(plan.refit_info())
-            out["hash"] = plan.hash
-            for version in range(1, spec.refits + 1):
-                t0 = time.perf_counter()
-                rep = await w.receive_nccl_reshard_refit(refit_timeout_s=spec.refit_timeout_s)
-                want = dest_shards(plan, g, seeded_state_dict(config, seed=version, dtype=dtype))
-                have = w.weights()
-                exact = set(want) == set(have) and all(torch.equal(have[k], want[k]) for k in want)
-                out["exact"].append(exact)
-                out["reports"].append({"version": rep.version, "bytes": rep.bytes,
-                                       "seconds": time.perf_counter() - t0, "kv_scales": w.kv_scales,
-                                       "peak_extra_bytes": rep.peak_extra_bytes})
-            out["weight_version"] = w.weight_version
-            out["recv_expected"] = plan.recv_bytes_per_dst_rank()[g]
+                out["outcomes"].append({"ok": True, "version": rep.version, "bytes": rep.bytes,
+                                        "seconds": rep.seconds, "peak_extra_bytes": rep.peak_extra_bytes})
+            except PolicyWorkerError as exc:
+                out["outcomes"].append({"ok": False, "error": type(exc).__name__, "message": str(exc)[:300]})
+                break  # the groups may be aborted: recovery is a separate scenario
         await w.shutdown()
         return out
 
     return asyncio.run(main())
+
+
+def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
+    train, gen = spec.train_par, spec.gen_par
+    n_train, n_gen = train.world_size, gen.world_size
+
+    async def main() -> dict[str, Any]:
+        out: dict[str, Any] = {"outcomes": [], "hash": plan.hash}
+        w = RolloutWorker(rank=g, gen_world_size=n_gen, device="cpu", timeout_s=spec.timeout_s,
+                          reshard_options=spec.options)
+        await w.init_collective("127.0.0.1", spec.update_port, n_train + n_gen, train_world_size=n_train)
+        await w.init_nccl_reshard_comm_groups(["127.0.0.1"] * train.pp, spec.stage_ports,
+                                              [len(train.stage_ranks(s)) for s in range(train.pp)])
+        w.load_refit_plan(plan.refit_info())
+        for version in range(1, spec.refits + 1):
+            t0 = time.perf_counter()
+            try:
+                rep = await w.receive_nccl_reshard_refit(refit_timeout_s=spec.refit_timeout_s)
+            except PolicyWorkerError as exc:
+                out["outcomes"].append({"ok": False, "error": type(exc).__name__, "torn": w.torn,
+                                        "weight_version": w.weight_version})
+                try:
+                    w.weights()
+                    out["serves_after_failure"] = True
+                except PolicyWorkerError as serve_exc:
+                    out["serves_after_failure"] = type(serve_exc).__name__
+                break
+            want = dest_shards(plan, g, seeded_state_dict(spec.config, seed=version, dtype=dtype))
+            have = w.weights()
+            exact = set(want) == set(have) and all(torch.equal(have[k], want[k]) for k in want)
+            out["outcomes"].append({"ok": True, "exact": exact, "version": rep.version, "bytes": rep.bytes,
+                                    "seconds": time.perf_counter() - t0, "kv_scales": w.kv_scales,
+                                    "peak_extra_bytes": rep.peak_extra_bytes})
+        out["weight_version"] = w.weight_version
+        out["recv_expected"] = plan.recv_bytes_per_dst_rank()[g]
+        await w.shutdown()
+        return out
+
+    return asyncio.run(main())
+
+
+def refit_rank(rank: int, spec: RefitSpec) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    dtype = getattr(torch, spec.dtype)
+    train, gen = spec.train_par, spec.gen_par
+    if spec.source == "dtensor":
+        plan = _dtensor_plan(spec, dtype)
+    else:
+        plan = build_plan(spec.config, train, gen, train.world_size, gen.world_size, dtype=dtype)
+    if rank < train.world_size:
+        return _trainer(rank, spec, plan, dtype)
+    return _rollout(rank - train.world_size, spec, plan, dtype)

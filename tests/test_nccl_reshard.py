@@ -11,21 +11,28 @@ from .refit_world import RefitSpec, refit_rank
 pytestmark = pytest.mark.multiprocess
 
 
-def _run(preset, train, gen, **kw):
-    spec = RefitSpec(preset=preset, train=train, gen=gen, **kw)
+def _world(spec: RefitSpec) -> list[dict]:
     spec.update_port = free_port()
     spec.stage_ports = [free_port() for _ in range(spec.train_par.pp)]
+    spec.train_port = free_port()
     n = spec.train_par.world_size + spec.gen_par.world_size
-    results = run_world(refit_rank, n, (spec,), timeout_s=150)
+    return run_world(refit_rank, n, (spec,), timeout_s=150)
+
+
+def _run_ok(preset, train, gen, **kw):
+    spec = RefitSpec(preset=preset, train=train, gen=gen, **kw)
+    results = _world(spec)
     n_train = spec.train_par.world_size
-    hashes = {r["hash"] for r in results}
-    assert len(hashes) == 1
+    assert len({r["hash"] for r in results}) == 1  # every rank holds the same plan
+    for r in results[:n_train]:
+        assert [o["ok"] for o in r["outcomes"]] == [True] * spec.refits, r["outcomes"]
     for r in results[n_train:]:
-        assert r["exact"] == [True] * spec.refits, r["exact"]
-        assert [rep["version"] for rep in r["reports"]] == list(range(1, spec.refits + 1))
+        outs = r["outcomes"]
+        assert [o.get("exact") for o in outs] == [True] * spec.refits, outs
+        assert [o["version"] for o in outs] == list(range(1, spec.refits + 1))
         assert r["weight_version"] == spec.refits
-        assert all(rep["bytes"] == r["recv_expected"] for rep in r["reports"])  # exactly its shard's bytes
-        assert [rep["kv_scales"] for rep in r["reports"]] == [{"layer0.k": 0.5 * v} for v in range(1, spec.refits + 1)]
+        assert all(o["bytes"] == r["recv_expected"] for o in outs)  # exactly its shard's bytes
+        assert [o["kv_scales"] for o in outs] == [{"layer0.k": 0.5 * v} for v in range(1, spec.refits + 1)]
     return results
 
 
@@ -38,12 +45,42 @@ def _run(preset, train, gen, **kw):
     ],
 )
 def test_refits_land_bit_exact(train, gen):
-    _run("tiny", train, gen)
+    _run_ok("tiny", train, gen)
 
 
 def test_small_buckets_many_in_flight_and_checksums():
-    _run("tiny", "tp=2", "tp=2", options={"bucket_bytes": 4096, "in_flight": 3, "checksum": True}, refits=2)
+    _run_ok("tiny", "tp=2", "tp=2", options={"bucket_bytes": 4096, "in_flight": 3, "checksum": True})
 
 
 def test_moe_with_expert_parallel():
-    _run("tiny-moe", "tp=1,dp=2,ep=2", "tp=2")
+    _run_ok("tiny-moe", "tp=1,dp=2,ep=2", "tp=2")
+
+
+def test_fsdp_dtensor_shards_with_uneven_vocab_to_tp2():
+    # vocab 255 over dp=2 (Shard(0)): 128 + 127 rows; over gen tp=2: 128 + 127 again.
+    _run_ok("tiny", "dp=2", "tp=2", source="dtensor", vocab_size=255, dtype="bfloat16")
+
+
+def test_a_rollout_that_misses_bytes_does_not_commit():
+    spec = RefitSpec(preset="tiny", train="tp=2", gen="tp=1", refits=2, refit_timeout_s=4.0, options={"bucket_bytes": 8192},
+                     fault={"version": 2, "kind": "drop_last_bucket"})
+    results = _world(spec)
+    trainer0, rollout = results[0], results[2]
+    assert trainer0["outcomes"][0]["ok"] and not trainer0["outcomes"][1]["ok"]
+    assert rollout["outcomes"][0] == {**rollout["outcomes"][0], "ok": True, "exact": True, "version": 1}
+    failed = rollout["outcomes"][1]
+    assert failed["ok"] is False and failed["error"] in {"RefitTimeout", "RefitAborted"}
+    assert failed["weight_version"] == 1  # never advanced
+    assert failed["torn"] is True  # bytes of v2 had landed in place
+    assert rollout["serves_after_failure"] == "TornWeights"
+
+
+def test_a_corrupted_bucket_is_caught_and_not_committed():
+    spec = RefitSpec(preset="tiny", train="tp=2", gen="tp=1", refits=2,
+                     options={"checksum": True}, fault={"version": 2, "kind": "flip_byte"})
+    results = _world(spec)
+    for trainer in results[:2]:
+        assert trainer["outcomes"][1]["ok"] is False and trainer["outcomes"][1]["error"] == "TransportError"
+    failed = results[2]["outcomes"][1]
+    assert failed["error"] == "ProtocolError" and failed["weight_version"] == 1
+    assert results[2]["serves_after_failure"] in (True, "TornWeights")

@@ -8,7 +8,8 @@ EXPECTED = {
     "RefitTimeout", "RefitWatchdog", "RolloutWorker", "TornWeights", "Transport", "TransportContext",
     "TransportError", "TransportInfo", "TransportLoadError", "TransportRegistry", "WorkerClosed",
     "WorkerCore", "__version__", "device_facts", "list_transports", "load_transport", "new_group",
-    "private_runtime_dir", "process_watchdog",
+    "private_runtime_dir", "process_watchdog", "CheckpointError", "TorchPolicyWorker", "Parallelism",
+    "ReshardPlan", "build_plan", "ModelConfig", "PRESETS", "build_model", "get_preset",
 }
 
 

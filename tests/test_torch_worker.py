@@ -391,14 +391,18 @@ async def test_finish_training_drops_grads_and_buffers_and_logprobs_still_work()
 
 
 @pytest.mark.anyio
-async def test_refit_methods_are_stubs_and_for_demo_builds_a_working_worker():
+async def test_refit_needs_a_plan_and_groups_and_for_demo_builds_a_working_worker():
     w = TorchPolicyWorker.for_demo(rank=1, world_size=2, timeout_s=5.0)
     try:
         assert (w.rank, w.world_size, w.timeout_s) == (1, 2, 5.0)
-        with pytest.raises(NotImplementedError):
+        with pytest.raises(ConfigError, match="prepare_nccl_reshard_refit_info"):
             await w.nccl_reshard_refit()
-        with pytest.raises(NotImplementedError):
-            await w.prepare_nccl_reshard_refit_info(None, None, 1, 1)
+        info = await w.prepare_nccl_reshard_refit_info("tp=2", "tp=1", 2, 1)
+        assert info["hash"] and info["train_world_size"] == 2
+        with pytest.raises(ConfigError, match="init_nccl_reshard_comm_group"):
+            await w.nccl_reshard_refit()
+        with pytest.raises(ConfigError):
+            await w.prepare_nccl_reshard_refit_info("tp=3", "tp=1", 3, 1)  # tp=3 does not divide 4 heads
         ids, lengths = make_batch(2, 5, vocab=256)
         out = await w.get_reference_policy_logprobs(data={"input_ids": ids, "input_lengths": lengths})
         assert out["reference_logprobs"].shape == (2, 5)

@@ -8,6 +8,7 @@ from .comm import CommGroup, new_group
 from .core import WorkerCore, private_runtime_dir
 from .device import DeviceFacts, device_facts
 from .errors import (
+    CheckpointError,
     ConfigError,
     PeerLost,
     PlanError,
@@ -21,8 +22,11 @@ from .errors import (
     TransportLoadError,
     WorkerClosed,
 )
+from .layout import Parallelism, ReshardPlan, build_plan
+from .models import PRESETS, ModelConfig, build_model, get_preset
 from .registry import TransportInfo, TransportRegistry, list_transports, load_transport
 from .rollout import RolloutWorker
+from .torch_worker import TorchPolicyWorker
 from .transports.base import RefitReport, Transport, TransportContext
 from .watchdog import Deadline, RefitWatchdog, process_watchdog
 from .worker import AbstractPolicyWorker
@@ -31,10 +35,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AbstractPolicyWorker",
+    "CheckpointError",
     "CommGroup",
     "ConfigError",
     "Deadline",
     "DeviceFacts",
+    "ModelConfig",
+    "PRESETS",
+    "Parallelism",
     "PeerLost",
     "PlanError",
     "PlanMismatch",
@@ -44,7 +52,9 @@ __all__ = [
     "RefitReport",
     "RefitTimeout",
     "RefitWatchdog",
+    "ReshardPlan",
     "RolloutWorker",
+    "TorchPolicyWorker",
     "TornWeights",
     "Transport",
     "TransportContext",
@@ -55,7 +65,10 @@ __all__ = [
     "WorkerClosed",
     "WorkerCore",
     "__version__",
+    "build_model",
+    "build_plan",
     "device_facts",
+    "get_preset",
     "list_transports",
     "load_transport",
     "new_group",

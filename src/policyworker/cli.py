@@ -44,6 +44,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .refit_bench import RefitBenchSpec, run_refit_bench
+
+    spec = RefitBenchSpec(preset=args.preset, train=args.train, gen=args.gen, refits=args.refits,
+                          dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20), in_flight=args.in_flight,
+                          checksum=args.checksum, verify=not args.no_verify, timeout_s=args.timeout)
+    result = run_refit_bench(spec, on_event=lambda rank, kind, v: print(f"rank {rank}: {kind} {v or ''}",
+                                                                           file=sys.stderr, flush=True))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text)
+    return 0 if result["bit_exact"] in (True, None) else 1
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .layout.report import format_plan_report, plan_report
 
@@ -62,8 +78,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="run trainers and rollouts on this host (CPU, gloo) and refit")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--timeout", type=float, default=120.0, help="bound on the whole world (s)")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--train", default="tp=2,pp=2", help="training layout (default tp=2,pp=2)")
+    p.add_argument("--gen", default="tp=2,dp=2", help="generation layout (default tp=2,dp=2)")
+    p.add_argument("--refits", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=120.0, help="bound on each step of the world (s)")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("bench", help="measure a transport against its same-run ceiling; prints JSON")
+    p.add_argument("--transport", required=True, choices=["nccl_reshard"])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--train", default="tp=2,pp=2")
+    p.add_argument("--gen", default="tp=2,dp=2")
+    p.add_argument("--refits", type=int, default=5)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--bucket-mb", type=float, default=16.0)
+    p.add_argument("--in-flight", type=int, default=4)
+    p.add_argument("--checksum", action="store_true")
+    p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check (large presets)")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--json", metavar="PATH")
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("transports", help="list registered transports (imports none unless --load)")
     p.add_argument("--load", action="store_true", help="import each one and report failures")

@@ -1,71 +1,86 @@
-"""``policyworker demo``: a real world of trainer and rollout processes on this host.
+"""``policyworker demo``: a real refit world on this host (CPU: gloo + shared memory).
 
-Two trainer and two rollout processes (CPU, gloo) form the update group, run the
-warm-up broadcast every rank checks, and report their device facts.
+Trainers in TP=2 x PP=2 and rollout workers in TP=2 x DP=2 (8 processes) form the
+update group and the per-stage reshard groups, measure the gloo point-to-point
+ceiling between themselves, then run refits of the "small" preset (58M params, bf16)
+with new weights every time; every rollout checks every tensor bit for bit. A
+progress display follows the ranks; a table summarises each refit.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import time
 from typing import Any
 
-from .procs import free_port, run_world
+from .refit_bench import RefitBenchSpec, run_refit_bench
 
-__all__ = ["main", "run_demo"]
-
-
-def _demo_rank(rank: int, n_train: int, n_gen: int, port: int, timeout_s: float) -> dict[str, Any]:
-    from .rollout import RolloutWorker
-    from .torch_worker import TorchPolicyWorker
-
-    async def run() -> dict[str, Any]:
-        world = n_train + n_gen
-        t0 = time.perf_counter()
-        if rank < n_train:
-            worker: Any = TorchPolicyWorker.for_demo(rank=rank, world_size=n_train, timeout_s=timeout_s)
-        else:
-            worker = RolloutWorker(rank=rank - n_train, gen_world_size=n_gen, device="cpu", timeout_s=timeout_s)
-        await worker.init_collective("127.0.0.1", port, world, train_world_size=n_train)
-        info = worker.get_gpu_info()
-        info["group_rank"] = worker.model_update_group.rank
-        info["joined_s"] = round(time.perf_counter() - t0, 3)
-        info["zmq_address"] = worker.get_zmq_address()
-        await worker.shutdown()
-        return info
-
-    return asyncio.run(run())
-
-
-def run_demo(*, n_train: int = 2, n_gen: int = 2, timeout_s: float = 60.0) -> list[dict[str, Any]]:
-    """Start the world, join the update group, return each rank's device facts."""
-    port = free_port()
-    return run_world(_demo_rank, n_train + n_gen, (n_train, n_gen, port, timeout_s), timeout_s=timeout_s + 30)
+__all__ = ["main"]
 
 
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    spec = RefitBenchSpec(preset=args.preset, train=args.train, gen=args.gen, refits=args.refits,
+                          timeout_s=args.timeout)
+    n = spec.train_par.world_size + spec.gen_par.world_size
     console = Console()
-    with console.status("starting 2 trainer + 2 rollout processes (CPU, gloo) and forming the update group…"):
+    console.print(
+        f"[bold]policyworker demo[/]: {spec.train_par.world_size} trainers ({spec.train}) → "
+        f"{spec.gen_par.world_size} rollouts ({spec.gen}), preset {spec.preset} ({spec.dtype}), "
+        f"transport nccl_reshard over gloo, {spec.refits} refits"
+    )
+    steps = {"joined": "groups formed", "ceiling": "ceiling measured"}
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as progress:
+        tasks: dict[str, Any] = {
+            "joined": progress.add_task("start processes, form groups", total=n),
+            "ceiling": progress.add_task("measure gloo p2p ceiling", total=n),
+        }
+        for v in range(1, spec.refits + 1):
+            tasks[f"refit{v}"] = progress.add_task(f"refit v{v} (send, receive, verify)", total=n)
+
+        def on_event(rank: int, kind: str, version: int) -> None:
+            key = kind if kind in steps else f"refit{version}"
+            progress.advance(tasks[key])
+
         t0 = time.perf_counter()
-        infos = run_demo(timeout_s=args.timeout)
+        result = run_refit_bench(spec, on_event=on_event)
         elapsed = time.perf_counter() - t0
-    table = Table(title=f"update group formed and verified in {elapsed:.1f}s (warm-up broadcast checked by every rank)")
-    for col in ("group rank", "role", "rank", "device id", "node ip", "free memory", "peak RSS", "pid"):
-        table.add_column(col)
-    for info in sorted(infos, key=lambda i: i["group_rank"]):
-        table.add_row(
-            str(info["group_rank"]), info["role"], str(info["rank"]), info["device_id"], info["node_ip"],
-            f"{info['free_memory_bytes'] / 2**30:.1f} GiB", f"{info['peak_memory_bytes'] / 2**20:.0f} MiB",
-            str(info["pid"]),
-        )
+
+    table = Table(title=f"refits of {result['bytes_moved'] / 1e6:.1f} MB "
+                        f"(minimum {result['min_bytes'] / 1e6:.1f} MB, ratio {result['bytes_over_min']:.2f})")
+    for col in ("version", "seconds", "GB/s", "x gloo ceiling", "committed", "bit-exact"):
+        table.add_column(col, justify="right")
+    for row in result["refits"]:
+        table.add_row(str(row["version"]), f"{row['seconds']:.3f}", f"{row['gbps']:.2f}",
+                      f"{row['gbps'] / result['ceiling_gbps']:.2f}", f"v{row['version']}",
+                      "yes" if result["bit_exact"] else "NO")
     console.print(table)
+    console.print(
+        f"gloo ceiling (same run, same processes): {result['ceiling_gbps']:.2f} GB/s; median refit "
+        f"{result['gbps_median']:.2f} GB/s = {result['ratio_to_ceiling']:.2f} x ceiling; staging ring "
+        f"{result['ring_bytes_per_process'] / 2**20:.0f} MiB/process; total {elapsed:.1f}s"
+    )
     if args.json:
+        demo = {
+            "transport": result["transport"],
+            "layouts": result["layouts"],
+            "refits": [{"seconds": r["seconds"], "bytes": r["bytes"], "version": r["version"]}
+                       for r in result["refits"]],
+            "bit_exact": bool(result["bit_exact"]),
+            "ceiling_gbps": result["ceiling_gbps"],
+            "gbps_median": result["gbps_median"],
+            "ratio_to_ceiling": result["ratio_to_ceiling"],
+            "details": result,
+        }
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"ranks": infos, "seconds": elapsed}, f, indent=2)
+            json.dump(demo, f, indent=2)
         console.print(f"wrote {args.json}")
+    if not result["bit_exact"]:
+        console.print("[red]a rollout's weights differ from the trainers'[/]")
+        return 1
     return 0

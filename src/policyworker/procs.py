@@ -67,8 +67,13 @@ class World:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.procs[rank].pid, sig)
 
-    def collect(self, timeout_s: float, *, allow_dead: Sequence[int] = ()) -> dict[int, Any]:
-        """Wait for every rank's result until ``timeout_s``; kill all on failure."""
+    def collect(
+        self, timeout_s: float, *, allow_dead: Sequence[int] = (), on_tick: Callable[[], None] | None = None
+    ) -> dict[int, Any]:
+        """Wait for every rank's result until ``timeout_s``; kill all on failure.
+
+        ``on_tick`` runs every 0.2 s or so while waiting (progress displays).
+        """
         deadline = time.monotonic() + timeout_s
         out: dict[int, Any] = {}
         failures: dict[int, str] = {}
@@ -79,6 +84,8 @@ class World:
                 for r in pending:
                     failures[r] = "did not finish in time"
                 break
+            if on_tick is not None:
+                on_tick()
             try:
                 rank, ok, value = self.results.get(timeout=min(remaining, 0.2))
             except _queue.Empty:

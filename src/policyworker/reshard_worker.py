@@ -3,8 +3,9 @@
 :class:`NcclReshardMixin` implements ``prepare_nccl_reshard_refit_info`` and
 ``nccl_reshard_refit`` on top of two hooks a concrete worker provides:
 
-* ``_refit_local_params()`` — this rank's local tensors by name (its shards in the
-  training layout; DTensors are read through ``to_local()``);
+* ``_refit_local_params(plan)`` — this rank's local tensors by name (its shards in
+  the training layout; DTensors are read through ``to_local()``). A worker holding
+  full tensors can return :func:`shard_views` of them;
 * ``_refit_model_source()`` — what the plan is computed from: a ``ModelConfig``, a
   ``{name: (shape, dtype)}`` mapping (placement rules apply), or a state dict of
   DTensors (their placements *are* the training layout; no rules).
@@ -28,7 +29,7 @@ from .transports.base import RefitReport, TransportContext
 from .transports.nccl_reshard import NcclReshardTransport
 from .watchdog import process_watchdog
 
-__all__ = ["NcclReshardMixin", "check_local_tensors", "plan_for_source", "validate_kv_scales"]
+__all__ = ["NcclReshardMixin", "check_local_tensors", "plan_for_source", "shard_views", "validate_kv_scales"]
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -83,6 +84,33 @@ def check_local_tensors(plan: ReshardPlan, side: str, rank: int, tensors: Mappin
                 f"the plan says {spec.dtype}{list(spec.shape)}", rank=rank, param=name)
 
 
+def shard_views(plan: ReshardPlan, rank: int, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Training rank ``rank``'s local tensors as *views* of full tensors (no copies).
+
+    Each local tensor must be one box of one parameter (true of every non-fused
+    training layout); the views then follow the full tensors as they train.
+    """
+    params = plan.params
+    out = {}
+    for name, spec in plan.local_tensors("src", rank).items():
+        if len(spec.pieces) != 1 or any(spec.pieces[0].at):
+            raise ConfigError(f"local tensor {name!r} of train rank {rank} is not a single box of one parameter",
+                              rank=rank, param=name)
+        piece = spec.pieces[0]
+        pname = params[piece.param].name
+        t = full.get(pname)
+        if t is None:
+            raise ConfigError(f"train rank {rank} has no full tensor {pname!r}", rank=rank, param=pname)
+        if tuple(t.shape) != tuple(params[piece.param].shape):
+            raise ConfigError(f"{pname!r} is {list(t.shape)}, the plan says {list(params[piece.param].shape)}",
+                              rank=rank, param=pname)
+        view = t.detach()
+        for d, (a, b) in enumerate(zip(piece.start, piece.stop)):
+            view = view.narrow(d, a, b - a)
+        out[name] = view
+    return out
+
+
 def validate_kv_scales(kv_scales: Any) -> dict[str, float] | None:
     if kv_scales is None:
         return None
@@ -102,15 +130,19 @@ class NcclReshardMixin:
     #: Options of the NcclReshardTransport (bucket_bytes, in_flight, checksum).
     reshard_options: dict[str, Any] = {}
 
-    def _refit_local_params(self) -> Mapping[str, torch.Tensor]:
+    def _refit_local_params(self, plan: ReshardPlan) -> Mapping[str, torch.Tensor]:
         raise NotImplementedError
 
     def _refit_model_source(self) -> Any:
         raise NotImplementedError
 
-    def _local_tensors(self) -> dict[str, torch.Tensor]:
+    def _refit_dtype(self) -> Any:
+        """dtype of a ModelConfig's parameters in the plan (default bf16)."""
+        return torch.bfloat16
+
+    def _local_tensors(self, plan: ReshardPlan) -> dict[str, torch.Tensor]:
         out = {}
-        for name, t in self._refit_local_params().items():
+        for name, t in self._refit_local_params(plan).items():
             t = t.to_local() if _is_dtensor(t) else t
             out[name] = t.detach()
         return out
@@ -124,14 +156,13 @@ class NcclReshardMixin:
         ``ConfigError`` now, not a failure mid-refit. The plan replaces any earlier one.
         """
         self._ensure_open()
-        local = self._local_tensors()
-        dtypes = {t.dtype for t in local.values() if t.is_floating_point()}
         plan = await self._run(
             plan_for_source, self._refit_model_source(), train_parallelism, gen_parallelism,
-            train_world_size, gen_world_size, dtype=dtypes.pop() if len(dtypes) == 1 else torch.bfloat16,
+            train_world_size, gen_world_size, dtype=self._refit_dtype(),
         )
         if self.rank >= plan.body.train_world_size:
             raise ConfigError(f"train rank {self.rank} is outside the plan's {plan.body.train_world_size} ranks")
+        local = self._local_tensors(plan)
         await self._run(check_local_tensors, plan, "src", self.rank, local)
         state = self._refit_transport_state("nccl_reshard")
         state["plan"] = plan
@@ -165,6 +196,9 @@ class NcclReshardMixin:
             raise ConfigError("call init_nccl_reshard_comm_group before nccl_reshard_refit", rank=self.rank)
         if self.model_update_group is None:
             raise ConfigError("call init_collective before nccl_reshard_refit", rank=self.rank)
+        # Local tensors are looked up per refit: a trainer may have re-allocated them.
+        local = self._local_tensors(plan)
+        check_local_tensors(plan, "src", self.rank, local)
         transport = self._reshard_transport(state)
         if state.get("group") is not self.pp_comm_group or state.get("update_group") is not self.model_update_group:
             state["group"], state["update_group"] = self.pp_comm_group, self.model_update_group
@@ -176,7 +210,7 @@ class NcclReshardMixin:
             deadline = process_watchdog().arm(timeout, [g.abort for g in groups], label=f"nccl_reshard rank {self.rank}")
         ctx = TransportContext(
             worker=self, role="send", rank=self.rank, device=self.device_facts, state=state,
-            params=self._local_tensors(), plan=plan, options={"kv_scales": scales},
+            params=local, plan=plan, options={"kv_scales": scales},
             deadline=deadline, executor=self._executor,
         )
         try:

@@ -43,10 +43,10 @@ class RolloutWorker(WorkerCore):
     def __init__(
         self, *, rank: int = 0, gen_world_size: int = 1, reshard_options: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> None:
-        super().__init__(rank=rank, **kwargs)
         _check_int(gen_world_size, "gen_world_size", minimum=1)
-        if rank >= gen_world_size:
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank >= gen_world_size:
             raise ConfigError(f"rollout rank {rank} is outside the generation world [0, {gen_world_size})")
+        super().__init__(rank=rank, **kwargs)
         self.gen_world_size = gen_world_size
         self.stage_groups: dict[int, CommGroup] = {}
         self.weight_version = 0

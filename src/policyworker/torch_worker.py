@@ -35,6 +35,7 @@ from torch import nn
 from ._aio import run_in_executor
 from .checkpoint import AsyncCheckpointWriter, read_checkpoint
 from .errors import CheckpointError, ConfigError, PolicyWorkerError
+from .reshard_worker import NcclReshardMixin
 from .worker import AbstractPolicyWorker
 
 __all__ = ["TorchPolicyWorker"]
@@ -136,7 +137,7 @@ def _check_batch(data: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, lengths
 
 
-class TorchPolicyWorker(AbstractPolicyWorker):
+class TorchPolicyWorker(NcclReshardMixin, AbstractPolicyWorker):
     """Trainer-side worker over a causal LM ``model`` (see the module docstring).
 
     ``reference_state_dict``: the reference policy's weights by parameter name (tied
@@ -145,6 +146,13 @@ class TorchPolicyWorker(AbstractPolicyWorker):
     Default: a copy of the model's weights now. ``micro_batch_size``: sequences per
     forward in ``get_reference_policy_logprobs``. ``core_kwargs`` go to
     ``WorkerCore`` (``device``, ``runtime_dir``, ``timeout_s``, ...).
+
+    Refit (``nccl_reshard``): by default the model holds full tensors and this rank
+    sends its training-layout shard of them (views, no copies). A trainer whose model
+    is itself sharded passes ``refit_params`` (its local shards by name, or DTensors)
+    and ``refit_source`` (a ModelConfig, ``{name: (shape, dtype)}``, or the DTensor
+    state dict). ``reshard_options`` configure the transport (bucket_bytes, in_flight,
+    checksum) and must match the rollouts'.
     """
 
     def __init__(
@@ -155,6 +163,9 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         world_size: int = 1,
         reference_state_dict: Mapping[str, torch.Tensor] | None = None,
         micro_batch_size: int = 8,
+        refit_params: Mapping[str, torch.Tensor] | None = None,
+        refit_source: Any = None,
+        reshard_options: Mapping[str, Any] | None = None,
         **core_kwargs: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -171,6 +182,9 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         super().__init__(rank=rank, world_size=world_size, **core_kwargs)
         self.model = model
         self._params = unique
+        self._refit_params = None if refit_params is None else dict(refit_params)
+        self._refit_source = refit_source
+        self.reshard_options = dict(reshard_options or {})
         self._backup: list[torch.Tensor] | None = None
         self._checkpointer = AsyncCheckpointWriter(
             pin_memory=self._pin, thread_name=f"policyworker-ckpt-{self.rank}"
@@ -187,16 +201,29 @@ class TorchPolicyWorker(AbstractPolicyWorker):
 
         return cls(build_model(get_preset("tiny"), seed=0), rank=rank, world_size=world_size, timeout_s=timeout_s)
 
-    # -- refit: the reshard transport (issue 4) ------------------------------------
-    async def prepare_nccl_reshard_refit_info(
-        self, train_parallelism: Any, gen_parallelism: Any, train_world_size: int, gen_world_size: int
-    ) -> dict:
-        raise NotImplementedError("nccl_reshard lands with the reshard transport")
+    # -- refit: nccl_reshard (NcclReshardMixin implements the two methods) ----------
+    def _refit_model_source(self) -> Any:
+        """The plan's source: ``refit_source``, else the model's ModelConfig, else its shapes."""
+        if self._refit_source is not None:
+            return self._refit_source
+        from .models import ModelConfig
 
-    async def nccl_reshard_refit(
-        self, kv_scales: dict[str, float] | None = None, refit_timeout_s: float | None = None
-    ) -> Any:
-        raise NotImplementedError("nccl_reshard lands with the reshard transport")
+        config = getattr(self.model, "config", None)
+        if isinstance(config, ModelConfig):
+            return config
+        return {name: (tuple(p.shape), p.dtype) for name, p in self._params}
+
+    def _refit_dtype(self) -> Any:
+        dtypes = {p.dtype for _, p in self._params if p.is_floating_point()}
+        return dtypes.pop() if len(dtypes) == 1 else torch.bfloat16
+
+    def _refit_local_params(self, plan: Any) -> Mapping[str, torch.Tensor]:
+        """``refit_params`` if given, else this rank's shard as views of the full model."""
+        if self._refit_params is not None:
+            return self._refit_params
+        from .reshard_worker import shard_views
+
+        return shard_views(plan, self.rank, dict(self._params))
 
     # -- reference policy ----------------------------------------------------------
     async def get_reference_policy_logprobs(

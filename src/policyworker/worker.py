@@ -46,10 +46,11 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
     role = "trainer"
 
     def __init__(self, *, rank: int = 0, world_size: int = 1, **kwargs: Any) -> None:
-        super().__init__(rank=rank, **kwargs)
+        # Validate before the core starts its executor thread: a bad argument leaves nothing behind.
         _check_int(world_size, "world_size", minimum=1)
-        if rank >= world_size:
+        if isinstance(rank, int) and not isinstance(rank, bool) and rank >= world_size:
             raise ConfigError(f"rank {rank} is outside the trainer world [0, {world_size})")
+        super().__init__(rank=rank, **kwargs)
         self.world_size = world_size
         self.pp_comm_group: CommGroup | None = None
         self.train_world_size: int | None = None
@@ -177,10 +178,13 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
         future = getattr(self, "_pending_save", None)
         if future is None:
             return None
-        self._pending_save = None
         from ._aio import run_in_executor
 
-        await run_in_executor(None, future.result)
+        try:
+            await run_in_executor(None, future.result)
+        finally:
+            if getattr(self, "_pending_save", None) is future:
+                self._pending_save = None
         return None
 
     async def finish_training(self, *args: Any, **kwargs: Any) -> None:

@@ -113,6 +113,10 @@ PRESETS: dict[str, ModelConfig] = {
                             intermediate_size=6144, num_layers=48, num_heads=32,
                             num_kv_heads=4, num_experts=128, moe_intermediate_size=768,
                             num_experts_per_tok=8),
+    # Demo/benchmark-sized (58M parameters, 117 MB in bf16): big enough that a CPU
+    # refit measures bandwidth, small enough for 8 processes on 2 cores.
+    "small": _qwen3("small", vocab_size=32768, hidden_size=512, intermediate_size=1536,
+                    num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64),
     # Test-sized shapes: every rule (GQA, qk-norm, untied head, experts) in a few KB.
     "tiny": ModelConfig(family="qwen3", vocab_size=256, hidden_size=64,
                         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

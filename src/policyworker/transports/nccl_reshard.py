@@ -95,7 +95,7 @@ def _schedule(plan: ReshardPlan, ctx: TransportContext, bucket_bytes: int) -> li
         peer_of = lambda t: members[t.stage].index(t.src)  # noqa: E731
         group_of = lambda t: groups[t.stage]  # noqa: E731
     for t in transfers:
-        buckets = bucket_copies(plan, t.copies, bucket_bytes)
+        buckets = _buckets(plan, t.copies, bucket_bytes)
         g, peer = group_of(t), peer_of(t)
         msgs.append(_Msg((-1, t.src, t.dst), g, peer, _TAG_HEADER, None, len(buckets)))
         for r, bucket in enumerate(buckets):
@@ -103,6 +103,33 @@ def _schedule(plan: ReshardPlan, ctx: TransportContext, bucket_bytes: int) -> li
             msgs.append(_Msg((r, t.src, t.dst), g, peer, r + 1, bucket, nbytes))
     msgs.sort(key=lambda m: m.key)
     return msgs
+
+
+# A copy at least this large travels as its own message, so that each side can move it
+# straight from / into the tensor when its region is contiguous there (no staging
+# copy); smaller copies share packed buckets (fewer messages).
+_OWN_MESSAGE_MIN_BYTES = 256 << 10
+
+
+def _buckets(plan: ReshardPlan, copies: list[Copy], bucket_bytes: int) -> list[list[Copy]]:
+    """Messages of one transfer: big copies alone (split to ``bucket_bytes``), small ones packed.
+
+    A function of the plan alone, so sender and receiver agree; whether a message then
+    goes direct or through staging is each side's own choice (the bytes are the same).
+    """
+    out: list[list[Copy]] = []
+    small: list[Copy] = []
+    for c in copies:
+        if copy_nbytes(plan, c) >= _OWN_MESSAGE_MIN_BYTES:
+            if small:
+                out += bucket_copies(plan, small, bucket_bytes)
+                small = []
+            out += [[part] for bucket in bucket_copies(plan, [c], bucket_bytes) for part in bucket]
+        else:
+            small.append(c)
+    if small:
+        out += bucket_copies(plan, small, bucket_bytes)
+    return out
 
 
 def _direct_view(plan: ReshardPlan, copies: list[Copy], tensors: Mapping[str, torch.Tensor], side: str):

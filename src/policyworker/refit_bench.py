@@ -1,0 +1,238 @@
+"""A measured refit world: trainers → rollouts over nccl_reshard, with its own ceiling.
+
+Used by ``policyworker demo`` and ``policyworker bench --transport nccl_reshard``.
+Every process is real: trainers are ``TorchPolicyWorker`` s holding the full model
+(each sends its training-layout shard as views of it), rollouts are ``RolloutWorker`` s
+in the generation layout. Per refit, every trainer loads new weights (seeded by the
+version: the stand-in for a training step), all ranks meet at a barrier, the refit
+runs, and each rollout checks every tensor bit for bit against the expected shard.
+
+The ceiling is measured in the same run, between the same processes, with the same
+pattern of traffic: every (trainer, rollout) pair of the plan moves the same number
+of bytes as one plain gloo/NCCL send of a preallocated contiguous buffer, all pairs
+at once. ``ratio_to_ceiling`` = refit GB/s ÷ ceiling GB/s, both as total bytes over
+the slowest rank's wall time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .layout import Parallelism, build_plan, dest_shards
+from .procs import free_port, start_world
+
+__all__ = ["RefitBenchSpec", "run_refit_bench"]
+
+
+@dataclass
+class RefitBenchSpec:
+    preset: str = "small"
+    train: str = "tp=2,pp=2"
+    gen: str = "tp=2,dp=2"
+    refits: int = 3
+    dtype: str = "bfloat16"
+    bucket_bytes: int = 16 << 20
+    in_flight: int = 4
+    checksum: bool = False
+    ceiling_rounds: int = 3
+    timeout_s: float = 120.0
+    verify: bool = True
+    ports: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def train_par(self) -> Parallelism:
+        return Parallelism.parse(self.train)
+
+    @property
+    def gen_par(self) -> Parallelism:
+        return Parallelism.parse(self.gen)
+
+
+def _max_over(group, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=group.device)
+    group.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _ceiling(w, plan, spec: RefitBenchSpec, is_trainer: bool, rank: int, stage_groups: dict) -> list[float]:
+    """Wall seconds (slowest rank) of plain sends of each pair's bytes, all pairs at once."""
+    from .transports.nccl_reshard import stage_members
+
+    members = stage_members(plan)
+    if is_trainer:
+        stage = next(s for s, m in enumerate(members) if rank in m)
+        pairs = [(t, stage_groups[stage], len(members[stage]) + t.dst) for t in plan.sends(rank)]
+    else:
+        pairs = [(t, stage_groups[t.stage], members[t.stage].index(t.src)) for t in plan.receives(rank)]
+    dev = w.device
+    bufs = [torch.empty(t.nbytes, dtype=torch.uint8, device=dev) for t, _, _ in pairs]
+    for b in bufs:
+        b.fill_(1)  # touch the pages: fresh buffers would measure page faults, not the wire
+    out = []
+    for _ in range(spec.ceiling_rounds):
+        w.model_update_group.barrier()
+        t0 = time.perf_counter()
+        works = [(g, g.isend(b, peer) if is_trainer else g.irecv(b, peer)) for (t, g, peer), b in zip(pairs, bufs)]
+        for g, work in works:
+            g.wait(work)
+        out.append(_max_over(w.model_update_group, time.perf_counter() - t0))
+    return out
+
+
+def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
+    from . import device as _device
+    from .models import build_model, get_preset, seeded_state_dict
+    from .rollout import RolloutWorker
+    from .torch_worker import TorchPolicyWorker
+
+    torch.set_num_threads(1)
+    config = get_preset(spec.preset)
+    dtype = getattr(torch, spec.dtype)
+    train, gen = spec.train_par, spec.gen_par
+    n_train, n_gen = train.world_size, gen.world_size
+    is_trainer = rank < n_train
+    options = {"bucket_bytes": spec.bucket_bytes, "in_flight": spec.in_flight, "checksum": spec.checksum}
+    ip = "127.0.0.1"
+    stage_ports = spec.ports["stages"]
+
+    async def main() -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": rank, "role": "trainer" if is_trainer else "rollout", "refits": []}
+        if is_trainer:
+            model = build_model(config, seed=0, dtype=dtype)
+            w: Any = TorchPolicyWorker(model, rank=rank, world_size=n_train, device="cpu",
+                                       timeout_s=spec.timeout_s, reshard_options=options,
+                                       reference_state_dict=None)
+            await w.init_collective(ip, spec.ports["update"], n_train + n_gen, train_world_size=n_train)
+            stage = train.coords(rank).pp_stage
+            members = list(train.stage_ranks(stage))
+            await w.init_nccl_reshard_comm_group([ip] * train.pp, stage_ports, train.pp, stage,
+                                                 len(members) + n_gen, members.index(rank))
+            info = await w.prepare_nccl_reshard_refit_info(train, gen, n_train, n_gen)
+            plan = w._refit_transport_state("nccl_reshard")["plan"]
+            stage_groups = {stage: w.pp_comm_group}
+            out["hash"] = info["hash"]
+        else:
+            g = rank - n_train
+            w = RolloutWorker(rank=g, gen_world_size=n_gen, device="cpu", timeout_s=spec.timeout_s,
+                              reshard_options=options)
+            await w.init_collective(ip, spec.ports["update"], n_train + n_gen, train_world_size=n_train)
+            await w.init_nccl_reshard_comm_groups([ip] * train.pp, stage_ports,
+                                                  [len(train.stage_ranks(s)) for s in range(train.pp)])
+            plan = build_plan(config, train, gen, n_train, n_gen, dtype=dtype)
+            w.load_refit_plan(plan.refit_info())
+            stage_groups = w.stage_groups
+            out["hash"] = plan.hash
+        events.put((rank, "joined", 0))
+        my_rank = rank if is_trainer else rank - n_train
+        out["ceiling_s"] = await w._run(_ceiling, w, plan, spec, is_trainer, my_rank, stage_groups)
+        events.put((rank, "ceiling", 0))
+        for version in range(1, spec.refits + 1):
+            if is_trainer:
+                new = seeded_state_dict(config, seed=version, dtype=dtype)
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        p.copy_(new[name])
+                del new
+            await w._run(w.model_update_group.barrier)
+            _device.reset_peak_memory("cpu")
+            rss0 = _device.rss_bytes()
+            t0 = time.perf_counter()
+            if is_trainer:
+                rep = await w.nccl_reshard_refit(kv_scales={"model.layers.0.self_attn.k_scale": 1.0 + version})
+            else:
+                rep = await w.receive_nccl_reshard_refit()
+            seconds = time.perf_counter() - t0
+            extra = max(0, _device.peak_memory_bytes("cpu") - rss0)
+            wall = await w._run(_max_over, w.model_update_group, seconds)
+            row = {"version": rep.version, "seconds": seconds, "wall_seconds": wall, "bytes": rep.bytes,
+                   "ring_bytes": rep.peak_extra_bytes, "peak_extra_bytes": extra}
+            if not is_trainer and spec.verify:
+                want = dest_shards(plan, my_rank, seeded_state_dict(config, seed=version, dtype=dtype))
+                have = w.weights()
+                row["bit_exact"] = set(want) == set(have) and all(torch.equal(have[k], want[k]) for k in want)
+                row["kv_scales"] = w.kv_scales
+                row["expected_bytes"] = plan.recv_bytes_per_dst_rank()[my_rank]
+            out["refits"].append(row)
+            events.put((rank, "refit", version))
+        await w.shutdown()
+        return out
+
+    return asyncio.run(main())
+
+
+def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
+    """Run the world; return the JSON-ready summary (see ``policyworker demo --json``)."""
+    import multiprocessing as mp
+    import queue
+
+    train, gen = spec.train_par, spec.gen_par
+    spec.ports = {"update": free_port(), "stages": [free_port() for _ in range(train.pp)]}
+    n = train.world_size + gen.world_size
+    events = mp.get_context("spawn").Queue()
+    world = start_world(_rank_main, n, (spec, events))
+
+    def tick() -> None:
+        while True:
+            try:
+                ev = events.get_nowait()
+            except queue.Empty:
+                return
+            if on_event is not None:
+                on_event(*ev)
+
+    results = world.collect(spec.timeout_s * (spec.refits + 3), on_tick=tick)
+    tick()
+    ranks = [results[r] for r in range(n)]
+    plan = build_plan(_config(spec), train, gen, train.world_size, gen.world_size,
+                      dtype=getattr(torch, spec.dtype))
+    total = plan.total_bytes
+    rollouts = ranks[train.world_size:]
+    refits = []
+    for i in range(spec.refits):
+        wall = ranks[0]["refits"][i]["wall_seconds"]
+        refits.append({"version": ranks[0]["refits"][i]["version"], "seconds": wall, "bytes": total,
+                       "gbps": total / wall / 1e9})
+    ceiling_s = min(ranks[0]["ceiling_s"])
+    ceiling_gbps = total / ceiling_s / 1e9
+    gbps_median = statistics.median(r["gbps"] for r in refits)
+    received = sum(r["refits"][-1]["bytes"] for r in rollouts)
+    bit_exact = all(row.get("bit_exact", False) for r in rollouts for row in r["refits"]) if spec.verify else None
+    ring = max(row["ring_bytes"] for r in ranks for row in r["refits"])
+    steady_extra = max((row["peak_extra_bytes"] for r in ranks for row in r["refits"][1:]), default=0)
+    return {
+        "transport": "nccl_reshard",
+        "device": "cpu",
+        "backend": "gloo",
+        "preset": spec.preset,
+        "dtype": spec.dtype,
+        "layouts": {"train": str(train), "gen": str(gen)},
+        "processes": n,
+        "bucket_bytes": spec.bucket_bytes,
+        "in_flight": spec.in_flight,
+        "refits": refits,
+        "bit_exact": bit_exact,
+        "committed_versions": [r["refits"][-1]["version"] for r in rollouts],
+        "ceiling_gbps": ceiling_gbps,
+        "gbps_median": gbps_median,
+        "ratio_to_ceiling": gbps_median / ceiling_gbps,
+        "bytes_moved": received,
+        "min_bytes": plan.min_bytes,
+        "bytes_over_min": received / plan.min_bytes,
+        "ring_bytes_per_process": ring,
+        "bucket_x_in_flight": spec.bucket_bytes * spec.in_flight,
+        "peak_extra_bytes_per_process_steady": steady_extra,
+        "plan_hash": plan.hash,
+        "spec": {k: v for k, v in asdict(spec).items() if k != "ports"},
+    }
+
+
+def _config(spec: RefitBenchSpec):
+    from .models import get_preset
+
+    return get_preset(spec.preset)
