@@ -236,12 +236,17 @@ class CommGroup:
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
         """Start a point-to-point send; complete it with :meth:`wait`."""
         self._guard()
-        return self.pg.send([tensor], dst, tag)
+        return self._track(self.pg.send([tensor], dst, tag))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0):
         """Start a point-to-point receive; complete it with :meth:`wait`."""
         self._guard()
-        return self.pg.recv([tensor], src, tag)
+        return self._track(self.pg.recv([tensor], src, tag))
+
+    def _track(self, work):
+        # gloo: hand the work to the waiter thread now, not at wait time, so it waits on
+        # issued works back to back and a caller's wait finds them done (pipelining).
+        return work if self.backend == "nccl" else self._completion(work)
 
     def __repr__(self) -> str:
         state = "aborted" if self.aborted else ("closed" if self._closed else "open")

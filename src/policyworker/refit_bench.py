@@ -38,7 +38,8 @@ class RefitBenchSpec:
     refits: int = 3
     dtype: str = "bfloat16"
     bucket_bytes: int = 16 << 20
-    in_flight: int = 4
+    in_flight: int = 16
+    staging: int = 2
     checksum: bool = False
     ceiling_rounds: int = 3
     timeout_s: float = 120.0
@@ -97,7 +98,8 @@ def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
     train, gen = spec.train_par, spec.gen_par
     n_train, n_gen = train.world_size, gen.world_size
     is_trainer = rank < n_train
-    options = {"bucket_bytes": spec.bucket_bytes, "in_flight": spec.in_flight, "checksum": spec.checksum}
+    options = {"bucket_bytes": spec.bucket_bytes, "in_flight": spec.in_flight, "staging": spec.staging,
+               "checksum": spec.checksum}
     ip = "127.0.0.1"
     stage_ports = spec.ports["stages"]
 
@@ -215,6 +217,7 @@ def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
         "processes": n,
         "bucket_bytes": spec.bucket_bytes,
         "in_flight": spec.in_flight,
+        "staging": spec.staging,
         "refits": refits,
         "bit_exact": bit_exact,
         "committed_versions": [r["refits"][-1]["version"] for r in rollouts],
@@ -225,7 +228,7 @@ def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
         "min_bytes": plan.min_bytes,
         "bytes_over_min": received / plan.min_bytes,
         "ring_bytes_per_process": ring,
-        "bucket_x_in_flight": spec.bucket_bytes * spec.in_flight,
+        "bucket_x_staging": spec.bucket_bytes * spec.staging,
         "peak_extra_bytes_per_process_steady": steady_extra,
         "plan_hash": plan.hash,
         "spec": {k: v for k, v in asdict(spec).items() if k != "ports"},

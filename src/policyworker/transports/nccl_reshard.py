@@ -15,10 +15,12 @@ One refit, both sides:
    message with the smallest key is then posted on both of its ends, so it
    completes: no cycle of waits, whatever the layouts (the deadlock hazard of
    point-to-point schedules).
-2. Sender: a bucket whose single source region is contiguous goes out as a view of
-   the parameter (no copy); others are packed into a ring of ``in_flight`` staging
-   buffers that lives across refits. Receiver: likewise straight into a contiguous
-   destination region, else through its ring and ``unpack``.
+2. Sender: a message whose single source region is contiguous goes out as a view of
+   the parameter (no copy); others are packed into a ring of ``staging`` buffers of
+   ``bucket_bytes`` that lives across refits. Receiver: likewise straight into a
+   contiguous destination region, else through its ring and ``unpack``. Copies of
+   1 MiB and more travel as their own messages so that they can go direct; smaller
+   ones share packed buckets. Up to ``in_flight`` messages are outstanding per rank.
 3. After the bulk, over ``model_update_group``: trainer rank 0 broadcasts the
    ``kv_scales`` (msgpack bytes, never pickle), then every rank all-reduces its
    verdict. A receiver commits only when every expected byte arrived and every
@@ -105,10 +107,10 @@ def _schedule(plan: ReshardPlan, ctx: TransportContext, bucket_bytes: int) -> li
     return msgs
 
 
-# A copy at least this large travels as its own message, so that each side can move it
+# A copy of 1 MiB or more travels as its own message, so that each side can move it
 # straight from / into the tensor when its region is contiguous there (no staging
 # copy); smaller copies share packed buckets (fewer messages).
-_OWN_MESSAGE_MIN_BYTES = 256 << 10
+_OWN_MESSAGE_MIN_BYTES = 1 << 20
 
 
 def _buckets(plan: ReshardPlan, copies: list[Copy], bucket_bytes: int) -> list[list[Copy]]:
@@ -168,12 +170,16 @@ class NcclReshardTransport(Transport):
 
     name = "nccl_reshard"
 
-    def __init__(self, *, bucket_bytes: int = 32 << 20, in_flight: int = 4, checksum: bool = False) -> None:
-        for value, what, low in ((bucket_bytes, "bucket_bytes", 1024), (in_flight, "in_flight", 1)):
+    def __init__(
+        self, *, bucket_bytes: int = 16 << 20, in_flight: int = 16, staging: int = 2, checksum: bool = False
+    ) -> None:
+        for value, what, low in ((bucket_bytes, "bucket_bytes", 1024), (in_flight, "in_flight", 1),
+                                 (staging, "staging", 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{what} must be an int >= {low}, got {value!r}", transport=self.name)
         self.bucket_bytes = bucket_bytes
-        self.in_flight = in_flight
+        self.in_flight = in_flight  # messages outstanding per rank
+        self.staging = min(staging, in_flight)  # staging buffers (bucket_bytes each) per rank
         self.checksum = bool(checksum)
         self._closed = False
 
@@ -215,9 +221,9 @@ class NcclReshardTransport(Transport):
         ctx.state["schedule"] = _schedule(plan, ctx, self.bucket_bytes)
         ring_bytes = self.bucket_bytes + (8 if self.checksum else 0)
         ring = ctx.state.get("ring")
-        if ring is None or len(ring) != self.in_flight or ring[0].numel() != ring_bytes or ring[0].device != device:
+        if ring is None or len(ring) != self.staging or ring[0].numel() != ring_bytes or ring[0].device != device:
             # Staging lives across refits: fresh pages cost more than the copy itself.
-            ctx.state["ring"] = [torch.empty(ring_bytes, dtype=torch.uint8, device=device) for _ in range(self.in_flight)]
+            ctx.state["ring"] = [torch.empty(ring_bytes, dtype=torch.uint8, device=device) for _ in range(self.staging)]
         ctx.state["connected_hash"] = plan.hash
 
     # -- refit -----------------------------------------------------------------------
@@ -438,26 +444,29 @@ class NcclReshardTransport(Transport):
 # -- leftovers over model_update_group (after the bulk) --------------------------------
 def exchange_leftovers(group, *, is_source: bool, kv_scales: Mapping[str, float] | None, deadline: float,
                        version: int, ok: bool) -> tuple[dict[str, float] | None, int, int]:
-    """Broadcast kv_scales and the version from rank 0, then all-reduce verdicts.
+    """One all-reduce of (failures, version, kv-scales length), then the scales if any.
 
-    Returns (kv_scales, version, failures). Every rank of the update group calls it.
+    Every rank of the update group calls it; only rank 0 (``is_source``) contributes
+    the version and the scales, so the sums are rank 0's values. Returns
+    (kv_scales, version, failures).
     """
     dev = group.device
-    if is_source:
-        payload = msgspec.msgpack.encode(KvScales(dict(kv_scales))) if kv_scales is not None else b""
-        meta = torch.tensor([len(payload), version], dtype=torch.int64, device=dev)
-    else:
-        payload = b""
-        meta = torch.zeros(2, dtype=torch.int64, device=dev)
-    group.broadcast(meta, 0, deadline=deadline)
-    length, version = (int(x) for x in meta.cpu().tolist())
+    payload = b""
+    if is_source and kv_scales is not None:
+        payload = msgspec.msgpack.encode(KvScales(dict(kv_scales)))
+    meta = torch.tensor(
+        [0 if ok else 1, version if is_source else 0, len(payload) + (1 if is_source and kv_scales is not None else 0)],
+        dtype=torch.int64, device=dev,
+    )
+    group.all_reduce(meta, deadline=deadline)
+    failures, version, length = (int(x) for x in meta.cpu().tolist())
     scales = None
-    if length:
-        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev) if is_source
-               else torch.empty(length, dtype=torch.uint8, device=dev))
-        group.broadcast(buf, 0, deadline=deadline)
-        scales = _KV_DECODER.decode(bytes(buf.cpu().numpy())).scales if not is_source else dict(kv_scales)
-    verdict = torch.tensor([0 if ok else 1], dtype=torch.int64, device=dev)
-    group.all_reduce(verdict, deadline=deadline)
-    return scales, version, int(verdict.item())
-
+    if length:  # length = payload bytes + 1, so {} still arrives as {}
+        if is_source:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev) if payload else None
+        else:
+            buf = torch.empty(length - 1, dtype=torch.uint8, device=dev)
+        if buf is not None and buf.numel():
+            group.broadcast(buf, 0, deadline=deadline)
+        scales = dict(kv_scales) if is_source else _KV_DECODER.decode(bytes(buf.cpu().numpy())).scales
+    return scales, version, failures

@@ -1,0 +1,42 @@
+"""The README's main job, end to end, as a user runs it (smaller preset to keep CI fast)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def test_demo_refits_bit_exact_and_writes_json(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "policyworker.cli", "demo", "--preset", "tiny", "--refits", "3", "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["transport"] == "nccl_reshard"
+    assert data["layouts"] == {"train": "tp=2,pp=2,dp=1,ep=1", "gen": "tp=2,pp=1,dp=2,ep=1"}
+    assert data["bit_exact"] is True
+    assert [r["version"] for r in data["refits"]] == [1, 2, 3]
+    assert all(r["seconds"] > 0 and r["bytes"] > 0 for r in data["refits"])
+    assert data["ceiling_gbps"] > 0 and data["gbps_median"] > 0
+    assert data["ratio_to_ceiling"] == pytest.approx(data["gbps_median"] / data["ceiling_gbps"])
+    details = data["details"]
+    assert details["bytes_over_min"] == 1.0  # each rollout received exactly its shard's bytes
+    assert details["committed_versions"] == [3, 3, 3, 3]
+    assert "refit v3" in proc.stdout and "ceiling" in proc.stdout
+
+
+def test_bench_prints_json():
+    proc = subprocess.run(
+        [sys.executable, "-m", "policyworker.cli", "bench", "--transport", "nccl_reshard", "--preset", "tiny",
+         "--train", "tp=2", "--gen", "tp=1", "--refits", "2"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    assert data["bit_exact"] is True and len(data["refits"]) == 2
+    assert data["ring_bytes_per_process"] <= data["bucket_x_staging"] + 8 * data["staging"]
