@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from policyworker import PolicyWorkerError, RolloutWorker
+from policyworker.faults import FlippingGroup, MutedGroup
 from policyworker.layout import Parallelism, build_plan, dest_shards, source_shards
 from policyworker.models import get_preset, param_specs, seeded_state_dict
 
@@ -73,35 +74,6 @@ def _dtensor_plan(spec: RefitSpec, dtype: torch.dtype):
     return plan_from_layouts(specs, src, dst, train=spec.train_par, gen=spec.gen_par, gen_fused=True)
 
 
-class _Mute:
-    """A stand-in group whose sends vanish (the message is lost, the sender carries on)."""
-
-    def __init__(self, group) -> None:
-        self._group = group
-        self.device = group.device
-
-    def isend(self, tensor, dst, tag=0):
-        return None
-
-    def wait(self, work, **_kw) -> None:
-        return None
-
-
-class _Flip:
-    """A stand-in group that flips the first byte of what it sends (in-flight corruption)."""
-
-    def __init__(self, group) -> None:
-        self._group = group
-        self.device = group.device
-
-    def isend(self, tensor, dst, tag=0):
-        tensor[0] ^= 0xFF
-        return self._group.isend(tensor, dst, tag)
-
-    def wait(self, work, **kw) -> None:
-        self._group.wait(work, **kw)
-
-
 def _inject(w, spec: RefitSpec, version: int) -> None:
     if not spec.fault or spec.fault["version"] != version:
         return
@@ -110,11 +82,11 @@ def _inject(w, spec: RefitSpec, version: int) -> None:
     if kind == "drop_last_bucket":
         # The header still announces every bucket; the last one is simply never sent.
         last = [m for m in state["schedule"] if m.copies is not None][-1]
-        last.group = _Mute(last.group)
+        last.group = MutedGroup(last.group)
     elif kind == "flip_byte":
         # Corrupt the first bucket on the wire, after its checksum was computed.
         first = [m for m in state["schedule"] if m.copies is not None][0]
-        first.group = _Flip(first.group)
+        first.group = FlippingGroup(first.group)
     else:
         raise ValueError(kind)
 

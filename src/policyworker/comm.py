@@ -26,7 +26,8 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,36 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise ConfigError(f"rank {rank} is outside [0, {world_size})")
 
 
+class _Waiter:
+    """One daemon thread that waits on gloo works in issue order and completes futures."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work, future: Future) -> None:
+        self._queue.put((work, future))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                work.wait()
+            except BaseException as exc:  # handed to the caller through the future
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+
 class CommGroup:
     """One independent process group with bounded, abortable operations.
 
@@ -89,7 +120,7 @@ class CommGroup:
         self._owner_store = owner_store  # keep the master store alive as long as the group
         self._aborted = threading.Event()
         self._cond = threading.Condition()
-        self._waiter: ThreadPoolExecutor | None = None
+        self._waiter: _Waiter | None = None
         self._closed = False
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
@@ -126,8 +157,9 @@ class CommGroup:
         self._aborted.set()
         self._notify()
         if self._waiter is not None:
-            # A waiter stuck on a dead gloo pair returns at the group's own timeout; don't join it.
-            self._waiter.shutdown(wait=False, cancel_futures=True)
+            # A waiter stuck on a dead gloo pair returns at the group's own timeout; it is
+            # a daemon thread, so it never holds up shutdown or process exit.
+            self._waiter.stop()
         shutdown = getattr(self.pg, "shutdown", None) if self.backend == "nccl" else None
         if shutdown is not None:
             try:
@@ -148,9 +180,10 @@ class CommGroup:
         NCCL works complete on the GPU; ``is_completed()`` polls their CUDA event.
         """
         if self._waiter is None:
-            self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"policyworker-wait-{self.name}")
-        future = self._waiter.submit(work.wait)
+            self._waiter = _Waiter(f"policyworker-wait-{self.name}")
+        future: Future = Future()
         future.add_done_callback(self._notify)
+        self._waiter.submit(work, future)
         return future
 
     def _notify(self, _future=None) -> None:

@@ -169,6 +169,22 @@ class NcclReshardMixin:
         state.pop("connected_hash", None)
         return plan.refit_info()
 
+    @property
+    def refit_version(self) -> int:
+        """The version of the last refit this trainer sent successfully (0: none yet).
+
+        The next ``nccl_reshard_refit`` sends ``refit_version + 1``. A controller that
+        starts a replacement trainer sets it to the survivors' value so every trainer
+        of a refit announces the same version.
+        """
+        return int(self._refit_transport_state("nccl_reshard").get("version", 0))
+
+    @refit_version.setter
+    def refit_version(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"refit_version must be an int >= 0, got {value!r}")
+        self._refit_transport_state("nccl_reshard")["version"] = value
+
     def _reshard_transport(self, state: dict) -> NcclReshardTransport:
         transport = state.get("transport")
         if transport is None:

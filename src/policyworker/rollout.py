@@ -73,6 +73,8 @@ class RolloutWorker(WorkerCore):
                 f"world_size {world_size} != train_world_size {train_world_size} + gen_world_size {self.gen_world_size}"
             )
         self._ensure_open()
+        for stage_group in self.stage_groups.values():
+            stage_group.abort()  # stale with the old update group (see AbstractPolicyWorker)
         self._replace_group("model_update_group", None)
         group = await self._run(
             new_group,

@@ -76,6 +76,11 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
         if self.rank >= train_world_size:
             raise ConfigError(f"trainer rank {self.rank} is outside train_world_size {train_world_size}")
         self._ensure_open()
+        # A new update group means a new refit world: the stage group of the old one is
+        # stale too. Abort it (a refit blocked in it returns now, so the executor is free
+        # for the new group); init_nccl_reshard_comm_group replaces it.
+        if self.pp_comm_group is not None:
+            self.pp_comm_group.abort()
         self._replace_group("model_update_group", None)
         group = await self._run(
             new_group,

@@ -1,0 +1,281 @@
+"""``policyworker drill``: fault scenarios on the embedded CPU default, one row each.
+
+World: 2 trainers (tp=2) → 2 rollouts (tp=2), nccl_reshard over gloo, the "tiny"
+preset in small buckets (many messages, so "mid-refit" is real), three refits. In
+each scenario one fault hits refit v2; then the survivors recover the way a
+controller would, and the scenario passes only if
+
+* the failure was detected by the right error, in time (``detect_seconds``: prompt
+  for a dead peer, within deadline + 2 s for a stall),
+* no rollout served torn weights and none served a mixed version (after every
+  failure a rollout either refuses with ``TornWeights`` or still holds exactly its
+  last committed version, checked bit for bit),
+* every rank — a replacement process included — ends at v3, bit-exact.
+
+Recovery: comm failures (``PeerLost``, ``RefitAborted``, ``RefitTimeout``) move every
+survivor to the next *epoch*: new update and stage groups on fresh ports (a killed
+process is replaced by a new one that joins there). Protocol failures (a corrupt
+bucket, a plan mismatch at connect) leave the groups healthy: the refit is retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import queue
+import signal
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["SCENARIOS", "Scenario", "run_drill"]
+
+N_TRAIN = N_GEN = 2
+REFITS = 3
+FAULT_VERSION = 2
+_COMM = ("PeerLost", "RefitAborted", "RefitTimeout")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    fault: str  # kill_mid | stop_mid | standdown | kill_between | flip | bad_plan
+    victim: int  # global rank: 0, 1 trainers; 2, 3 rollouts
+    expect: tuple[str, ...]  # error types acceptable on the survivors
+    refit_timeout_s: float = 6.0
+    checksum: bool = False
+
+
+SCENARIOS = {
+    s.name: s
+    for s in (
+        Scenario("kill-rollout-mid-refit", "kill_mid", 3, _COMM),
+        Scenario("kill-trainer-mid-refit", "kill_mid", 1, _COMM),
+        Scenario("stall-rollout-past-deadline", "stop_mid", 3, ("RefitTimeout", "RefitAborted"), refit_timeout_s=3.0),
+        Scenario("stand-down-during-refit", "standdown", 3, ("RefitAborted",), refit_timeout_s=20.0),
+        Scenario("corrupt-bucket", "flip", 0, ("ProtocolError", "TransportError"), checksum=True),
+        Scenario("plan-hash-mismatch", "bad_plan", 3, ("PlanMismatch",)),
+        Scenario("restart-and-recover", "kill_between", 2, _COMM),
+    )
+}
+
+
+def _plan(bad: bool = False):
+    import torch
+
+    from .layout import build_plan
+    from .models import get_preset
+
+    gen = "tp=1,dp=2" if bad else "tp=2"  # same world size, another layout: another hash
+    return build_plan(get_preset("tiny"), "tp=2", gen, N_TRAIN, N_GEN, dtype=torch.float32)
+
+
+def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: int) -> dict[str, Any]:
+    import torch
+
+    from . import faults
+    from .errors import PolicyWorkerError
+    from .layout import dest_shards
+    from .models import build_model, get_preset, seeded_state_dict
+    from .rollout import RolloutWorker
+    from .torch_worker import TorchPolicyWorker
+
+    torch.set_num_threads(1)
+    config = get_preset("tiny")
+    trainer = rank < N_TRAIN
+    plan = _plan()
+    options = {"bucket_bytes": 4096, "in_flight": 4, "checksum": sc.checksum}
+    victim = rank == sc.victim and start_epoch == 0
+    out: dict[str, Any] = {"rank": rank, "replacement": start_epoch > 0, "failures": [], "served_torn": False,
+                           "mixed": False, "stood_down": None}
+
+    def expected(version: int) -> dict[str, torch.Tensor]:
+        return dest_shards(plan, rank - N_TRAIN, seeded_state_dict(config, seed=version, dtype=torch.float32))
+
+    async def join(w, epoch: int) -> None:
+        p = ports[epoch]
+        await w.init_collective("127.0.0.1", p["update"], N_TRAIN + N_GEN, train_world_size=N_TRAIN)
+        if trainer:
+            await w.init_nccl_reshard_comm_group(["127.0.0.1"], [p["stage"]], 1, 0, N_TRAIN + N_GEN, rank)
+        else:
+            await w.init_nccl_reshard_comm_groups(["127.0.0.1"], [p["stage"]], [N_TRAIN])
+
+    async def main() -> dict[str, Any]:
+        epoch = start_epoch
+        if trainer:
+            model = build_model(config, seed=0, dtype=torch.float32)
+            w: Any = TorchPolicyWorker(model, rank=rank, world_size=N_TRAIN, device="cpu", timeout_s=60,
+                                       reshard_options=options)
+            await join(w, epoch)
+            await w.prepare_nccl_reshard_refit_info("tp=2", "tp=2", N_TRAIN, N_GEN)
+            if start_epoch > 0:
+                w.refit_version = FAULT_VERSION - 1  # a replacement joins the survivors' count
+        else:
+            w = RolloutWorker(rank=rank - N_TRAIN, gen_world_size=N_GEN, device="cpu", timeout_s=60,
+                              reshard_options=options)
+            await join(w, epoch)
+            w.load_refit_plan(_plan(bad=victim and sc.fault == "bad_plan").refit_info())
+        while True:
+            version = (w.refit_version if trainer else w.weight_version) + 1
+            if version > REFITS:
+                break
+            faulty = victim and version == FAULT_VERSION and not out["failures"]
+            if faulty and sc.fault == "kill_between":
+                faults.die_after_waits(1)  # dies at its very next wait: an idle rank gone
+            elif faulty and sc.fault == "kill_mid":
+                faults.die_after_waits(6, signal.SIGKILL)
+            elif faulty and sc.fault in ("stop_mid", "standdown"):
+                faults.die_after_waits(6, signal.SIGSTOP)
+            elif faulty and sc.fault == "flip":
+                state = w._refit_transport_state("nccl_reshard")
+                first = next(m for m in state["schedule"] if m.copies is not None)
+                first.group = faults.FlippingGroup(first.group)
+            t0 = time.monotonic()
+            rebuilt = False
+            try:
+                if trainer:
+                    new = seeded_state_dict(config, seed=version, dtype=torch.float32)
+                    with torch.no_grad():
+                        for name, p in model.named_parameters():
+                            p.copy_(new[name])
+                    refit = asyncio.ensure_future(w.nccl_reshard_refit(refit_timeout_s=sc.refit_timeout_s))
+                else:
+                    refit = asyncio.ensure_future(w.receive_nccl_reshard_refit(refit_timeout_s=sc.refit_timeout_s))
+                if sc.fault == "standdown" and version == FAULT_VERSION and not out["failures"]:
+                    done, _ = await asyncio.wait({refit}, timeout=1.5)
+                    if not done:
+                        # The controller confirmed a peer dead: disarm the deadlines (no abort
+                        # from the watchdog), then rebuild, which aborts the stuck refit.
+                        t_sd = time.perf_counter()
+                        count = w.stand_down_refit_watchdog()
+                        out["stood_down"] = {"count": count, "seconds": time.perf_counter() - t_sd}
+                        events.put(("stood_down", rank))
+                        epoch += 1
+                        rebuilt = True
+                        rebuild = asyncio.ensure_future(join(w, epoch))
+                        await asyncio.wait({refit}, timeout=30)
+                        await rebuild
+                rep = await refit
+                if not trainer:
+                    want, have = expected(rep.version), w.weights()
+                    if not all(torch.equal(have[k], want[k]) for k in want):
+                        out["mixed"] = True
+            except PolicyWorkerError as exc:
+                kind = type(exc).__name__
+                row = {"version": version, "error": kind, "detect_seconds": time.monotonic() - t0,
+                       "epoch": epoch}
+                if not trainer:
+                    row["torn"] = w.torn
+                    try:
+                        have = w.weights()
+                    except PolicyWorkerError:
+                        row["serves"] = False
+                    else:
+                        row["serves"] = True
+                        out["served_torn"] |= w.torn
+                        if w.weight_version:
+                            want = expected(w.weight_version)
+                            out["mixed"] |= not all(torch.equal(have[k], want[k]) for k in want)
+                out["failures"].append(row)
+                events.put(("failed", rank))
+                if victim and sc.fault == "bad_plan" and kind == "PlanMismatch":
+                    w.load_refit_plan(plan.refit_info())  # the controller hands out the right plan
+                if kind in _COMM and not rebuilt:
+                    epoch += 1
+                    await join(w, epoch)
+                if len(out["failures"]) > 4:
+                    break
+        out["final_version"] = w.refit_version if trainer else w.weight_version
+        if not trainer:
+            out["torn"] = w.torn
+            if not w.torn:
+                want, have = expected(w.weight_version), w.weights()
+                out["exact"] = all(torch.equal(have[k], want[k]) for k in want)
+            else:
+                out["exact"] = False
+        await w.shutdown()
+        return out
+
+    return asyncio.run(main())
+
+
+def _replacement(_index: int, rank: int, sc: Scenario, ports: list[dict], events) -> dict[str, Any]:
+    return _rank_main(rank, sc, ports, events, 1)
+
+
+def run_scenario(sc: Scenario, *, timeout_s: float = 150.0) -> dict[str, Any]:
+    """Run one scenario in real processes; return its row (see ``run_drill``)."""
+    from .procs import free_port, start_world
+
+    ports = [{"update": free_port(), "stage": free_port()} for _ in range(3)]
+    events = mp.get_context("spawn").Queue()
+    world = start_world(_rank_main, N_TRAIN + N_GEN, (sc, ports, events, 0))
+    replacement = None
+    dies = sc.fault in ("kill_mid", "kill_between")
+
+    def tick() -> None:
+        nonlocal replacement
+        while True:
+            try:
+                kind, _rank = events.get_nowait()
+            except queue.Empty:
+                break
+            if sc.fault in ("stop_mid", "standdown") and kind in ("failed", "stood_down"):
+                world.signal(sc.victim, signal.SIGCONT)
+        if dies and replacement is None and not world.procs[sc.victim].is_alive():
+            replacement = start_world(_replacement, 1, (sc.victim, sc, ports, events))
+
+    t0 = time.monotonic()
+    results = world.collect(timeout_s, allow_dead=[sc.victim] if dies else [], on_tick=tick)
+    if replacement is not None:
+        results[sc.victim] = replacement.collect(max(10.0, timeout_s - (time.monotonic() - t0)))[0]
+    return _judge(sc, results)
+
+
+def _judge(sc: Scenario, results: dict[int, dict]) -> dict[str, Any]:
+    ranks = [results[r] for r in sorted(results)]
+    firsts = [r["failures"][0] for r in ranks if r["failures"]]
+    detect = max((f["detect_seconds"] for f in firsts), default=None)
+    kinds = sorted({f["error"] for f in firsts})
+    recovered = all(r.get("final_version") == REFITS for r in ranks) and all(
+        r.get("exact", True) for r in ranks)
+    served_torn = any(r["served_torn"] for r in ranks)
+    mixed = any(r["mixed"] for r in ranks)
+    limit = sc.refit_timeout_s + 2.0
+    checks = {
+        "detected": bool(firsts) and all(f["error"] in sc.expect for f in firsts if f["version"] == FAULT_VERSION),
+        "in_time": detect is not None and detect <= limit,
+        "recovered": recovered,
+        "no_torn_serving": not served_torn,
+        "no_mixed_version": not mixed,
+    }
+    if sc.fault == "standdown":
+        sd = [r["stood_down"] for r in ranks if r["stood_down"]]
+        checks["stand_down_counted"] = bool(sd) and all(s["count"] >= 1 for s in sd)
+    if sc.fault == "kill_mid" and detect is not None:
+        checks["prompt"] = detect < sc.refit_timeout_s  # the transport told before the deadline
+    return {
+        "name": sc.name,
+        "passed": all(checks.values()),
+        "detect_seconds": detect,
+        "served_torn": served_torn,
+        "recovered": recovered,
+        "errors": kinds,
+        "checks": checks,
+        "scenario": asdict(sc),
+    }
+
+
+def run_drill(names: list[str] | None = None, *, on_row=None) -> dict[str, Any]:
+    rows = []
+    for name in names or list(SCENARIOS):
+        sc = SCENARIOS[name]
+        try:
+            row = run_scenario(sc)
+        except Exception as exc:  # a scenario that crashed is a failed row, the drill goes on
+            row = {"name": name, "passed": False, "detect_seconds": None, "served_torn": False,
+                   "recovered": False, "errors": [f"{type(exc).__name__}: {str(exc)[:2000]}"]}
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+    return {"scenarios": rows, "passed": all(r["passed"] for r in rows)}

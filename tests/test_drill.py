@@ -1,0 +1,38 @@
+"""``policyworker drill``: every fault scenario passes, in real processes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from policyworker.drill import SCENARIOS
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+@pytest.mark.timeout(600)
+def test_drill_every_scenario_passes(tmp_path):
+    out = tmp_path / "drill.json"
+    proc = subprocess.run([sys.executable, "-m", "policyworker.cli", "drill", "--json", str(out)],
+                          capture_output=True, text=True, timeout=580)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = {r["name"]: r for r in data["scenarios"]}
+    assert set(rows) == set(SCENARIOS) == {
+        "kill-rollout-mid-refit", "kill-trainer-mid-refit", "stall-rollout-past-deadline",
+        "stand-down-during-refit", "corrupt-bucket", "plan-hash-mismatch", "restart-and-recover",
+    }
+    for name, row in rows.items():
+        assert row["passed"], (name, row)
+        assert row["served_torn"] is False and row["recovered"] is True
+        assert row["detect_seconds"] is not None
+    # a dead peer is noticed by the transport, long before any deadline
+    assert rows["kill-rollout-mid-refit"]["detect_seconds"] < 2.0
+    assert rows["kill-trainer-mid-refit"]["detect_seconds"] < 2.0
+    # a stalled peer is caught by the deadline: within refit_timeout_s + 2 s
+    stall = rows["stall-rollout-past-deadline"]
+    assert stall["errors"] == ["RefitTimeout"] or "RefitTimeout" in stall["errors"]
+    assert stall["detect_seconds"] <= stall["scenario"]["refit_timeout_s"] + 2.0
+    assert rows["plan-hash-mismatch"]["errors"] == ["PlanMismatch"]
+    assert proc.returncode == 0
