@@ -1,0 +1,138 @@
+"""sglang_ipc vs zmq on CPU: refit throughput against a same-run memcpy ceiling. Prints JSON.
+
+``.venv/bin/python benchmarks/bench_sglang_vs_zmq.py --preset small --dtype bfloat16 --refits 4``
+
+sglang_ipc: two trainer processes (``SglangIpcMixin`` over ``TorchPolicyWorker``), one
+engine of 2 "GPUs" whose tp ranks are ``RolloutWorker`` s behind the in-process adapter
+on trainer rank 0 (rank 1's buffer is opened across processes through its shared-memory
+handle). Per refit: new weights (outside the timing), a barrier, then
+``sglang_refit``; seconds = the slowest rank. Bytes = bytes landed in the engine (model
+bytes × tp ranks). Each byte is copied twice (pack into the flattened buffer, load
+into the rollout), like SGLang's own path. The ceiling is one plain ``copy_`` of the
+same byte count between two preallocated, touched buffers, in the same run.
+
+zmq: ``policyworker.zmq_bench.run_zmq_bench`` (one trainer, one rollout) when it can
+be imported; its own same-run ceiling is reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+
+def _rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
+    from policyworker import RolloutWorker, TorchPolicyWorker
+    from policyworker.models import build_model, get_preset, seeded_state_dict
+    from policyworker.sglang_engine import InProcessSglangEngine
+    from policyworker.sglang_worker import SglangIpcMixin
+
+    torch.set_num_threads(1)
+
+    class Trainer(SglangIpcMixin, TorchPolicyWorker):
+        pass
+
+    async def main() -> dict[str, Any]:
+        config, dtype = get_preset(a["preset"]), getattr(torch, a["dtype"])
+        model = build_model(config, seed=0, dtype=dtype)
+        w = Trainer(model, rank=rank, world_size=2, device="cpu", timeout_s=120.0)
+        w.sglang_options = {"bucket_bytes": a["bucket_bytes"]}
+        await w.init_collective("127.0.0.1", a["port"], 2, train_world_size=2)
+        await w.connect_sglang_rollout_engines(engine_gpu_counts=[2])
+        engine = workers = None
+        if rank == 0:
+            workers = [RolloutWorker(rank=i, gen_world_size=2, device="cpu") for i in range(2)]
+            for r in workers:
+                r.params = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+            engine = InProcessSglangEngine(workers)
+        rows = []
+        for version in range(1, a["refits"] + 1):
+            new = seeded_state_dict(config, seed=version, dtype=dtype)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(new[n])
+            await w._run(w.model_update_group.barrier)
+            t0 = time.perf_counter()
+            rep = await w.sglang_refit(engine=engine)
+            secs = time.perf_counter() - t0
+            t = torch.tensor([secs], dtype=torch.float64)
+            await w._run(w.model_update_group.all_reduce, t, op=torch.distributed.ReduceOp.MAX)
+            row = {"version": rep.version, "seconds": float(t.item()), "buffer_bytes": rep.peak_extra_bytes}
+            if workers is not None:
+                row["bit_exact"] = all(torch.equal(r.params[n], new[n]) for r in workers for n in new)
+                row["bytes"] = sum(r.last_report.bytes for r in workers)
+            rows.append(row)
+        ceiling = []
+        if rank == 0:
+            nbytes = rows[-1]["bytes"]
+            src = torch.ones(nbytes, dtype=torch.uint8)
+            dst = torch.zeros(nbytes, dtype=torch.uint8)
+            for _ in range(a["ceiling_rounds"]):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                ceiling.append(time.perf_counter() - t0)
+        for r in workers or []:
+            await r.shutdown()
+        await w.shutdown()
+        return {"rows": rows, "ceiling_s": ceiling}
+
+    return asyncio.run(main())
+
+
+def run_sglang(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5) -> dict[str, Any]:
+    from policyworker.procs import free_port, run_world
+
+    a = dict(preset=preset, dtype=dtype, refits=refits, bucket_bytes=bucket_bytes, port=free_port(),
+             ceiling_rounds=ceiling_rounds)
+    src, _ = run_world(_rank, 2, (a,), timeout_s=600)
+    rows = src["rows"]
+    nbytes = rows[-1]["bytes"]
+    steady = [r["seconds"] for r in rows[1:]] or [rows[0]["seconds"]]
+    gbps = statistics.median(nbytes / s / 1e9 for s in steady)
+    ceiling = nbytes / statistics.median(src["ceiling_s"]) / 1e9
+    return {"transport": "sglang_ipc", "engine": "in-process, tp=2 (2 trainer processes)", "device": "cpu",
+            "preset": preset, "dtype": dtype, "bytes_landed": nbytes, "bucket_bytes": bucket_bytes,
+            "buffer_bytes_per_rank": rows[-1]["buffer_bytes"], "first_refit_s": rows[0]["seconds"],
+            "refits_s": steady, "gbps_median": gbps, "ceiling_gbps": ceiling, "ratio_to_ceiling": gbps / ceiling,
+            "bit_exact": all(r["bit_exact"] for r in rows)}
+
+
+def run_zmq(preset: str, dtype: str, refits: int) -> dict[str, Any]:
+    try:
+        from policyworker.zmq_bench import run_zmq_bench
+    except ImportError as exc:  # written concurrently; absent in some checkouts
+        return {"transport": "zmq", "skipped": f"policyworker.zmq_bench not importable: {exc}"}
+    res = run_zmq_bench(preset, dtype, refits, "cpu", baseline=False)
+    keep = ("transport", "device", "preset", "dtype", "bytes", "refits", "gbps_median", "ceiling_gbps",
+            "ratio_to_ceiling", "bit_exact", "peak_extra_bytes")
+    return {k: res.get(k) for k in keep}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--refits", type=int, default=4)
+    p.add_argument("--bucket-bytes", type=int, default=64 << 20)
+    p.add_argument("--no-zmq", action="store_true")
+    ns = p.parse_args(argv)
+    out = {"sglang_ipc": run_sglang(ns.preset, ns.dtype, ns.refits, ns.bucket_bytes)}
+    if not ns.no_zmq:
+        out["zmq"] = run_zmq(ns.preset, ns.dtype, ns.refits)
+        z = out["zmq"]
+        if z.get("ratio_to_ceiling"):
+            out["sglang_ratio_over_zmq_ratio"] = out["sglang_ipc"]["ratio_to_ceiling"] / z["ratio_to_ceiling"]
+    json.dump(out, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
