@@ -36,6 +36,7 @@ class RefitSpec:
     dtype: str = "float32"
     source: str = "rules"  # or "dtensor" (FSDP-style Shard(0) over all trainers)
     vocab_size: int | None = None  # override, for uneven shards
+    overrides: dict[str, Any] = field(default_factory=dict)  # other ModelConfig fields
     update_port: int = 0
     stage_ports: list[int] = field(default_factory=list)
     train_port: int = 0  # the trainers' own default group (dtensor source)
@@ -57,7 +58,7 @@ class RefitSpec:
         config = get_preset(self.preset)
         if self.vocab_size is not None:
             config = dataclasses.replace(config, vocab_size=self.vocab_size)
-        return config
+        return dataclasses.replace(config, **self.overrides) if self.overrides else config
 
 
 def _dtensor_plan(spec: RefitSpec, dtype: torch.dtype):

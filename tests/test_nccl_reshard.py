@@ -52,6 +52,13 @@ def test_small_buckets_many_in_flight_and_checksums():
     _run_ok("tiny", "tp=2", "tp=2", options={"bucket_bytes": 4096, "in_flight": 3, "checksum": True})
 
 
+def test_rows_wider_than_a_bucket_are_cut_and_staging_stays_bounded():
+    # down_proj rows are 512 float32 = 2 KiB, the bucket 1 KiB: rows are cut inside
+    results = _run_ok("tiny", "tp=1", "tp=2", overrides={"intermediate_size": 1024},
+                      options={"bucket_bytes": 1024, "in_flight": 4, "staging": 2})
+    assert all(o["peak_extra_bytes"] == 2 * 1024 for r in results for o in r["outcomes"])
+
+
 def test_moe_with_expert_parallel():
     _run_ok("tiny-moe", "tp=1,dp=2,ep=2", "tp=2")
 

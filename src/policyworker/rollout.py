@@ -23,7 +23,7 @@ import torch
 
 from .comm import CommGroup, _check_timeout, new_group
 from .core import WorkerCore
-from .errors import ConfigError, RefitAborted, TornWeights
+from .errors import ConfigError, PlanMismatch, RefitAborted, TornWeights
 from .layout.apply import empty_local_tensors
 from .layout.plan import ReshardPlan
 from .reshard_worker import check_local_tensors
@@ -142,7 +142,11 @@ class RolloutWorker(WorkerCore):
         if not isinstance(plan, ReshardPlan):
             if not isinstance(plan, Mapping):
                 raise ConfigError(f"plan must be a ReshardPlan or its refit-info dict, got {type(plan).__name__}")
+            claimed = plan.get("hash")
             plan = ReshardPlan.from_dict(dict(plan))
+            if claimed is not None and claimed != plan.hash:
+                raise PlanMismatch(f"the plan's contents hash to {plan.hash[:12]}…, its dict claims {str(claimed)[:12]}…",
+                                   rank=self.rank)
         if plan.body.gen_world_size != self.gen_world_size:
             raise ConfigError(
                 f"the plan is for {plan.body.gen_world_size} generation ranks, this world has {self.gen_world_size}"

@@ -293,7 +293,7 @@ class NcclReshardTransport(Transport):
         return RefitReport(
             transport=self.name, role=ctx.role, version=int(version), bytes=nbytes,
             seconds=time.perf_counter() - t0, buckets=nbuckets,
-            peak_extra_bytes=sum(b.numel() for b in ctx.state["ring"]) + ctx.state.get("oversize_bytes", 0),
+            peak_extra_bytes=sum(b.numel() for b in ctx.state["ring"]),
         )
 
     def _send_bulk(self, ctx: TransportContext, version: int) -> tuple[int, int]:
@@ -339,12 +339,9 @@ class NcclReshardTransport(Transport):
         return total, buckets
 
     def _buffer(self, ctx: TransportContext, slot: int, size: int) -> torch.Tensor:
-        ring = ctx.state["ring"]
-        if size <= ring[slot].numel():
-            return ring[slot].narrow(0, 0, size)
-        # One row wider than a bucket: it cannot be split, so it gets its own buffer.
-        ctx.state["oversize_bytes"] = max(ctx.state.get("oversize_bytes", 0), size)
-        return torch.empty(size, dtype=torch.uint8, device=ring[slot].device)
+        # bucket_copies cuts any box down to bucket_bytes (inside rows too; elements are
+        # at most 8 bytes and buckets at least 1 KiB), so every message fits a slot.
+        return ctx.state["ring"][slot].narrow(0, 0, size)
 
     def _recv_bulk(self, ctx: TransportContext):
         """Receive every scheduled message; returns (bytes, buckets, version, failure).

@@ -1,0 +1,270 @@
+"""Bad input catalogue: every public entry point, fed garbage, answers with a typed,
+clear error and leaves the worker exactly as it was."""
+
+from __future__ import annotations
+
+import copy
+import math
+import socket
+
+import msgspec
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policyworker import (
+    ConfigError,
+    PlanError,
+    PlanMismatch,
+    PolicyWorkerError,
+    ProtocolError,
+    RolloutWorker,
+    TorchPolicyWorker,
+    TransportLoadError,
+    TransportRegistry,
+)
+from policyworker.layout import ReshardPlan, build_plan
+from policyworker.models import build_model, get_preset
+from policyworker.transports.nccl_reshard import NcclReshardTransport, _buckets
+from policyworker.watchdog import RefitWatchdog
+from policyworker.wire import Decoder, Message
+
+pytestmark = pytest.mark.anyio
+
+TINY = get_preset("tiny")
+
+
+def _state(w) -> dict:
+    """What must not change when a call is refused."""
+    return {
+        "transport_state": {k: dict(v) for k, v in w._transport_state.items()},
+        "update_group": w.model_update_group,
+        "pp_group": getattr(w, "pp_comm_group", None),
+        "alive": w.is_alive(),
+        "params": {k: v.clone() for k, v in getattr(w, "params", {}).items()},
+        "version": getattr(w, "weight_version", None),
+    }
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (a["transport_state"].keys() == b["transport_state"].keys()
+            and all(a["transport_state"][k] == b["transport_state"][k] for k in a["transport_state"])
+            and a["update_group"] is b["update_group"] and a["pp_group"] is b["pp_group"]
+            and a["alive"] == b["alive"] and a["version"] == b["version"]
+            and a["params"].keys() == b["params"].keys()
+            and all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"]))
+
+
+@pytest.fixture
+async def trainer():
+    w = TorchPolicyWorker(build_model(TINY, seed=0), rank=0, world_size=2, device="cpu", timeout_s=5)
+    yield w
+    await w.shutdown()
+
+
+@pytest.fixture
+async def rollout():
+    w = RolloutWorker(rank=0, gen_world_size=2, device="cpu", timeout_s=5)
+    yield w
+    await w.shutdown()
+
+
+BAD_TIMEOUTS = [0, -1, float("nan"), float("inf"), "3", True]
+
+
+@pytest.mark.parametrize("bad", BAD_TIMEOUTS)
+async def test_bad_refit_timeouts(trainer, rollout, bad):
+    for w, call in ((trainer, lambda: trainer.nccl_reshard_refit(refit_timeout_s=bad)),
+                    (rollout, lambda: rollout.receive_nccl_reshard_refit(refit_timeout_s=bad))):
+        before = _state(w)
+        with pytest.raises(ConfigError, match="refit_timeout_s"):
+            await call()
+        assert _same(before, _state(w))
+
+
+@pytest.mark.parametrize("bad", BAD_TIMEOUTS)
+def test_bad_worker_and_watchdog_timeouts(bad):
+    with pytest.raises(ConfigError):
+        RolloutWorker(device="cpu", timeout_s=bad)
+    with pytest.raises(ConfigError):
+        RefitWatchdog().arm(bad)
+
+
+@pytest.mark.parametrize("scales", [{"k": float("nan")}, {"k": math.inf}, {1: 1.0}, {"k": "x"}, [("k", 1.0)], {"k": True}])
+async def test_bad_kv_scales(trainer, scales):
+    await trainer.prepare_nccl_reshard_refit_info("tp=2", "tp=2", 2, 2)
+    before = _state(trainer)
+    with pytest.raises(ConfigError, match="kv_scales"):
+        await trainer.nccl_reshard_refit(kv_scales=scales)
+    assert _same(before, _state(trainer))
+
+
+@pytest.mark.parametrize(
+    "args, kind",
+    [
+        (("tp=3", "tp=1", 3, 1), PlanError),  # tp does not divide 4 heads
+        (("tp=2", "tp=1", 4, 1), ConfigError),  # world size != tp*pp*dp
+        (("tp=2", "tp=1", 2, 3), ConfigError),
+        (("tp=1,ep=3", "tp=1", 1, 1), ConfigError),  # ep does not divide dp*tp
+        (("tp=0", "tp=1", 0, 1), ConfigError),
+        (("bogus=2", "tp=1", 2, 1), ConfigError),
+        ((None, "tp=1", 2, 1), ConfigError),
+    ],
+)
+async def test_bad_layouts(trainer, args, kind):
+    before = _state(trainer)
+    with pytest.raises(kind) as info:
+        await trainer.prepare_nccl_reshard_refit_info(*args)
+    assert str(info.value)
+    assert _same(before, _state(trainer))
+
+
+def test_ep_not_dividing_experts_and_unknown_params():
+    with pytest.raises(PlanError, match="ep"):
+        build_plan(get_preset("tiny-moe"), "dp=3,ep=3", "tp=1", 3, 1)
+    specs = {"model.layers.0.mystery.weight": ((4, 4), torch.float32)}
+    with pytest.raises(PlanError, match="mystery"):
+        build_plan(specs, "tp=1", "tp=1", 1, 1)
+
+
+async def test_a_model_whose_tensors_do_not_fit_the_plan():
+    model = build_model(TINY, seed=0)
+    wrong = {n: torch.zeros(3, 3) for n, _ in model.named_parameters()}
+    w = TorchPolicyWorker(model, device="cpu", refit_params=wrong, refit_source=TINY)
+    before = _state(w)
+    with pytest.raises(ConfigError, match="the plan says"):
+        await w.prepare_nccl_reshard_refit_info("tp=1", "tp=1", 1, 1)
+    assert _same(before, _state(w))
+    await w.shutdown()
+
+
+async def test_rollout_refuses_plans_that_do_not_fit(rollout):
+    good = build_plan(TINY, "tp=2", "tp=2", 2, 2, dtype=torch.float32)
+    before = _state(rollout)
+    other_world = build_plan(TINY, "tp=2", "tp=1", 2, 1, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="generation ranks"):
+        rollout.load_refit_plan(other_world.refit_info())
+    tampered = good.refit_info()
+    tampered["hash"] = "0" * 64
+    with pytest.raises(PlanMismatch):
+        rollout.load_refit_plan(tampered)
+    with pytest.raises(PlanError):
+        rollout.load_refit_plan({"params": "nonsense"})
+    with pytest.raises(ConfigError):
+        rollout.load_refit_plan(42)  # type: ignore[arg-type]
+    # dtype and shape mismatches of given params
+    params = {k: torch.zeros(v.shape, dtype=torch.float64) for k, v in good.local_tensors("dst", 0).items()}
+    with pytest.raises(ConfigError, match="float64"):
+        rollout.load_refit_plan(good, params=params)
+    params = {k: torch.zeros(1) for k in good.local_tensors("dst", 0)}
+    with pytest.raises(ConfigError, match="the plan says"):
+        rollout.load_refit_plan(good, params=params)
+    assert _same(before, _state(rollout))
+
+
+async def test_refit_before_setup_is_a_config_error(trainer, rollout):
+    for call, what in ((trainer.nccl_reshard_refit, "prepare_nccl_reshard_refit_info"),
+                       (rollout.receive_nccl_reshard_refit, "load_refit_plan")):
+        with pytest.raises(ConfigError, match=what):
+            await call()
+
+
+async def test_a_port_already_in_use(trainer):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        before = _state(trainer)
+        with pytest.raises(ConfigError, match="already in use"):
+            await trainer.init_collective("127.0.0.1", s.getsockname()[1], 3, train_world_size=2)
+        assert _same(before, _state(trainer))
+
+
+@pytest.mark.parametrize("port", [0, -5, 70000, "29500", None])
+async def test_bad_ports(trainer, port):
+    with pytest.raises(ConfigError, match="port"):
+        await trainer.init_collective("127.0.0.1", port, 3, train_world_size=2)
+    assert trainer.model_update_group is None
+
+
+def test_unknown_and_broken_transports():
+    import importlib.metadata as md
+
+    with pytest.raises(ConfigError, match="unknown transport"):
+        TransportRegistry([]).load("carrier-pigeon")
+    ep = md.EntryPoint(name="broken", value="no_such_module_at_all:T", group="policyworker.transports")
+    with pytest.raises(TransportLoadError, match="broken"):
+        TransportRegistry([ep]).load("broken")
+
+
+@pytest.mark.parametrize("kwargs", [dict(bucket_bytes=100), dict(bucket_bytes=2.5), dict(in_flight=0),
+                                    dict(staging=-1), dict(bucket_bytes=True)])
+def test_bad_transport_options(kwargs):
+    with pytest.raises(ConfigError):
+        NcclReshardTransport(**kwargs)
+
+
+def test_tensors_larger_than_a_bucket_are_split_and_rows_larger_than_a_bucket_go_alone():
+    plan = build_plan(TINY, "tp=1", "tp=1", 1, 1, dtype=torch.float32)
+    (t,) = plan.transfers
+    msgs = _buckets(plan, t.copies, 1024)  # embed rows are 64 * 4 = 256 B; whole tensors are 64 KiB
+    sizes = [sum(math.prod(b - a for a, b in zip(c.start, c.stop)) * 4 for c in m) for m in msgs]
+    assert sum(sizes) == t.nbytes
+    assert max(sizes) <= 1024
+    # a bucket smaller than one row (256 B): each row travels alone, nothing is lost
+    msgs = _buckets(plan, t.copies, 100)
+    sizes = [sum(math.prod(b - a for a, b in zip(c.start, c.stop)) * 4 for c in m) for m in msgs]
+    assert sum(sizes) == t.nbytes
+    assert all(len(m) == 1 and m[0].stop[0] - m[0].start[0] == 1 for m, n in zip(msgs, sizes) if n > 100)
+
+
+class _Ping(Message, tag="Ping"):
+    seq: int
+    name: str
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64))
+def test_malformed_wire_bytes_are_protocol_errors(data):
+    dec = Decoder(_Ping)
+    try:
+        msg = dec.decode(data)
+    except ProtocolError:
+        return
+    assert isinstance(msg, _Ping)  # whatever decodes is a well-typed message
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(min_value=0, max_value=10**6), st.text(max_size=20), st.data())
+def test_truncated_wire_messages_are_protocol_errors(seq, name, data):
+    raw = msgspec.msgpack.encode(_Ping(seq=seq, name=name))
+    cut = data.draw(st.integers(min_value=0, max_value=len(raw) - 1))
+    with pytest.raises(ProtocolError):
+        Decoder(_Ping).decode(raw[:cut])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.binary(max_size=256))
+def test_garbage_plans_are_plan_errors(data):
+    try:
+        ReshardPlan.from_wire(data)
+    except PlanError:
+        return
+    except PolicyWorkerError as exc:  # pragma: no cover - any other error type is a bug
+        pytest.fail(f"untyped plan error {exc!r}")
+
+
+def test_truncated_plan_is_a_plan_error():
+    raw = build_plan(TINY, "tp=2", "tp=1", 2, 1).to_wire()
+    for cut in (0, 1, len(raw) // 2, len(raw) - 1):
+        with pytest.raises(PlanError):
+            ReshardPlan.from_wire(raw[:cut])
+
+
+def test_state_snapshot_helper_detects_changes():
+    a = {"transport_state": {"x": {"a": 1}}, "update_group": None, "pp_group": None, "alive": True,
+         "params": {"w": torch.zeros(2)}, "version": 0}
+    b = copy.deepcopy(a)
+    assert _same(a, b)
+    b["params"]["w"][0] = 1
+    assert not _same(a, b)
