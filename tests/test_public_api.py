@@ -10,6 +10,7 @@ EXPECTED = {
     "WorkerCore", "__version__", "device_facts", "list_transports", "load_transport", "new_group",
     "private_runtime_dir", "process_watchdog", "CheckpointError", "TorchPolicyWorker", "Parallelism",
     "ReshardPlan", "build_plan", "ModelConfig", "PRESETS", "build_model", "get_preset",
+    "AccessDenied", "ControlClient", "SglangHttpEngine", "InProcessSglangEngine",
 }
 
 

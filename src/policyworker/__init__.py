@@ -7,7 +7,9 @@ submodules, unless you write a transport (then ``policyworker.transports.base``)
 from .comm import CommGroup, new_group
 from .core import WorkerCore, private_runtime_dir
 from .device import DeviceFacts, device_facts
+from .control import ControlClient
 from .errors import (
+    AccessDenied,
     CheckpointError,
     ConfigError,
     PeerLost,
@@ -26,6 +28,8 @@ from .layout import Parallelism, ReshardPlan, build_plan
 from .models import PRESETS, ModelConfig, build_model, get_preset
 from .registry import TransportInfo, TransportRegistry, list_transports, load_transport
 from .rollout import RolloutWorker
+from .sglang_client import SglangHttpEngine
+from .sglang_engine import InProcessSglangEngine
 from .torch_worker import TorchPolicyWorker
 from .transports.base import RefitReport, Transport, TransportContext
 from .watchdog import Deadline, RefitWatchdog, process_watchdog
@@ -35,11 +39,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AbstractPolicyWorker",
+    "AccessDenied",
     "CheckpointError",
     "CommGroup",
     "ConfigError",
+    "ControlClient",
     "Deadline",
     "DeviceFacts",
+    "InProcessSglangEngine",
     "ModelConfig",
     "PRESETS",
     "Parallelism",
@@ -54,6 +61,7 @@ __all__ = [
     "RefitWatchdog",
     "ReshardPlan",
     "RolloutWorker",
+    "SglangHttpEngine",
     "TorchPolicyWorker",
     "TornWeights",
     "Transport",

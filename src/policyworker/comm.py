@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .errors import ConfigError, RefitAborted, RefitTimeout, translate_comm_error
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CommGroup", "new_group"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CommGroup", "new_group", "share_token"]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -381,3 +381,19 @@ def _warm_up(group: CommGroup, *, deadline: float) -> None:
             f"group {group.name!r}: {bad} rank(s) disagree on the world size", rank=group.rank
         )
 
+
+
+def share_token(group: CommGroup) -> str:
+    """A fresh secret, made by rank 0 and read by every rank through the group's store.
+
+    Called right after the group formed (every rank), so each ``init_collective``
+    yields a new token. Store reads are bounded by the store's timeout.
+    """
+    if group.rank == 0:
+        token = secrets.token_hex(16)
+        group.store.set("control_token", token)
+        return token
+    try:
+        return group.store.get("control_token").decode()
+    except Exception as exc:  # the store raises DistStoreError/RuntimeError on timeouts
+        raise translate_comm_error(exc, rank=group.rank, what="reading the group token") from exc

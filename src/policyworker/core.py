@@ -108,6 +108,9 @@ class WorkerCore:
         self._zmq_socket = None
         self._zmq_lock = threading.Lock()
         self.model_update_group: CommGroup | None = None
+        #: The update group's shared secret (new at every init_collective); see control.py.
+        self.control_token: str | None = None
+        self._control = None
         self._profiler = None
         self.profile_dir = os.path.join(self.runtime_dir, "profiles")
         self.last_profile_path: str | None = None
@@ -153,6 +156,20 @@ class WorkerCore:
         Both sides derive it from the device id, under the private runtime dir.
         """
         return f"ipc://{self.runtime_dir}/policyworker-{self.device_facts.device_id}.sock"
+
+    # -- control endpoint ------------------------------------------------------------
+    def start_control_endpoint(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve status and stand-down requests over TCP for holders of the group token.
+
+        Returns the ``tcp://host:port`` address (port 0: a free one). Idempotent: a
+        running endpoint's address is returned. Needs ``init_collective`` first.
+        """
+        self._ensure_open()
+        if self._control is None:
+            from .control import ControlServer
+
+            self._control = ControlServer(self, host=host, port=port)
+        return self._control.address
 
     # -- zmq -------------------------------------------------------------------------
     def maybe_init_zmq(self) -> None:
@@ -291,6 +308,9 @@ class WorkerCore:
         for attr in ("model_update_group", "pp_comm_group"):
             self._replace_group(attr, None)
         self._close_zmq()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         if self._profiler is not None:
             self.stop_gpu_profiling()
         return True

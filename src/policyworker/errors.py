@@ -12,6 +12,7 @@
     │   ├── RefitAborted               a refit was aborted (watchdog, stand-down, explicit)
     │   │   └── RefitTimeout           ... because its deadline passed
     │   └── ProtocolError              a malformed, truncated or unexpected wire message
+    ├── AccessDenied                   a control request without the group's token
     ├── TornWeights                    the rollout's in-place weights are partly updated
     ├── CheckpointError                a checkpoint could not be written or read
     └── WorkerClosed                   the worker was shut down
@@ -25,6 +26,7 @@ never only inside the message text.
 from __future__ import annotations
 
 __all__ = [
+    "AccessDenied",
     "CheckpointError",
     "ConfigError",
     "PeerLost",
@@ -105,6 +107,10 @@ class RefitTimeout(RefitAborted):
 
 class ProtocolError(TransportError):
     """A wire message was malformed, truncated, or not the one the protocol expects."""
+
+
+class AccessDenied(PolicyWorkerError):
+    """A control endpoint refused a request (wrong or missing group token)."""
 
 
 class TornWeights(PolicyWorkerError):

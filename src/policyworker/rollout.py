@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .comm import CommGroup, _check_timeout, new_group
+from .comm import CommGroup, _check_timeout, new_group, share_token
 from .core import WorkerCore
 from .errors import ConfigError, PlanMismatch, RefitAborted, TornWeights
 from .layout.apply import empty_local_tensors
@@ -86,6 +86,7 @@ class RolloutWorker(WorkerCore):
             timeout_s=self.timeout_s,
         )
         self._replace_group("model_update_group", group)
+        self.control_token = await self._run(share_token, group)
 
     async def init_nccl_reshard_comm_groups(
         self, pp_ips: Sequence[str], pp_ports: Sequence[int], trainers_per_stage: Sequence[int]

@@ -20,8 +20,9 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
-from .comm import CommGroup, _check_timeout, new_group
+from .comm import CommGroup, _check_timeout, new_group, share_token
 from .core import WorkerCore
+from .sglang_worker import SglangIpcMixin
 from .errors import ConfigError
 
 __all__ = ["SUPPORTED_NCCL_PEERS", "AbstractPolicyWorker"]
@@ -40,8 +41,12 @@ def _check_int(value: Any, name: str, *, minimum: int = 0) -> int:
     return value
 
 
-class AbstractPolicyWorker(WorkerCore, abc.ABC):
-    """Trainer-side worker. Subclasses implement the reshard planning and the refit."""
+class AbstractPolicyWorker(SglangIpcMixin, WorkerCore, abc.ABC):
+    """Trainer-side worker. Subclasses implement the reshard planning and the refit.
+
+    ``connect_sglang_rollout_engines`` and ``sglang_refit`` come from
+    :class:`~policyworker.sglang_worker.SglangIpcMixin` (colocated SGLang engines).
+    """
 
     role = "trainer"
 
@@ -92,6 +97,7 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
             timeout_s=self.timeout_s,
         )
         self._replace_group("model_update_group", group)
+        self.control_token = await self._run(share_token, group)
         self.train_world_size = train_world_size
 
     async def init_nccl_reshard_comm_group(
@@ -150,28 +156,6 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
         self, kv_scales: dict[str, float] | None = None, refit_timeout_s: float | None = None
     ) -> Any:
         """Send one refit over the per-stage groups; bounded by ``refit_timeout_s``."""
-
-    async def connect_sglang_rollout_engines(
-        self, *, engine_gpu_counts: Sequence[int], engine_gpu_offsets: Sequence[int] | None = None
-    ) -> None:
-        """Group trainer ranks per colocated SGLang engine (the ``sglang_ipc`` transport)."""
-        counts = [_check_int(c, "engine_gpu_counts[i]", minimum=1) for c in engine_gpu_counts]
-        if not counts:
-            raise ConfigError("engine_gpu_counts must name at least one engine")
-        if engine_gpu_offsets is None:
-            offsets, total = [], 0
-            for c in counts:
-                offsets.append(total)
-                total += c
-        else:
-            offsets = [_check_int(o, "engine_gpu_offsets[i]") for o in engine_gpu_offsets]
-            if len(offsets) != len(counts):
-                raise ConfigError(
-                    f"engine_gpu_offsets has {len(offsets)} entries, engine_gpu_counts has {len(counts)}"
-                )
-        raise NotImplementedError(
-            "the sglang_ipc transport is not available in this release; use nccl_reshard or zmq"
-        )
 
     # -- training chores -------------------------------------------------------------
     @abc.abstractmethod
