@@ -38,6 +38,7 @@ class ZmqSpec:
     move_at: int | None = None  # refit version before which one trainer param gets a new storage
     offload_at: int | None = None  # ... or is moved to another device (not applicable on CPU)
     refit_timeout_s: float | None = 20.0
+    device: str = "cpu"
 
 
 def _load(model: torch.nn.Module, config, version: int) -> None:
@@ -61,14 +62,14 @@ def zmq_rank(rank: int, spec: ZmqSpec) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         out: dict[str, Any] = {"rank": rank, "outcomes": []}
         if is_trainer:
-            model = build_model(config, seed=0, dtype=torch.float32)
-            w: Any = ZTrainer(model, rank=g, world_size=spec.pairs, device="cpu", timeout_s=30.0)
+            model = build_model(config, seed=0, dtype=torch.float32).to(spec.device)
+            w: Any = ZTrainer(model, rank=g, world_size=spec.pairs, device=spec.device, cpu_index=g, timeout_s=30.0)
             w.zmq_options = dict(spec.options)
             info = await w.prepare_zmq_refit_info(spec.gen, spec.pairs)
         else:
             from policyworker.layout import build_plan
 
-            w = ZRollout(rank=g, gen_world_size=spec.pairs, device="cpu", timeout_s=30.0)
+            w = ZRollout(rank=g, gen_world_size=spec.pairs, device=spec.device, cpu_index=g, timeout_s=30.0)
             w.zmq_options = dict(spec.options)
             plan = build_plan(config, "tp=1", spec.gen, 1, spec.pairs, dtype=torch.float32)
             w.load_colocated_plan(plan.refit_info())
@@ -90,7 +91,7 @@ def zmq_rank(rank: int, spec: ZmqSpec) -> dict[str, Any]:
                     want = dest_shards(w._refit_transport_state("zmq")["plan"], g,
                                        seeded_state_dict(config, seed=version, dtype=torch.float32))
                     have = w.weights()
-                    row["exact"] = set(want) == set(have) and all(torch.equal(have[k], want[k]) for k in want)
+                    row["exact"] = set(want) == set(have) and all(torch.equal(have[k].cpu(), want[k]) for k in want)
                     row["kv_scales"] = w.kv_scales
                     row["weight_version"] = w.weight_version
                 row.update(ok=True, bytes=rep.bytes, notes=list(rep.notes), buckets=rep.buckets,

@@ -178,7 +178,7 @@ class ZmqIpcTransport(Transport):
             raise PlanMismatch(f"colocated rollout disagrees on the plan: {reason}", rank=ctx.rank, transport=self.name)
         # A new session has opened nothing yet: every handle goes out again.
         ctx.state.update(peer_rank=hello.rank, peer_session=hello.session, sent_handles=set(),
-                         connected_hash=plan.hash)
+                         sent_epoch=None, connected_hash=plan.hash)
 
     def _connect_receive(self, ctx: TransportContext) -> None:
         chan, deadline = self._begin(ctx)
@@ -195,7 +195,8 @@ class ZmqIpcTransport(Transport):
                                transport=self.name)
         for storage in ctx.state.get("opened", {}).values():
             del storage
-        ctx.state.update(session=session, opened={}, program=None, connected_hash=ctx.plan.hash)
+        ctx.state.update(session=session, opened={}, program=None, sources=(None, []),
+                         connected_hash=ctx.plan.hash)
 
     # -- trainer side ----------------------------------------------------------------
     def _prepare_sources(self, ctx: TransportContext) -> list[str]:
@@ -220,6 +221,15 @@ class ZmqIpcTransport(Transport):
                 notes.append(f"moved {moved} storages into shared memory")
         ctx.state["direct_names"] = set(direct)
         return notes
+
+    @staticmethod
+    def _fingerprint(ctx: TransportContext, names) -> tuple:
+        """Cheap per-refit check that no source moved: data pointers (CPU: plus the
+        storage object, since a freed shm file's address can come back as another)."""
+        params = ctx.params
+        if ctx.device.torch_device.type == "cpu":
+            return tuple((params[n].data_ptr(), params[n].untyped_storage()._cdata) for n in names)
+        return tuple(params[n].data_ptr() for n in names)
 
     def _key(self, t: torch.Tensor) -> tuple:
         key = storage_key(t)
@@ -287,25 +297,40 @@ class ZmqIpcTransport(Transport):
         t0 = time.perf_counter()
         chan, deadline = self._begin(ctx)
         plan, st, dev = ctx.plan, ctx.state, ctx.device.torch_device
-        notes = self._prepare_sources(ctx)
-        refs, more = self._export(ctx)
-        notes += more
+        names = ctx.plan.local_tensors("src", 0)
+        cache, notes = st.get("cache"), []
+        # Fast path: a refit whose sources did not move reuses the exported table (a
+        # loop of Python over hundreds of params would hold the GIL off the event loop).
+        if cache is None or cache["fp"] != self._fingerprint(ctx, names):
+            notes = self._prepare_sources(ctx)
+            refs, more = self._export(ctx)
+            notes += more
+            st["epoch"] = st.get("epoch", 0) + 1
+            cache = st["cache"] = {"fp": self._fingerprint(ctx, names), "refs": refs, "rank": None}
+        refs = cache["refs"]
         _sync(dev)  # the trainer's last writes must be visible before the rollout reads
         msg = chan.expect(deadline, "waiting for the rollout's Ready", w.Ready, w.Hello)
         while isinstance(msg, w.Hello):  # the rollout reconnected (new session): welcome it again
             self._welcome(ctx, chan, msg)
             msg = chan.expect(deadline, "waiting for the rollout's Ready", w.Ready, w.Hello)
         rank = st["peer_rank"]
-        staged_names = {r.name for r in refs if r.handle < 0}
-        buckets = self._staged_buckets(ctx, rank, staged_names, self.bucket_bytes)
-        ring = self._ring(ctx, max(sum(copy_nbytes(plan, c) for c in b) for b in buckets)) if buckets else []
+        if cache["rank"] != rank:
+            staged_names = {r.name for r in refs if r.handle < 0}
+            buckets = self._staged_buckets(ctx, rank, staged_names, self.bucket_bytes)
+            ring = self._ring(ctx, max(sum(copy_nbytes(plan, c) for c in b) for b in buckets)) if buckets else []
+            cache.update(rank=rank, buckets=buckets, ring=ring)
+            st["epoch"] = st.get("epoch", 0) + 1
+        buckets, ring, epoch = cache["buckets"], cache["ring"], st["epoch"]
         handles = [*st["exports"].values(), *(h for _, h in ring)]
         sent: set[int] = st["sent_handles"]
         new = [h for h in handles if h.id not in sent]
         release = [i for i in st.pop("release", []) if i in sent]
-        chan.send(w.Offer(version=version, plan_hash=plan.hash, handles=new, release=release, sources=refs,
-                          staged_buckets=len(buckets), ring=[h.id for _, h in ring], bucket_bytes=self.bucket_bytes,
-                          kv_scales=ctx.options.get("kv_scales")), "Offer")
+        send_table = st.get("sent_epoch") != epoch
+        chan.send(w.Offer(version=version, plan_hash=plan.hash, handles=new, release=release,
+                          sources=refs if send_table else [], staged_buckets=len(buckets),
+                          ring=[h.id for _, h in ring], bucket_bytes=self.bucket_bytes,
+                          kv_scales=ctx.options.get("kv_scales"), epoch=epoch), "Offer")
+        st["sent_epoch"] = epoch
         sent.update(h.id for h in new)
         sent.difference_update(release)
         free, out = list(range(len(ring))), {}
@@ -404,11 +429,16 @@ class ZmqIpcTransport(Transport):
             opened[h.id] = open_handle(h, dev)
         for hid in offer.release:
             opened.pop(hid, None)
-        signature = (tuple(offer.sources), tuple(offer.ring), offer.bucket_bytes, tuple(sorted(opened)))
+        if offer.sources:
+            st["sources"] = (offer.epoch, offer.sources)
+        elif st.get("sources", (None,))[0] != offer.epoch:
+            raise ProtocolError(f"Offer without sources for unknown epoch {offer.epoch}", rank=ctx.rank,
+                                transport=self.name)
+        signature = (offer.epoch, tuple(offer.ring), offer.bucket_bytes)
         program = st.get("program")
         notes = [f"opened {len(offer.handles)} handles"] if offer.handles else []
-        if program is None or program[0] != signature:
-            program = st["program"] = (signature, *self._compile(ctx, offer, opened))
+        if program is None or program[0] != signature or offer.handles or offer.release:
+            program = st["program"] = (signature, *self._compile(ctx, offer, st["sources"][1], opened))
             notes.append("copy program rebuilt")
         _, runs, buckets, ring = program
         if len(buckets) != offer.staged_buckets:
@@ -433,11 +463,12 @@ class ZmqIpcTransport(Transport):
                                 transport=self.name)
         return nbytes, len(runs) + len(buckets), notes
 
-    def _compile(self, ctx: TransportContext, offer: w.Offer, opened: Mapping[int, torch.UntypedStorage]):
+    def _compile(self, ctx: TransportContext, offer: w.Offer, sources: list[w.SourceRef],
+                 opened: Mapping[int, torch.UntypedStorage]):
         plan, dev = ctx.plan, ctx.device.torch_device
         names = plan.body.tensor_names
         want = plan.local_tensors("src", 0)
-        refs = {r.name: r for r in offer.sources}
+        refs = {r.name: r for r in sources}
         if set(refs) != set(want):
             raise ProtocolError("the Offer's sources are not the plan's source tensors", rank=ctx.rank,
                                 transport=self.name)

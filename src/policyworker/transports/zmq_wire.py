@@ -109,6 +109,9 @@ class Offer(Message, frozen=True, kw_only=True):
     ring: list[int]
     bucket_bytes: int
     kv_scales: dict[str, float] | None = None
+    #: Bumped whenever ``sources``/``ring`` change; ``sources`` is empty when the
+    #: rollout already holds this epoch's table (this session).
+    epoch: int = 0
 
 
 class BucketReady(Message, frozen=True, kw_only=True):

@@ -1,0 +1,300 @@
+"""Benchmark of the ``zmq`` colocated refit: two processes (trainer, rollout) on one device.
+
+``python -m policyworker.zmq_bench --preset qwen3-8b --device cuda --json out.json``
+
+The trainer holds the preset's full parameters (allocated on the device, filled
+from a seeded generator per version: the stand-in for a training step, outside
+the timed region); the rollout holds its generation-layout tensors (one flat
+allocation). Per measured refit both meet at a barrier, then the trainer's
+``stream_weights_via_ipc_zmq`` is timed (it returns after the rollout's Done, so it
+covers the rollout's copies); the rollout checks every byte afterwards.
+
+Same run, same processes: ``ceiling_gbps`` is one flat copy of the same byte count
+between two preallocated, touched buffers on the device (D2D ``copy_`` on a GPU,
+memcpy through ``copy_`` on CPU, same thread count); the baseline is
+``benchmarks/nemo_rl_baseline.py`` (NeMo RL's staged protocol) moving the same
+tensors into the same rollout tensors. ``loop_lag_ms_p99`` is the trainer's event
+loop lag, measured by a 1 ms ticker task during the timed refits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["run_zmq_bench"]
+
+
+def _seeded_(t: torch.Tensor, name: str, version: int) -> None:
+    g = torch.Generator(device=t.device).manual_seed((zlib.crc32(name.encode()) * 1000003 + version) % (2**62))
+    with torch.no_grad():
+        t.copy_(torch.empty(t.shape, dtype=torch.float32, device=t.device).normal_(generator=g))
+
+
+def _baseline_module():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "nemo_rl_baseline.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("nemo_rl_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["nemo_rl_baseline"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _workers():
+    from .rollout import RolloutWorker
+    from .worker import AbstractPolicyWorker
+    from .zmq_worker import ZmqRefitMixin, ZmqRolloutMixin
+
+    class BenchTrainer(ZmqRefitMixin, AbstractPolicyWorker):
+        def __init__(self, params, config, dtype, **kw):
+            super().__init__(**kw)
+            self._params, self._config, self._dtype = params, config, dtype
+
+        def _zmq_model_source(self):
+            return self._config
+
+        def _refit_dtype(self):
+            return self._dtype
+
+        async def prepare_nccl_reshard_refit_info(self, *a, **k):
+            raise NotImplementedError
+
+        async def nccl_reshard_refit(self, *a, **k):
+            raise NotImplementedError
+
+        async def get_reference_policy_logprobs(self, **k):
+            raise NotImplementedError
+
+    class BenchRollout(ZmqRolloutMixin, RolloutWorker):
+        pass
+
+    return BenchTrainer, BenchRollout
+
+
+def _peak_delta(dev: torch.device, before: int) -> int:
+    if dev.type != "cuda":
+        return 0
+    return max(0, torch.cuda.max_memory_allocated(dev) - before)
+
+
+def _verify(plan, rank: int, params, version: int, dev: torch.device) -> bool:
+    from .layout.apply import _region
+
+    names = plan.body.tensor_names
+    for t in plan.receives(rank):
+        for c in t.copies:
+            name = names[c.src_tensor]
+            spec = plan.local_tensors("src", 0)[name]
+            full = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=dev)
+            _seeded_(full, name, version)
+            want = _region(full, c.src_at, c.start, c.stop)
+            if not torch.equal(_region(params[names[c.dst_tensor]], c.dst_at, c.start, c.stop), want):
+                return False
+    return True
+
+
+def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
+    from .layout import build_plan
+    from .models import get_preset, param_specs
+
+    dev = torch.device(a["device"])
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    config = get_preset(a["preset"])
+    dtype = getattr(torch, a["dtype"])
+    BenchTrainer, BenchRollout = _workers()
+    base = _baseline_module() if a["baseline"] else None
+    endpoint_base = None
+    out: dict[str, Any] = {"rank": rank}
+
+    async def main() -> dict[str, Any]:
+        nonlocal endpoint_base
+        opts = {"flatten": a["flatten"], "bucket_bytes": a["bucket_bytes"]}
+        if rank == 0:
+            params = [(n, torch.nn.Parameter(torch.empty(s, dtype=d, device=dev), requires_grad=False))
+                      for n, (s, d) in param_specs(config, dtype).items()]
+            w: Any = BenchTrainer(params, config, dtype, rank=0, world_size=1, device=dev, cpu_index=0,
+                                  zmq_timeout_s=a["timeout_s"])
+            w.zmq_options = opts
+            await w.prepare_zmq_refit_info(a["gen"], 1)
+        else:
+            w = BenchRollout(rank=0, gen_world_size=1, device=dev, cpu_index=0, zmq_timeout_s=a["timeout_s"])
+            w.zmq_options = opts
+            plan = build_plan(config, "tp=1", a["gen"], 1, 1, dtype=dtype)
+            w.load_colocated_plan(plan)
+        endpoint_base = f"ipc://{w.runtime_dir}/nemo-baseline-{w.device_facts.device_id}.sock"
+        rows, lags, ok = [], [], True
+        for version in range(1, a["refits"] + 2):  # version 1: warm-up (connect, export, open)
+            if rank == 0:
+                for n, p in params:
+                    _seeded_(p, n, version)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            mem0 = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+            await asyncio.to_thread(barrier.wait, a["timeout_s"])
+            ticks: list[float] = []
+            running = True
+
+            async def ticker() -> None:
+                while running:
+                    t = time.perf_counter()
+                    await asyncio.sleep(0.001)
+                    ticks.append(time.perf_counter() - t - 0.001)
+
+            tick = asyncio.create_task(ticker())
+            t0 = time.perf_counter()
+            if rank == 0:
+                rep = await w.stream_weights_via_ipc_zmq(refit_timeout_s=a["timeout_s"])
+            else:
+                rep = await w.update_weights_via_ipc_zmq(refit_timeout_s=a["timeout_s"])
+            seconds = time.perf_counter() - t0
+            running = False
+            await tick
+            row = {"version": version, "seconds": seconds, "bytes": rep.bytes, "notes": list(rep.notes),
+                   "peak_extra": max(rep.peak_extra_bytes, _peak_delta(dev, mem0))}
+            if version > 1:
+                lags += ticks
+            if rank == 1:
+                row["bit_exact"] = await asyncio.to_thread(_verify, plan, 0, w.params, version, dev)
+                ok = ok and row["bit_exact"]
+            rows.append(row)
+        out.update(rows=rows, lags=lags, bit_exact=ok)
+        await asyncio.to_thread(barrier.wait, a["timeout_s"])
+        if rank == 1:  # the ceiling: one flat copy of the same bytes, touched buffers, same threads
+            n = rows[-1]["bytes"]
+            src = torch.ones(n, dtype=torch.uint8, device=dev)
+            dst = torch.zeros(n, dtype=torch.uint8, device=dev)
+            times = []
+            for _ in range(a["ceiling_rounds"]):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                times.append(time.perf_counter() - t0)
+            out["ceiling_s"] = times
+            del src, dst
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        if base is not None:
+            out["baseline"] = await asyncio.to_thread(_baseline, base, rank, a, barrier, endpoint_base, w,
+                                                      params if rank == 0 else None, plan if rank == 1 else None)
+        await w.shutdown()
+        return out
+
+    return asyncio.run(main())
+
+
+def _baseline(base, rank, a, barrier, endpoint, w, params, plan) -> dict[str, Any]:
+    dev = torch.device(a["device"])
+    if rank == 0:
+        side = base.baseline_trainer(params, endpoint, bucket_bytes=a["baseline_bucket_bytes"], timeout_s=a["timeout_s"])
+    else:
+        side = base.baseline_rollout(base.plan_writer(plan, 0, w.params), endpoint, device=dev, timeout_s=a["timeout_s"])
+    times, exact = [], True
+    barrier.wait(a["timeout_s"])
+    for i in range(a["baseline_refits"] + 1):
+        version = 1000 + i
+        if rank == 0:
+            for n, p in params:
+                _seeded_(p, n, version)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        barrier.wait(a["timeout_s"])
+        seconds, _ = base.timed(side.refit)
+        if i:
+            times.append(seconds)
+        if rank == 1 and i == a["baseline_refits"]:
+            exact = _verify(plan, 0, w.params, version, dev)
+    side.close()
+    return {"seconds": times, "bit_exact": exact, "bucket_bytes": getattr(side, "bucket_bytes", None)}
+
+
+def run_zmq_bench(preset: str = "small", dtype: str = "bfloat16", refits: int = 5, device: str = "cpu", *,
+                  gen: str = "tp=1", flatten: bool = True, bucket_bytes: int = 64 << 20, baseline: bool = True,
+                  baseline_bucket_bytes: int | None = None, baseline_refits: int | None = None,
+                  ceiling_rounds: int = 5, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Run the two-process benchmark; return the JSON-ready summary (module docstring)."""
+    import multiprocessing as mp
+
+    from .procs import start_world
+
+    if device == "cuda":
+        device = "cuda:0"
+    if baseline_bucket_bytes is None:
+        baseline_bucket_bytes = (2 << 30) if device.startswith("cuda") else (32 << 20)
+    args = dict(preset=preset, dtype=dtype, refits=refits, device=device, gen=gen, flatten=flatten,
+                bucket_bytes=bucket_bytes, baseline=baseline, baseline_bucket_bytes=baseline_bucket_bytes,
+                baseline_refits=refits if baseline_refits is None else baseline_refits,
+                ceiling_rounds=ceiling_rounds, timeout_s=timeout_s)
+    barrier = mp.get_context("spawn").Barrier(2)
+    world = start_world(_rank_main, 2, (args, barrier))
+    res = world.collect(timeout_s * (refits + 6))
+    t, r = res[0], res[1]
+    nbytes = t["rows"][-1]["bytes"]
+    secs = [x["seconds"] for x in t["rows"][1:]]
+    gbps = statistics.median(nbytes / s / 1e9 for s in secs)
+    ceiling = nbytes / statistics.median(r["ceiling_s"]) / 1e9
+    lags = sorted(t["lags"])
+    out: dict[str, Any] = {
+        "transport": "zmq", "device": device, "preset": preset, "dtype": dtype, "gen": gen, "flatten": flatten,
+        "bytes": nbytes, "refits": secs, "first_refit_s": t["rows"][0]["seconds"],
+        "rollout_refits": [x["seconds"] for x in r["rows"][1:]],
+        "gbps_median": gbps, "ceiling_gbps": ceiling, "ratio_to_ceiling": gbps / ceiling,
+        "peak_extra_bytes": max(x["peak_extra"] for x in t["rows"][1:] + r["rows"][1:]),
+        "loop_lag_ms_p99": 1e3 * lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else None,
+        "bit_exact": bool(r["bit_exact"]), "notes": {"trainer": t["rows"][-1]["notes"], "rollout": r["rows"][-1]["notes"],
+                                                     "first_trainer": t["rows"][0]["notes"],
+                                                     "first_rollout": r["rows"][0]["notes"]},
+    }
+    if "baseline" in t:
+        bs = t["baseline"]["seconds"]
+        out["baseline_refits"] = bs
+        out["baseline_gbps_median"] = statistics.median(nbytes / s / 1e9 for s in bs)
+        out["speedup_vs_baseline"] = gbps / out["baseline_gbps_median"]
+        out["baseline_bucket_bytes"] = t["baseline"]["bucket_bytes"]
+        out["baseline_bit_exact"] = bool(r["baseline"]["bit_exact"])
+        out["bit_exact"] = out["bit_exact"] and out["baseline_bit_exact"]
+    else:
+        out["baseline_gbps_median"] = out["speedup_vs_baseline"] = None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m policyworker.zmq_bench", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--refits", type=int, default=5)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--gen", default="tp=1")
+    p.add_argument("--no-flatten", action="store_true")
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--json", default=None)
+    ns = p.parse_args(argv)
+    res = run_zmq_bench(ns.preset, ns.dtype, ns.refits, ns.device, gen=ns.gen, flatten=not ns.no_flatten,
+                        baseline=not ns.no_baseline)
+    text = json.dumps(res, indent=2)
+    print(text)
+    if ns.json:
+        Path(ns.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
