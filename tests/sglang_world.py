@@ -16,11 +16,9 @@ from policyworker import PolicyWorkerError, RolloutWorker, TorchPolicyWorker
 from policyworker.models import build_model, get_preset, seeded_state_dict
 from policyworker.sglang_client import EngineResult, SglangHttpEngine
 from policyworker.sglang_engine import InProcessSglangEngine
-from policyworker.sglang_worker import SglangIpcMixin
 
-
-class SglangTrainer(SglangIpcMixin, TorchPolicyWorker):
-    """What the base worker will be once the mixin is in TorchPolicyWorker's bases."""
+# AbstractPolicyWorker carries SglangIpcMixin, so every trainer worker can refit SGLang.
+SglangTrainer = TorchPolicyWorker
 
 
 @dataclass
