@@ -36,7 +36,6 @@ class ZmqSpec:
     refits: int = 2
     options: dict[str, Any] = field(default_factory=dict)
     move_at: int | None = None  # refit version before which one trainer param gets a new storage
-    offload_at: int | None = None  # ... or is moved to another device (not applicable on CPU)
     refit_timeout_s: float | None = 20.0
     device: str = "cpu"
 
@@ -59,17 +58,27 @@ def zmq_rank(rank: int, spec: ZmqSpec) -> dict[str, Any]:
     is_trainer = rank < spec.pairs
     g = rank if is_trainer else rank - spec.pairs
 
+    # Pairs meet at an endpoint named by the device id. On CPU each pair has its own
+    # index; several pairs on one GPU share the id, so each pair gets its own runtime dir.
+    import os
+
+    runtime = None
+    if spec.device.startswith("cuda") and spec.pairs > 1:
+        runtime = os.path.join(os.environ["POLICYWORKER_RUNTIME_DIR"], f"pair{g}")
+
     async def main() -> dict[str, Any]:
         out: dict[str, Any] = {"rank": rank, "outcomes": []}
         if is_trainer:
             model = build_model(config, seed=0, dtype=torch.float32).to(spec.device)
-            w: Any = ZTrainer(model, rank=g, world_size=spec.pairs, device=spec.device, cpu_index=g, timeout_s=30.0)
+            w: Any = ZTrainer(model, rank=g, world_size=spec.pairs, device=spec.device, cpu_index=g, timeout_s=30.0,
+                                  runtime_dir=runtime)
             w.zmq_options = dict(spec.options)
             info = await w.prepare_zmq_refit_info(spec.gen, spec.pairs)
         else:
             from policyworker.layout import build_plan
 
-            w = ZRollout(rank=g, gen_world_size=spec.pairs, device=spec.device, cpu_index=g, timeout_s=30.0)
+            w = ZRollout(rank=g, gen_world_size=spec.pairs, device=spec.device, cpu_index=g, timeout_s=30.0,
+                                  runtime_dir=runtime)
             w.zmq_options = dict(spec.options)
             plan = build_plan(config, "tp=1", spec.gen, 1, spec.pairs, dtype=torch.float32)
             w.load_colocated_plan(plan.refit_info())
