@@ -17,15 +17,10 @@ import torch
 
 from policyworker.rollout import RolloutWorker
 from policyworker.torch_worker import TorchPolicyWorker
-from policyworker.zmq_worker import ZmqRefitMixin, ZmqRolloutMixin
 
-
-class ZTrainer(ZmqRefitMixin, TorchPolicyWorker):
-    pass
-
-
-class ZRollout(ZmqRolloutMixin, RolloutWorker):
-    pass
+# The zmq mixins are part of the workers' own bases.
+ZTrainer = TorchPolicyWorker
+ZRollout = RolloutWorker
 
 
 @dataclass

@@ -45,6 +45,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.transport == "zmq":
+        return _bench_zmq(args)
     from .refit_bench import RefitBenchSpec, run_refit_bench
 
     spec = RefitBenchSpec(preset=args.preset, train=args.train, gen=args.gen, refits=args.refits,
@@ -58,6 +60,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(text)
     return 0 if result["bit_exact"] in (True, None) else 1
+
+
+def _bench_zmq(args: argparse.Namespace) -> int:
+    import torch
+
+    from .zmq_bench import run_zmq_bench
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    result = run_zmq_bench(args.preset, args.dtype, args.refits, device)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text)
+    return 0 if result.get("bit_exact") else 1
 
 
 def _cmd_drill(args: argparse.Namespace) -> int:
@@ -125,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("bench", help="measure a transport against its same-run ceiling; prints JSON")
-    p.add_argument("--transport", required=True, choices=["nccl_reshard"])
+    p.add_argument("--transport", required=True, choices=["nccl_reshard", "zmq"])
+    p.add_argument("--device", choices=["cpu", "cuda"], help="zmq: where the pair runs (default: cuda if present)")
     p.add_argument("--preset", default="small")
     p.add_argument("--train", default="tp=2,pp=2")
     p.add_argument("--gen", default="tp=2,dp=2")

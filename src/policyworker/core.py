@@ -21,7 +21,7 @@ import torch
 
 from . import device as _device
 from ._aio import run_in_executor
-from .comm import DEFAULT_TIMEOUT_S, CommGroup
+from .comm import DEFAULT_TIMEOUT_S, CommGroup, _check_timeout
 from .errors import ConfigError, WorkerClosed
 from .watchdog import process_watchdog
 
@@ -72,6 +72,8 @@ class WorkerCore:
     """Shared machinery of ``AbstractPolicyWorker`` and ``RolloutWorker``.
 
     ``rank`` is this process's rank in its own world (trainer world or rollout world).
+    ``zmq_pair`` tells colocated pairs on one device apart (0 unless several trainer/
+    rollout pairs share a GPU): it is part of the IPC endpoint's name.
     ``device``: a torch device / CUDA index, or None for the current CUDA device (CPU
     when there is no GPU). ``cpu_index`` names the CPU "device" for pairing colocated
     peers when there is no GPU (defaults to ``rank``).
@@ -88,13 +90,16 @@ class WorkerCore:
         runtime_dir: str | os.PathLike[str] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         zmq_timeout_s: float = 30.0,
+        zmq_pair: int = 0,
     ) -> None:
         _check_index(rank, "rank")
+        _check_index(zmq_pair, "zmq_pair")
         _check_index(cpu_index, "cpu_index")
         for value, name in ((timeout_s, "timeout_s"), (zmq_timeout_s, "zmq_timeout_s")):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
         self.rank = rank
+        self.zmq_pair = zmq_pair
         self.timeout_s = float(timeout_s)
         self.zmq_timeout_s = float(zmq_timeout_s)
         self.device_facts = _device.device_facts(device, cpu_index=rank if cpu_index is None else cpu_index)
@@ -125,6 +130,11 @@ class WorkerCore:
         self._ensure_open()
         return await run_in_executor(self._executor, fn, *args, **kwargs)
 
+    def _check_refit_timeout(self, refit_timeout_s: float | None) -> float | None:
+        if refit_timeout_s is None:
+            return None
+        return _check_timeout(refit_timeout_s, "refit_timeout_s")
+
     def _refit_transport_state(self, key: str) -> dict[str, Any]:
         """The bookkeeping dict of transport ``key``: same dict per key, created lazily."""
         if not isinstance(key, str) or not key:
@@ -153,9 +163,10 @@ class WorkerCore:
     def get_zmq_address(self) -> str:
         """The IPC endpoint shared with the colocated peer on the same device.
 
-        Both sides derive it from the device id, under the private runtime dir.
+        Both sides derive it from the device id and ``zmq_pair``, under the private
+        runtime dir, so the two processes of a pair meet and other pairs never do.
         """
-        return f"ipc://{self.runtime_dir}/policyworker-{self.device_facts.device_id}.sock"
+        return f"ipc://{self.runtime_dir}/policyworker-{self.device_facts.device_id}-{self.zmq_pair}.sock"
 
     # -- control endpoint ------------------------------------------------------------
     def start_control_endpoint(self, host: str = "127.0.0.1", port: int = 0) -> str:

@@ -31,11 +31,12 @@ from .transports.base import RefitReport, TransportContext
 from .transports.nccl_reshard import NcclReshardTransport
 from .watchdog import process_watchdog
 from .worker import SUPPORTED_NCCL_PEERS, _check_int
+from .zmq_worker import ZmqRolloutMixin
 
 __all__ = ["RolloutWorker"]
 
 
-class RolloutWorker(WorkerCore):
+class RolloutWorker(ZmqRolloutMixin, WorkerCore):
     """Generation-side worker. ``rank`` is its rank among the generation ranks."""
 
     role = "rollout"

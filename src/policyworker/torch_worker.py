@@ -37,6 +37,7 @@ from .checkpoint import AsyncCheckpointWriter, read_checkpoint
 from .errors import CheckpointError, ConfigError, PolicyWorkerError
 from .reshard_worker import NcclReshardMixin
 from .worker import AbstractPolicyWorker
+from .zmq_worker import ZmqRefitMixin
 
 __all__ = ["TorchPolicyWorker"]
 
@@ -137,7 +138,7 @@ def _check_batch(data: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, lengths
 
 
-class TorchPolicyWorker(NcclReshardMixin, AbstractPolicyWorker):
+class TorchPolicyWorker(ZmqRefitMixin, NcclReshardMixin, AbstractPolicyWorker):
     """Trainer-side worker over a causal LM ``model`` (see the module docstring).
 
     ``reference_state_dict``: the reference policy's weights by parameter name (tied

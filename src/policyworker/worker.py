@@ -20,7 +20,7 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
-from .comm import CommGroup, _check_timeout, new_group, share_token
+from .comm import CommGroup, new_group, share_token
 from .core import WorkerCore
 from .sglang_worker import SglangIpcMixin
 from .errors import ConfigError
@@ -179,8 +179,3 @@ class AbstractPolicyWorker(SglangIpcMixin, WorkerCore, abc.ABC):
     async def finish_training(self, *args: Any, **kwargs: Any) -> None:
         """End of training: finish pending saves; subclasses release training state."""
         await self.finalize_async_save()
-
-    def _check_refit_timeout(self, refit_timeout_s: float | None) -> float | None:
-        if refit_timeout_s is None:
-            return None
-        return _check_timeout(refit_timeout_s, "refit_timeout_s")

@@ -54,12 +54,17 @@ def _baseline_module():
 
 
 def _workers():
+    from .core import WorkerCore
     from .rollout import RolloutWorker
-    from .worker import AbstractPolicyWorker
-    from .zmq_worker import ZmqRefitMixin, ZmqRolloutMixin
+    from .zmq_worker import ZmqRefitMixin
 
-    class BenchTrainer(ZmqRefitMixin, AbstractPolicyWorker):
+    class BenchTrainer(ZmqRefitMixin, WorkerCore):
+        """A trainer that is only its (seeded) parameters: no model, no reference copy."""
+
+        role = "trainer"
+
         def __init__(self, params, config, dtype, **kw):
+            kw.pop("world_size", None)
             super().__init__(**kw)
             self._params, self._config, self._dtype = params, config, dtype
 
@@ -69,19 +74,7 @@ def _workers():
         def _refit_dtype(self):
             return self._dtype
 
-        async def prepare_nccl_reshard_refit_info(self, *a, **k):
-            raise NotImplementedError
-
-        async def nccl_reshard_refit(self, *a, **k):
-            raise NotImplementedError
-
-        async def get_reference_policy_logprobs(self, **k):
-            raise NotImplementedError
-
-    class BenchRollout(ZmqRolloutMixin, RolloutWorker):
-        pass
-
-    return BenchTrainer, BenchRollout
+    return BenchTrainer, RolloutWorker
 
 
 def _peak_delta(dev: torch.device, before: int) -> int:

@@ -387,7 +387,7 @@ class ZmqIpcTransport(Transport):
     def _receive(self, ctx: TransportContext, expect_version: int | None) -> RefitReport:
         t0 = time.perf_counter()
         chan, deadline = self._begin(ctx)
-        st, dev = ctx.state, ctx.device.torch_device
+        st = ctx.state
         st["touched"] = False
         st["kv_scales"] = None
         chan.send(w.Ready(session=st["session"], committed=int(st.get("committed", 0))), "Ready")
