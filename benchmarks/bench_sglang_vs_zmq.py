@@ -2,7 +2,7 @@
 
 ``.venv/bin/python benchmarks/bench_sglang_vs_zmq.py --preset small --dtype bfloat16 --refits 4``
 
-sglang_ipc: two trainer processes (``SglangIpcMixin`` over ``TorchPolicyWorker``), one
+sglang_ipc: two trainer processes (``TorchPolicyWorker``, whose base carries ``SglangIpcMixin``), one
 engine of 2 "GPUs" whose tp ranks are ``RolloutWorker`` s behind the in-process adapter
 on trainer rank 0 (rank 1's buffer is opened across processes through its shared-memory
 handle). Per refit: new weights (outside the timing), a barrier, then
@@ -32,12 +32,9 @@ def _rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
     from policyworker import RolloutWorker, TorchPolicyWorker
     from policyworker.models import build_model, get_preset, seeded_state_dict
     from policyworker.sglang_engine import InProcessSglangEngine
-    from policyworker.sglang_worker import SglangIpcMixin
 
     torch.set_num_threads(1)
-
-    class Trainer(SglangIpcMixin, TorchPolicyWorker):
-        pass
+    Trainer = TorchPolicyWorker  # AbstractPolicyWorker carries SglangIpcMixin
 
     async def main() -> dict[str, Any]:
         config, dtype = get_preset(a["preset"]), getattr(torch, a["dtype"])
