@@ -51,7 +51,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     spec = RefitBenchSpec(preset=args.preset, train=args.train, gen=args.gen, refits=args.refits,
                           dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20), in_flight=args.in_flight,
-                          staging=args.staging, checksum=args.checksum, verify=not args.no_verify, timeout_s=args.timeout)
+                          staging=args.staging, checksum=args.checksum, trainer_params=args.trainer_params, verify=not args.no_verify, timeout_s=args.timeout)
     result = run_refit_bench(spec, on_event=lambda rank, kind, v: print(f"rank {rank}: {kind} {v or ''}",
                                                                            file=sys.stderr, flush=True))
     text = json.dumps(result, indent=2)
@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--in-flight", type=int, default=16, help="messages outstanding per rank")
     p.add_argument("--staging", type=int, default=2, help="staging buffers of --bucket-mb per rank")
     p.add_argument("--checksum", action="store_true")
+    p.add_argument("--trainer-params", choices=["flat", "views"], default="flat",
+                   help="nccl_reshard: trainers hold their shards in one buffer, or send views of a full model")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check (large presets)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", metavar="PATH")

@@ -10,8 +10,9 @@ runs, and each rollout checks every tensor bit for bit against the expected shar
 The ceiling is measured in the same run, between the same processes, with the same
 pattern of traffic: every (trainer, rollout) pair of the plan moves the same number
 of bytes as one plain gloo/NCCL send of a preallocated contiguous buffer, all pairs
-at once. ``ratio_to_ceiling`` = refit GB/s ÷ ceiling GB/s, both as total bytes over
-the slowest rank's wall time.
+at once. ``ratio_to_ceiling`` = median refit GB/s ÷ median ceiling GB/s, both as
+total bytes over the slowest rank's wall time; ``ratio_to_best_ceiling`` uses the
+ceiling's best round instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .layout import Parallelism, build_plan, dest_shards
+from .layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
 from .procs import free_port, start_world
 
 __all__ = ["RefitBenchSpec", "run_refit_bench"]
@@ -41,9 +42,13 @@ class RefitBenchSpec:
     in_flight: int = 16
     staging: int = 2
     checksum: bool = False
-    ceiling_rounds: int = 3
+    ceiling_rounds: int = 5
     timeout_s: float = 120.0
     verify: bool = True
+    # "flat": each trainer holds its training-layout shards in one buffer (as
+    # Megatron's distributed optimizer keeps parameters); "views": it holds the full
+    # model and sends views of it (row-parallel shards are then strided).
+    trainer_params: str = "flat"
     ports: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -107,9 +112,15 @@ def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
         out: dict[str, Any] = {"rank": rank, "role": "trainer" if is_trainer else "rollout", "refits": []}
         if is_trainer:
             model = build_model(config, seed=0, dtype=dtype)
+            shards = None
+            if spec.trainer_params == "flat":
+                own_plan = build_plan(config, train, gen, n_train, n_gen, dtype=dtype)
+                shards = empty_local_tensors(own_plan, "src", rank, flat=True)
+                for name, t in source_shards(own_plan, rank, dict(model.named_parameters())).items():
+                    shards[name].copy_(t)
             w: Any = TorchPolicyWorker(model, rank=rank, world_size=n_train, device="cpu",
                                        timeout_s=spec.timeout_s, reshard_options=options,
-                                       reference_state_dict=None)
+                                       refit_params=shards)
             await w.init_collective(ip, spec.ports["update"], n_train + n_gen, train_world_size=n_train)
             stage = train.coords(rank).pp_stage
             members = list(train.stage_ranks(stage))
@@ -138,8 +149,12 @@ def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
             if is_trainer:
                 new = seeded_state_dict(config, seed=version, dtype=dtype)
                 with torch.no_grad():
-                    for name, p in model.named_parameters():
-                        p.copy_(new[name])
+                    if shards is None:
+                        for name, p in model.named_parameters():
+                            p.copy_(new[name])
+                    else:
+                        for name, t in source_shards(plan, rank, new).items():
+                            shards[name].copy_(t)
                 del new
             await w._run(w.model_update_group.barrier)
             _device.reset_peak_memory("cpu")
@@ -200,8 +215,10 @@ def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
         wall = ranks[0]["refits"][i]["wall_seconds"]
         refits.append({"version": ranks[0]["refits"][i]["version"], "seconds": wall, "bytes": total,
                        "gbps": total / wall / 1e9})
-    ceiling_s = min(ranks[0]["ceiling_s"])
-    ceiling_gbps = total / ceiling_s / 1e9
+    # Median against median: the refit's figure is a median too. The best round is
+    # reported beside it (ratio_to_best_ceiling) for the pessimistic reading.
+    ceiling_gbps = total / statistics.median(ranks[0]["ceiling_s"]) / 1e9
+    best_ceiling_gbps = total / min(ranks[0]["ceiling_s"]) / 1e9
     gbps_median = statistics.median(r["gbps"] for r in refits)
     received = sum(r["refits"][-1]["bytes"] for r in rollouts)
     bit_exact = all(row.get("bit_exact", False) for r in rollouts for row in r["refits"]) if spec.verify else None
@@ -217,6 +234,7 @@ def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
         "processes": n,
         "bucket_bytes": spec.bucket_bytes,
         "in_flight": spec.in_flight,
+        "trainer_params": spec.trainer_params,
         "staging": spec.staging,
         "refits": refits,
         "bit_exact": bit_exact,
@@ -224,6 +242,9 @@ def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
         "ceiling_gbps": ceiling_gbps,
         "gbps_median": gbps_median,
         "ratio_to_ceiling": gbps_median / ceiling_gbps,
+        "best_ceiling_gbps": best_ceiling_gbps,
+        "ratio_to_best_ceiling": gbps_median / best_ceiling_gbps,
+        "ceiling_seconds": ranks[0]["ceiling_s"],
         "bytes_moved": received,
         "min_bytes": plan.min_bytes,
         "bytes_over_min": received / plan.min_bytes,

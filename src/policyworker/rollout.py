@@ -138,7 +138,9 @@ class RolloutWorker(ZmqRolloutMixin, WorkerCore):
         """Adopt the trainers' reshard plan (``prepare_nccl_reshard_refit_info``'s dict).
 
         ``params``: this rank's tensors in the generation layout; by default they are
-        allocated (zeros) from the plan. A plan that does not fit them is a ConfigError.
+        allocated (zeros) from the plan, as views of one buffer in the plan's order, so
+        the copies of a transfer land as one span. A plan that does not fit them is a
+        ConfigError.
         """
         self._ensure_open()
         if not isinstance(plan, ReshardPlan):
@@ -154,7 +156,7 @@ class RolloutWorker(ZmqRolloutMixin, WorkerCore):
                 f"the plan is for {plan.body.gen_world_size} generation ranks, this world has {self.gen_world_size}"
             )
         if params is None:
-            params = {k: v.zero_() for k, v in empty_local_tensors(plan, "dst", self.rank, self.device).items()}
+            params = {k: v.zero_() for k, v in empty_local_tensors(plan, "dst", self.rank, self.device, flat=True).items()}
         else:
             check_local_tensors(plan, "dst", self.rank, params)
         self.params = dict(params)

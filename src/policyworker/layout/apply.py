@@ -161,10 +161,32 @@ def _shift(t: tuple[int, ...], dim: int, by: int) -> tuple[int, ...]:
 
 
 def empty_local_tensors(plan: ReshardPlan, side: str, rank: int,
-                        device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Uninitialised local tensors of ``rank`` on ``side`` ("src"/"dst"), by local name."""
-    return {name: torch.empty(t.shape, dtype=_torch_dtype(t.dtype), device=device)
-            for name, t in plan.local_tensors(side, rank).items()}
+                        device: torch.device | str = "cpu", *, flat: bool = False) -> dict[str, torch.Tensor]:
+    """Uninitialised local tensors of ``rank`` on ``side`` ("src"/"dst"), by local name.
+
+    ``flat``: carve them out of one buffer, in the order the plan's copies first touch
+    them (its transfers in order), each aligned to 64 bytes. Then the copies of one
+    transfer tend to be adjacent in memory, and a transport can move them as one span.
+    """
+    specs = plan.local_tensors(side, rank)
+    if not flat:
+        return {name: torch.empty(t.shape, dtype=_torch_dtype(t.dtype), device=device)
+                for name, t in specs.items()}
+    order: dict[str, None] = {}
+    names = plan.body.tensor_names
+    for t in (plan.sends(rank) if side == "src" else plan.receives(rank)):
+        for c in t.copies:
+            order.setdefault(names[c.src_tensor if side == "src" else c.dst_tensor], None)
+    for name in specs:
+        order.setdefault(name, None)
+    sizes = {n: prod(specs[n].shape) * dtype_size(specs[n].dtype) for n in order}
+    offsets, total = {}, 0
+    for n in order:
+        offsets[n] = total
+        total += -(-sizes[n] // 64) * 64
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    return {n: buf.narrow(0, offsets[n], sizes[n]).view(_torch_dtype(specs[n].dtype)).view(specs[n].shape)
+            for n in order}
 
 
 def _shards(plan: ReshardPlan, side: str, rank: int,

@@ -135,20 +135,36 @@ def _buckets(plan: ReshardPlan, copies: list[Copy], bucket_bytes: int) -> list[l
 
 
 def _direct_view(plan: ReshardPlan, copies: list[Copy], tensors: Mapping[str, torch.Tensor], side: str):
-    """The bucket's bytes as a contiguous view of one local tensor, or None."""
-    if len(copies) != 1:
-        return None
-    c = copies[0]
+    """The message's bytes as one contiguous span of local memory, or None.
+
+    True when every copy's region is contiguous and each starts where the previous
+    one ended, in one storage: a single copy of a row block, or consecutive tensors
+    of a flat buffer (the rollout allocates its tensors that way, in plan order).
+    Then the message goes straight from / into the tensors: no staging copy.
+    """
     names = plan.body.tensor_names
-    name = names[c.src_tensor] if side == "src" else names[c.dst_tensor]
-    at = c.src_at if side == "src" else c.dst_at
-    t = tensors.get(name)
-    if t is None:
+    storage = None
+    start = end = 0
+    for c in copies:
+        t = tensors.get(names[c.src_tensor] if side == "src" else names[c.dst_tensor])
+        if t is None:
+            return None
+        view = _region(t, c.src_at if side == "src" else c.dst_at, c.start, c.stop)
+        if not view.is_contiguous():
+            return None
+        nbytes = view.numel() * view.element_size()
+        if nbytes == 0:
+            continue
+        st = view.untyped_storage()
+        ptr = view.data_ptr()
+        if storage is None:
+            storage, base, start = st, st.data_ptr(), ptr
+        elif st.data_ptr() != base or ptr != end:
+            return None
+        end = ptr + nbytes
+    if storage is None:
         return None
-    view = _region(t, at, c.start, c.stop)
-    if not view.is_contiguous():
-        return None
-    return view.reshape(-1).view(torch.uint8) if view.numel() else None
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start - base, (end - start,), (1,))
 
 
 def _crc(buf: torch.Tensor) -> int:
@@ -439,31 +455,50 @@ class NcclReshardTransport(Transport):
 
 
 # -- leftovers over model_update_group (after the bulk) --------------------------------
+_TAG_VERDICT, _TAG_OUTCOME, _TAG_SCALES = 1 << 20, (1 << 20) + 1, (1 << 20) + 2
+
+
 def exchange_leftovers(group, *, is_source: bool, kv_scales: Mapping[str, float] | None, deadline: float,
                        version: int, ok: bool) -> tuple[dict[str, float] | None, int, int]:
-    """One all-reduce of (failures, version, kv-scales length), then the scales if any.
+    """Gather every rank's verdict on rank 0; rank 0 answers (failures, version, scales).
 
-    Every rank of the update group calls it; only rank 0 (``is_source``) contributes
-    the version and the scales, so the sums are rank 0's values. Returns
-    (kv_scales, version, failures).
+    Every rank of the update group calls it; rank 0 (a trainer, ``is_source``)
+    contributes the version and the kv scales. A star of point-to-point messages:
+    two hops, about half the latency of an all-reduce among 4–8 processes (measured
+    on gloo). Returns (kv_scales, version, failures).
     """
     dev = group.device
+    mine = torch.tensor([0 if ok else 1, version if is_source else 0, 0], dtype=torch.int64, device=dev)
     payload = b""
-    if is_source and kv_scales is not None:
-        payload = msgspec.msgpack.encode(KvScales(dict(kv_scales)))
-    meta = torch.tensor(
-        [0 if ok else 1, version if is_source else 0, len(payload) + (1 if is_source and kv_scales is not None else 0)],
-        dtype=torch.int64, device=dev,
-    )
-    group.all_reduce(meta, deadline=deadline)
-    failures, version, length = (int(x) for x in meta.cpu().tolist())
+    if group.rank == 0:
+        if is_source and kv_scales is not None:
+            payload = msgspec.msgpack.encode(KvScales(dict(kv_scales)))
+            mine[2] = len(payload) + 1  # +1 so that {} still arrives as {}
+        peers = range(1, group.world_size)
+        inbox = [torch.zeros(3, dtype=torch.int64, device=dev) for _ in peers]
+        group.wait_all([group.irecv(b, p, _TAG_VERDICT) for b, p in zip(inbox, peers)], deadline=deadline,
+                       what="verdict gather")
+        outcome = mine.clone()
+        for b in inbox:
+            outcome[0] += b[0]
+        works = [group.isend(outcome, p, _TAG_OUTCOME) for p in peers]
+        if payload:
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
+            works += [group.isend(buf, p, _TAG_SCALES) for p in peers]
+        group.wait_all(works, deadline=deadline, what="verdict answer")
+    else:
+        outcome = torch.zeros(3, dtype=torch.int64, device=dev)
+        sent = group.isend(mine, 0, _TAG_VERDICT)
+        group.wait(group.irecv(outcome, 0, _TAG_OUTCOME), deadline=deadline, what="verdict answer")
+        group.wait(sent, deadline=deadline, what="verdict gather")
+    failures, version, length = (int(x) for x in outcome.cpu().tolist())
     scales = None
-    if length:  # length = payload bytes + 1, so {} still arrives as {}
-        if is_source:
-            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev) if payload else None
+    if length:
+        if group.rank == 0:
+            scales = dict(kv_scales) if kv_scales is not None else {}
         else:
             buf = torch.empty(length - 1, dtype=torch.uint8, device=dev)
-        if buf is not None and buf.numel():
-            group.broadcast(buf, 0, deadline=deadline)
-        scales = dict(kv_scales) if is_source else _KV_DECODER.decode(bytes(buf.cpu().numpy())).scales
+            if buf.numel():
+                group.wait(group.irecv(buf, 0, _TAG_SCALES), deadline=deadline, what="kv scales")
+            scales = _KV_DECODER.decode(bytes(buf.cpu().numpy())).scales
     return scales, version, failures
