@@ -22,7 +22,7 @@ import torch
 from . import device as _device
 from ._aio import run_in_executor
 from .comm import DEFAULT_TIMEOUT_S, CommGroup, _check_timeout
-from .errors import ConfigError, WorkerClosed
+from .errors import ConfigError, RefitAborted, WorkerClosed
 from .watchdog import process_watchdog
 
 __all__ = ["RUNTIME_DIR_ENV", "WorkerCore", "private_runtime_dir"]
@@ -134,6 +134,34 @@ class WorkerCore:
         if refit_timeout_s is None:
             return None
         return _check_timeout(refit_timeout_s, "refit_timeout_s")
+
+    async def _refit_under_deadline(
+        self, transport: Any, ctx: Any, *, timeout: float | None, aborts: list[Callable[[], None]],
+        version: int | None = None,
+    ) -> Any:
+        """Connect ``transport`` if the plan changed, then send or receive one refit.
+
+        With ``timeout`` a watchdog deadline is armed around both (``aborts`` run when it
+        fires; ``ctx.deadline`` is set) and an abort it caused surfaces as
+        ``RefitTimeout``. The deadline is disarmed however the refit ends.
+        """
+        deadline = None
+        if timeout is not None:
+            deadline = ctx.deadline = process_watchdog().arm(
+                timeout, aborts, label=f"{transport.name} {self.role} rank {self.rank}")
+        try:
+            if ctx.state.get("connected_hash") != ctx.plan.hash:
+                await transport.connect(ctx)
+            if ctx.role == "send":
+                return await transport.send(ctx, version)
+            return await transport.receive(ctx)
+        except RefitAborted:
+            if deadline is not None:
+                deadline.check()  # fired: a RefitTimeout, not a bare abort
+            raise
+        finally:
+            if deadline is not None:
+                process_watchdog().disarm(deadline)
 
     def _refit_transport_state(self, key: str) -> dict[str, Any]:
         """The bookkeeping dict of transport ``key``: same dict per key, created lazily."""

@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError, RefitAborted
+from .errors import ConfigError
 from .layout.plan import ReshardPlan
 from .layout.planner import as_parallelism, build_plan, plan_from_layouts
 from .transports.base import RefitReport, TransportContext
 from .transports.nccl_reshard import NcclReshardTransport
-from .watchdog import process_watchdog
 
 __all__ = ["NcclReshardMixin", "check_local_tensors", "plan_for_source", "shard_views", "validate_kv_scales"]
 
@@ -220,27 +219,15 @@ class NcclReshardMixin:
             state["group"], state["update_group"] = self.pp_comm_group, self.model_update_group
             state["stage"] = state.get("pp_stage", 0)
             state.pop("connected_hash", None)  # new groups: connect (plan check) again
-        groups = [self.pp_comm_group, self.model_update_group]
-        deadline = None
-        if timeout is not None:
-            deadline = process_watchdog().arm(timeout, [g.abort for g in groups], label=f"nccl_reshard rank {self.rank}")
         ctx = TransportContext(
             worker=self, role="send", rank=self.rank, device=self.device_facts, state=state,
-            params=local, plan=plan, options={"kv_scales": scales},
-            deadline=deadline, executor=self._executor,
+            params=local, plan=plan, options={"kv_scales": scales}, executor=self._executor,
         )
-        try:
-            if state.get("connected_hash") != plan.hash:
-                await transport.connect(ctx)
-            version = state.get("version", 0) + 1
-            report = await transport.send(ctx, version)
-        except RefitAborted:
-            if deadline is not None:
-                deadline.check()  # fired: raise RefitTimeout instead
-            raise
-        finally:
-            if deadline is not None:
-                process_watchdog().disarm(deadline)
+        version = state.get("version", 0) + 1
+        report = await self._refit_under_deadline(
+            transport, ctx, timeout=timeout, aborts=[self.pp_comm_group.abort, self.model_update_group.abort],
+            version=version,
+        )
         state["version"] = version
         return report
 

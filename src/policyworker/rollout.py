@@ -21,15 +21,14 @@ from collections.abc import Mapping
 
 import torch
 
-from .comm import CommGroup, _check_timeout, new_group, share_token
+from .comm import CommGroup, new_group, share_token
 from .core import WorkerCore
-from .errors import ConfigError, PlanMismatch, RefitAborted, TornWeights
+from .errors import ConfigError, PlanMismatch, TornWeights
 from .layout.apply import empty_local_tensors
 from .layout.plan import ReshardPlan
 from .reshard_worker import check_local_tensors
 from .transports.base import RefitReport, TransportContext
 from .transports.nccl_reshard import NcclReshardTransport
-from .watchdog import process_watchdog
 from .worker import SUPPORTED_NCCL_PEERS, _check_int
 from .zmq_worker import ZmqRolloutMixin
 
@@ -166,7 +165,7 @@ class RolloutWorker(ZmqRolloutMixin, WorkerCore):
 
     async def receive_nccl_reshard_refit(self, *, refit_timeout_s: float | None = None) -> RefitReport:
         """Receive one refit from the trainers; commit it or raise (see module docstring)."""
-        timeout = None if refit_timeout_s is None else _check_timeout(refit_timeout_s, "refit_timeout_s")
+        timeout = self._check_refit_timeout(refit_timeout_s)
         self._ensure_open()
         state = self._refit_transport_state("nccl_reshard")
         plan = state.get("plan")
@@ -180,29 +179,23 @@ class RolloutWorker(ZmqRolloutMixin, WorkerCore):
         if state.get("groups") != self.stage_groups or state.get("update_group") is not self.model_update_group:
             state["groups"], state["update_group"] = dict(self.stage_groups), self.model_update_group
             state.pop("connected_hash", None)
-        groups = [*self.stage_groups.values(), self.model_update_group]
-        deadline = None
-        if timeout is not None:
-            deadline = process_watchdog().arm(timeout, [g.abort for g in groups], label=f"rollout rank {self.rank}")
         ctx = TransportContext(
             worker=self, role="receive", rank=self.rank, device=self.device_facts, state=state,
-            params=self.params, plan=plan, deadline=deadline, executor=self._executor,
+            params=self.params, plan=plan, executor=self._executor,
         )
+        aborts = [g.abort for g in (*self.stage_groups.values(), self.model_update_group)]
+        return await self._receive_and_commit(transport, ctx, timeout=timeout, aborts=aborts)
+
+    async def _receive_and_commit(self, transport, ctx: TransportContext, *, timeout, aborts) -> RefitReport:
+        """Receive one refit; commit its version on success, mark torn on a failure that touched bytes."""
         try:
-            if state.get("connected_hash") != plan.hash:
-                await transport.connect(ctx)
-            report = await transport.receive(ctx)
-        except BaseException as exc:
-            if state.get("touched"):
+            report = await self._refit_under_deadline(transport, ctx, timeout=timeout, aborts=aborts)
+        except BaseException:
+            if ctx.state.get("touched"):
                 self.torn = True
-            if isinstance(exc, RefitAborted) and deadline is not None:
-                deadline.check()
             raise
-        finally:
-            if deadline is not None:
-                process_watchdog().disarm(deadline)
         self.weight_version = report.version
-        self.kv_scales = state.get("kv_scales")
+        self.kv_scales = ctx.state.get("kv_scales")
         self.torn = False
         self.last_report = report
         return report

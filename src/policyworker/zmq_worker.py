@@ -23,13 +23,12 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError, RefitAborted
+from .errors import ConfigError
 from .layout.plan import ReshardPlan
 from .layout.planner import build_plan
 from .reshard_worker import check_local_tensors, validate_kv_scales
 from .transports.base import RefitReport, TransportContext
 from .transports.zmq_ipc import ZmqIpcTransport
-from .watchdog import process_watchdog
 
 __all__ = ["ZmqRefitMixin", "ZmqRolloutMixin", "flat_local_tensors"]
 
@@ -132,24 +131,12 @@ class ZmqRefitMixin:
         transport = state.get("transport")
         if transport is None:
             transport = state["transport"] = ZmqIpcTransport(timeout_s=self.zmq_timeout_s, **self.zmq_options)
-        deadline = None
-        if timeout is not None:
-            deadline = process_watchdog().arm(timeout, [transport.abort], label=f"zmq trainer rank {self.rank}")
         ctx = TransportContext(worker=self, role="send", rank=self.rank, device=self.device_facts, state=state,
                                params=self._zmq_full_params(), plan=plan, options={"kv_scales": scales},
-                               deadline=deadline, executor=self._executor)
-        try:
-            if state.get("connected_hash") != plan.hash:
-                await transport.connect(ctx)
-            version = state.get("version", 0) + 1
-            report = await transport.send(ctx, version)
-        except RefitAborted:
-            if deadline is not None:
-                deadline.check()
-            raise
-        finally:
-            if deadline is not None:
-                process_watchdog().disarm(deadline)
+                               executor=self._executor)
+        version = state.get("version", 0) + 1
+        report = await self._refit_under_deadline(transport, ctx, timeout=timeout, aborts=[transport.abort],
+                                                  version=version)
         state["version"] = version
         return report
 
@@ -180,9 +167,7 @@ class ZmqRolloutMixin:
 
     async def update_weights_via_ipc_zmq(self, *, refit_timeout_s: float | None = None) -> RefitReport:
         """Pull the next refit from the colocated trainer; commit it or raise."""
-        from .comm import _check_timeout
-
-        timeout = None if refit_timeout_s is None else _check_timeout(refit_timeout_s, "refit_timeout_s")
+        timeout = self._check_refit_timeout(refit_timeout_s)
         self._ensure_open()
         state = self._refit_transport_state("zmq")
         plan = state.get("plan")
@@ -193,26 +178,6 @@ class ZmqRolloutMixin:
         transport = state.get("transport")
         if transport is None:
             transport = state["transport"] = ZmqIpcTransport(timeout_s=self.zmq_timeout_s, **self.zmq_options)
-        deadline = None
-        if timeout is not None:
-            deadline = process_watchdog().arm(timeout, [transport.abort], label=f"zmq rollout rank {self.rank}")
         ctx = TransportContext(worker=self, role="receive", rank=self.rank, device=self.device_facts, state=state,
-                               params=self.params, plan=plan, deadline=deadline, executor=self._executor)
-        try:
-            if state.get("connected_hash") != plan.hash:
-                await transport.connect(ctx)
-            report = await transport.receive(ctx)
-        except BaseException as exc:
-            if state.get("touched"):
-                self.torn = True
-            if isinstance(exc, RefitAborted) and deadline is not None:
-                deadline.check()
-            raise
-        finally:
-            if deadline is not None:
-                process_watchdog().disarm(deadline)
-        self.weight_version = report.version
-        self.kv_scales = state.get("kv_scales")
-        self.torn = False
-        self.last_report = report
-        return report
+                               params=self.params, plan=plan, executor=self._executor)
+        return await self._receive_and_commit(transport, ctx, timeout=timeout, aborts=[transport.abort])
