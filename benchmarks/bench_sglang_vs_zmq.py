@@ -1,8 +1,9 @@
-"""sglang_ipc vs zmq on CPU: refit throughput against a same-run memcpy ceiling. Prints JSON.
+"""sglang_ipc vs zmq, CPU or one GPU: refit throughput against a same-run copy ceiling. Prints JSON.
 
 ``.venv/bin/python benchmarks/bench_sglang_vs_zmq.py --preset small --dtype bfloat16 --refits 4``
+``python3 benchmarks/bench_sglang_vs_zmq.py --device cuda --preset qwen3-8b --refits 10 --json out.json``
 
-sglang_ipc: two trainer processes (``TorchPolicyWorker``, whose base carries ``SglangIpcMixin``), one
+CPU (``--device cpu``), sglang_ipc: two trainer processes (``TorchPolicyWorker``, whose base carries ``SglangIpcMixin``), one
 engine of 2 "GPUs" whose tp ranks are ``RolloutWorker`` s behind the in-process adapter
 on trainer rank 0 (rank 1's buffer is opened across processes through its shared-memory
 handle). Per refit: new weights (outside the timing), a barrier, then
@@ -11,8 +12,17 @@ bytes × tp ranks). Each byte is copied twice (pack into the flattened buffer, l
 into the rollout), like SGLang's own path. The ceiling is one plain ``copy_`` of the
 same byte count between two preallocated, touched buffers, in the same run.
 
-zmq: ``policyworker.zmq_bench.run_zmq_bench`` (one trainer, one rollout) when it can
-be imported; its own same-run ceiling is reported beside it.
+GPU (``--device cuda``), sglang_ipc: the layout of the zmq benchmark — one trainer, one
+engine of tp=1 on the same GPU (``engine_gpu_counts=[1]``): the in-process adapter lives
+in the trainer's process, so the trainer's own CUDA buffer is used directly. The trainer
+is only its parameters (the preset's shapes, allocated on the GPU and refilled from a
+seeded generator per version, outside the timing); the rollout holds a full copy. The
+timed region is ``sglang_refit`` (it returns after the engine's copies finished on the
+GPU); the rollout is compared with the trainer's tensors afterwards. The ceiling is one
+flat device-to-device ``copy_`` of the same byte count, in the same process.
+
+zmq: ``policyworker.zmq_bench.run_zmq_bench`` (one trainer, one rollout, same device)
+when it can be imported; its own same-run ceiling is reported beside it.
 """
 
 from __future__ import annotations
@@ -83,6 +93,96 @@ def _rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
     return asyncio.run(main())
 
 
+def _fill_(params: dict[str, torch.Tensor], version: int) -> None:
+    with torch.no_grad():
+        for i, p in enumerate(params.values()):
+            g = torch.Generator(device=p.device).manual_seed(version * 1_000_003 + i)
+            p.copy_(torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(generator=g))
+
+
+def _gpu_rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
+    from policyworker import RolloutWorker, TorchPolicyWorker
+    from policyworker.models import get_preset, param_specs
+    from policyworker.sglang_engine import InProcessSglangEngine
+
+    class ParamsTrainer(TorchPolicyWorker):
+        """A trainer that is only its parameters; SGLang loads them (the documented hook)."""
+
+        def __init__(self, params: dict[str, torch.Tensor], **kw: Any) -> None:
+            super().__init__(torch.nn.Linear(1, 1), **kw)  # no model to build: only the refit is measured
+            self._bench_params = params
+
+        def _sglang_named_tensors(self) -> dict[str, torch.Tensor]:
+            return self._bench_params
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+
+    async def main() -> dict[str, Any]:
+        specs = param_specs(get_preset(a["preset"]), getattr(torch, a["dtype"]))
+        params = {n: torch.empty(s, dtype=d, device=dev) for n, (s, d) in specs.items()}
+        w = ParamsTrainer(params, rank=0, world_size=1, device=dev, timeout_s=120.0)
+        w.sglang_options = {"bucket_bytes": a["bucket_bytes"]}
+        await w.init_collective("127.0.0.1", a["port"], 1, train_world_size=1)
+        await w.connect_sglang_rollout_engines(engine_gpu_counts=[1])
+        r = RolloutWorker(rank=0, gen_world_size=1, device=dev)
+        r.params = {n: torch.zeros_like(p) for n, p in params.items()}
+        engine = InProcessSglangEngine([r])
+        rows = []
+        for version in range(1, a["refits"] + 1):
+            _fill_(params, version)
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            mem0 = torch.cuda.memory_allocated(dev)
+            t0 = time.perf_counter()
+            rep = await w.sglang_refit(engine=engine, refit_timeout_s=120.0)
+            torch.cuda.synchronize(dev)  # the engine already waited for its copies; this is a no-op check
+            secs = time.perf_counter() - t0
+            rows.append({"version": rep.version, "seconds": secs, "buffer_bytes": rep.peak_extra_bytes,
+                         "buckets": rep.buckets, "bytes": r.last_report.bytes,
+                         "peak_extra_bytes": torch.cuda.max_memory_allocated(dev) - mem0,
+                         "bit_exact": all(torch.equal(r.params[n], p) for n, p in params.items())})
+        engine.close()
+        await r.shutdown()
+        await w.shutdown()
+        del engine, r
+        torch.cuda.empty_cache()
+        nbytes = rows[-1]["bytes"]
+        src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+        dst = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        ceiling = []
+        for _ in range(a["ceiling_rounds"] + 1):  # the first one warms up
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize(dev)
+            ceiling.append(time.perf_counter() - t0)
+        return {"rows": rows, "ceiling_s": ceiling[1:]}
+
+    return asyncio.run(main())
+
+
+def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5) -> dict[str, Any]:
+    from policyworker.procs import free_port, run_world
+
+    a = dict(preset=preset, dtype=dtype, refits=refits, bucket_bytes=bucket_bytes, port=free_port(),
+             ceiling_rounds=ceiling_rounds)
+    (res,) = run_world(_gpu_rank, 1, (a,), timeout_s=600)
+    rows = res["rows"]
+    nbytes = rows[-1]["bytes"]
+    steady = [r["seconds"] for r in rows[1:]] or [rows[0]["seconds"]]
+    gbps = statistics.median(nbytes / s / 1e9 for s in steady)
+    ceiling = nbytes / statistics.median(res["ceiling_s"]) / 1e9
+    return {"transport": "sglang_ipc", "engine": "in-process, tp=1, in the trainer's process (engine_gpu_counts=[1])",
+            "device": "cuda:0", "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "preset": preset, "dtype": dtype, "bytes_landed": nbytes, "bucket_bytes": bucket_bytes,
+            "buckets": rows[-1]["buckets"], "buffer_bytes_per_rank": rows[-1]["buffer_bytes"],
+            "peak_extra_bytes": max(r["peak_extra_bytes"] for r in rows[1:] or rows),
+            "first_refit_s": rows[0]["seconds"], "refits_s": steady, "gbps_median": gbps,
+            "ceiling_s": res["ceiling_s"], "ceiling_gbps": ceiling, "ratio_to_ceiling": gbps / ceiling,
+            "bit_exact": all(r["bit_exact"] for r in rows)}
+
+
 def run_sglang(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5) -> dict[str, Any]:
     from policyworker.procs import free_port, run_world
 
@@ -101,14 +201,14 @@ def run_sglang(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_
             "bit_exact": all(r["bit_exact"] for r in rows)}
 
 
-def run_zmq(preset: str, dtype: str, refits: int) -> dict[str, Any]:
+def run_zmq(preset: str, dtype: str, refits: int, device: str = "cpu") -> dict[str, Any]:
     try:
         from policyworker.zmq_bench import run_zmq_bench
     except ImportError as exc:  # written concurrently; absent in some checkouts
         return {"transport": "zmq", "skipped": f"policyworker.zmq_bench not importable: {exc}"}
-    res = run_zmq_bench(preset, dtype, refits, "cpu", baseline=False)
-    keep = ("transport", "device", "preset", "dtype", "bytes", "refits", "gbps_median", "ceiling_gbps",
-            "ratio_to_ceiling", "bit_exact", "peak_extra_bytes")
+    res = run_zmq_bench(preset, dtype, refits, device, baseline=False)
+    keep = ("transport", "device", "preset", "dtype", "bytes", "refits", "first_refit_s", "gbps_median",
+            "ceiling_gbps", "ratio_to_ceiling", "bit_exact", "peak_extra_bytes")
     return {k: res.get(k) for k in keep}
 
 
@@ -117,17 +217,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="small")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--refits", type=int, default=4)
-    p.add_argument("--bucket-bytes", type=int, default=64 << 20)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--bucket-bytes", type=int, default=None, help="default: 64 MiB on cpu, 1 GiB on cuda")
     p.add_argument("--no-zmq", action="store_true")
+    p.add_argument("--json", default=None, help="also write the JSON here")
     ns = p.parse_args(argv)
-    out = {"sglang_ipc": run_sglang(ns.preset, ns.dtype, ns.refits, ns.bucket_bytes)}
+    if ns.device == "cuda":
+        bucket = (1 << 30) if ns.bucket_bytes is None else ns.bucket_bytes
+        out = {"sglang_ipc": run_sglang_gpu(ns.preset, ns.dtype, ns.refits, bucket)}
+    else:
+        bucket = (64 << 20) if ns.bucket_bytes is None else ns.bucket_bytes
+        out = {"sglang_ipc": run_sglang(ns.preset, ns.dtype, ns.refits, bucket)}
     if not ns.no_zmq:
-        out["zmq"] = run_zmq(ns.preset, ns.dtype, ns.refits)
+        out["zmq"] = run_zmq(ns.preset, ns.dtype, ns.refits, ns.device)
         z = out["zmq"]
         if z.get("ratio_to_ceiling"):
             out["sglang_ratio_over_zmq_ratio"] = out["sglang_ipc"]["ratio_to_ceiling"] / z["ratio_to_ceiling"]
-    json.dump(out, sys.stdout, indent=2)
-    print()
+    text = json.dumps(out, indent=2)
+    print(text)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            f.write(text + "\n")
     return 0
 
 

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from policyworker import PolicyWorkerError, RolloutWorker, TorchPolicyWorker
+from policyworker.comm import new_group
 from policyworker.models import build_model, get_preset, seeded_state_dict
 from policyworker.sglang_client import EngineResult, SglangHttpEngine
 from policyworker.sglang_engine import InProcessSglangEngine
@@ -32,6 +34,10 @@ class SglangSpec:
     http_port: int = 0
     fail: dict[str, int] | None = None  # {"version": v, "bucket": k}: the engine refuses that bucket
     timeout_s: float = 30.0
+    device: str = "cpu"  # every trainer rank and rollout on this device (e.g. "cuda:0")
+    # The update group's backend when not init_collective's default (nccl with CUDA):
+    # two trainer processes on one GPU need gloo, since NCCL refuses two ranks on one GPU.
+    update_backend: str | None = None
 
 
 class RefusingEngine(InProcessSglangEngine):
@@ -50,17 +56,17 @@ class RefusingEngine(InProcessSglangEngine):
         return super().update_weights_from_tensor(request, timeout_s=timeout_s)
 
 
-def _rollouts(n: int, model) -> list[RolloutWorker]:
+def _rollouts(n: int, model, device: str = "cpu") -> list[RolloutWorker]:
     workers = []
     for i in range(n):
-        w = RolloutWorker(rank=i, gen_world_size=n, device="cpu", timeout_s=10.0)
+        w = RolloutWorker(rank=i, gen_world_size=n, device=device, timeout_s=10.0)
         w.params = {name: torch.zeros_like(p) for name, p in model.named_parameters()}
         workers.append(w)
     return workers
 
 
 def _exact(workers: list[RolloutWorker], want: dict[str, torch.Tensor]) -> bool:
-    return all(set(w.params) == set(want) and all(torch.equal(w.params[k], want[k]) for k in want)
+    return all(set(w.params) == set(want) and all(torch.equal(w.params[k].cpu(), want[k]) for k in want)
                for w in workers)
 
 
@@ -69,10 +75,15 @@ def sglang_rank(rank: int, spec: SglangSpec) -> dict[str, Any]:
     config = get_preset("tiny")
 
     async def main() -> dict[str, Any]:
-        model = build_model(config, seed=0)
-        w = SglangTrainer(model, rank=rank, world_size=spec.world, device="cpu", timeout_s=spec.timeout_s)
+        model = build_model(config, seed=0, device=spec.device)
+        w = SglangTrainer(model, rank=rank, world_size=spec.world, device=spec.device, timeout_s=spec.timeout_s)
         w.sglang_options = {"bucket_bytes": spec.bucket_bytes}
-        await w.init_collective("127.0.0.1", spec.port, spec.world, train_world_size=spec.world)
+        if spec.update_backend is None:
+            await w.init_collective("127.0.0.1", spec.port, spec.world, train_world_size=spec.world)
+        else:
+            group = await w._run(new_group, host="127.0.0.1", port=spec.port, rank=rank, world_size=spec.world,
+                                 name="model_update", backend=spec.update_backend, timeout_s=spec.timeout_s)
+            w._replace_group("model_update_group", group)
         out: dict[str, Any] = {"layouts": [], "outcomes": []}
         state = w._refit_transport_state("sglang_ipc")
         for layout in spec.layouts:
@@ -87,7 +98,7 @@ def sglang_rank(rank: int, spec: SglangSpec) -> dict[str, Any]:
         engine = workers = None
         if is_src:
             n = state["layout"].counts[state["engine_index"]]
-            workers = _rollouts(n, model)
+            workers = _rollouts(n, model, spec.device)
             if spec.engine == "http":
                 engine = SglangHttpEngine(f"http://127.0.0.1:{spec.http_port}", timeout_s=5.0)
             elif spec.fail:
@@ -110,6 +121,11 @@ def sglang_rank(rank: int, spec: SglangSpec) -> dict[str, Any]:
                 row["torn"] = workers[0].torn
                 row["exact"] = _exact(workers, new) if row["ok"] else None
             out["outcomes"].append(row)
+        if isinstance(engine, InProcessSglangEngine):
+            out["opened_buffers"] = len(engine._buffers)
+            engine.close()
+        # Every rank exits only after the engine let go of the peers' (CUDA) buffers.
+        await w._run(w.model_update_group.barrier, deadline=time.monotonic() + spec.timeout_s)
         for r in workers or []:
             await r.shutdown()
         await w.shutdown()

@@ -6,7 +6,12 @@ request is for tp rank ``i``, i.e. ``workers[i]``. The adapter opens each traine
 rank's shared buffer from its typed handle (once; the handle is the same every
 bucket), rebuilds the bucket's tensors with SGLang's rule (a fixed function:
 ``flat[start:end].view(dtype).reshape(shape)``) and loads them into the worker's
-params in the generation layout.
+params in the generation layout. The trainer rank this adapter lives in is one of
+those ranks: its own CUDA buffer comes back as the buffer itself (``open_buffer``).
+
+On CUDA the loads are asynchronous, and the answer to a bucket is what allows the
+trainer ranks to repack their buffers: so the adapter waits for its copies before it
+answers. ``close()`` lets go of the opened buffers (call it before the trainers exit).
 
 Versions follow ``RolloutWorker``: the first bucket of a refit begins it; bytes land in
 place; the bucket that carries ``weight_version`` commits it, and only when every
@@ -74,6 +79,10 @@ class InProcessSglangEngine:
     def __repr__(self) -> str:
         return f"InProcessSglangEngine(tp={len(self.workers)})"
 
+    def close(self) -> None:
+        """Let go of every opened trainer buffer (they are opened again when needed)."""
+        self._buffers.clear()
+
     def _buffer(self, handle: BufferHandle) -> torch.Tensor:
         buf = self._buffers.get(handle)
         if buf is None:
@@ -89,6 +98,9 @@ class InProcessSglangEngine:
         if request.bucket == 0:
             self._next_bucket, self._bytes, self._t0 = 0, 0, time.perf_counter()
             self._seen = [set() for _ in self.workers]
+            # A reconnected trainer rank exported a new buffer: drop the stale ones.
+            for stale in set(self._buffers) - set(request.buffers):
+                del self._buffers[stale]
         try:
             self._apply(request)
         except (PolicyWorkerError, RuntimeError, ValueError) as exc:
@@ -118,13 +130,16 @@ class InProcessSglangEngine:
                     raise ValueError(f"{name!r} arrived as {t.dtype}{list(t.shape)}, tp rank {worker.rank} "
                                      f"holds {dst.dtype}{list(dst.shape)}")
         try:
-            with torch.no_grad():
-                for i, (worker, tensors) in enumerate(zip(self.workers, received)):
-                    for name, t in tensors:
-                        worker.torn = True  # from the first byte until the commit
-                        self.loader(worker, name, t)
-                        self._seen[i].add(name)
-                        self._bytes += t.numel() * t.element_size()
+            try:
+                with torch.no_grad():
+                    for i, (worker, tensors) in enumerate(zip(self.workers, received)):
+                        for name, t in tensors:
+                            worker.torn = True  # from the first byte until the commit
+                            self.loader(worker, name, t)
+                            self._seen[i].add(name)
+                            self._bytes += t.numel() * t.element_size()
+            finally:
+                _wait_for_copies(received, self.workers)  # also after a failed load: the buffer is reused
             self._next_bucket += 1
             if request.weight_version is not None:
                 self._commit(request)
@@ -148,3 +163,14 @@ class InProcessSglangEngine:
                 transport="sglang_ipc", role="receive", version=version, bytes=self._bytes // len(self.workers),
                 seconds=seconds, buckets=request.num_buckets,
             )
+
+
+def _wait_for_copies(received: list[list[tuple[str, torch.Tensor]]], workers: Sequence[RolloutWorker]) -> None:
+    """Block until the CUDA copies out of the trainers' buffers are done (no-op on CPU)."""
+    # Sources and this bucket's destinations only: a per-bucket walk over every param costs ~1 us each.
+    devices = {t.device for tensors in received for _, t in tensors[:1]}
+    devices |= {w.params[name].device for w, tensors in zip(workers, received) for name, _ in tensors
+                if name in w.params}
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()

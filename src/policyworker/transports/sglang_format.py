@@ -31,6 +31,11 @@ resource sharer when nobody decodes the blob.
 Nothing here unpickles. Our own receivers (the in-process engine adapter) rebuild
 tensors from typed handles (:class:`ShmHandle`, :class:`CudaIpcHandle`) with the fixed
 functions :func:`open_buffer` and :func:`reconstruct`.
+
+CUDA IPC handles cannot be opened in the process that exported them (the driver
+refuses). The in-process adapter lives in a trainer process and receives that
+process's own handle too, so :func:`export_buffer` remembers the CUDA buffers it
+exported (weakly) and :func:`open_buffer` returns such a buffer itself.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import copyreg
 import hashlib
 import io
 import pickle
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -196,11 +202,16 @@ class CudaIpcHandle(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 BufferHandle = Union[ShmHandle, CudaIpcHandle]
 
+# CUDA buffers this process exported, by handle: open_buffer hands them back as they
+# are (a process cannot open its own CUDA IPC handle). Weak: the exporter owns them.
+_LOCAL_CUDA: weakref.WeakValueDictionary[CudaIpcHandle, torch.Tensor] = weakref.WeakValueDictionary()
+
 
 def export_buffer(nbytes: int, device: torch.device) -> tuple[torch.Tensor, BufferHandle]:
     """A uint8 buffer a peer process can open, and its handle. Allocated once, reused."""
     if device.type == "cuda":
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # At least one byte: an empty storage has no IPC handle.
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=device)
         fields = buf.untyped_storage()._share_cuda_()
         uuid = str(torch.cuda.get_device_properties(device).uuid)
         handle: BufferHandle = CudaIpcHandle(
@@ -209,7 +220,9 @@ def export_buffer(nbytes: int, device: torch.device) -> tuple[torch.Tensor, Buff
             ref_counter_offset=int(fields[5]), event_handle=bytes(fields[6] or b""),
             event_sync_required=bool(fields[7]), nbytes=nbytes,
         )
-        return buf, handle
+        view = buf.narrow(0, 0, nbytes)
+        _LOCAL_CUDA[handle] = view
+        return view, handle
     if device.type != "cpu":
         raise ConfigError(f"sglang_ipc buffers live on cuda or cpu, not {device.type}")
     buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
@@ -224,6 +237,13 @@ def open_buffer(handle: BufferHandle) -> torch.Tensor:
         storage = torch.UntypedStorage._new_shared_filename_cpu(handle.manager, handle.filename, handle.nbytes)
         return torch.empty(0, dtype=torch.uint8).set_(storage)
     if isinstance(handle, CudaIpcHandle):
+        local = _LOCAL_CUDA.get(handle)
+        if local is not None:
+            # Exported here: use it directly. torch counts one consumer per export and
+            # keeps the block "in limbo" (never freed) until that consumer lets go;
+            # this process holds the tensor itself, so it lets go of the count now.
+            torch.UntypedStorage._release_ipc_counter_cuda(handle.ref_counter_handle, handle.ref_counter_offset)
+            return local
         index = next((i for i in range(torch.cuda.device_count())
                       if str(torch.cuda.get_device_properties(i).uuid) == handle.device_uuid), None)
         if index is None:
