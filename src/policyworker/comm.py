@@ -246,21 +246,21 @@ class CommGroup:
 
     # -- operations (issue + wait) -------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int, *, deadline: float | None = None) -> None:
-        self._guard()
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        self.wait(self.pg.broadcast([tensor], opts), deadline=deadline, what="broadcast")
+        self.wait(self._issue(self.pg.broadcast, [tensor], opts, what="broadcast"), deadline=deadline,
+                  what="broadcast")
 
     def all_reduce(self, tensor: torch.Tensor, *, op=dist.ReduceOp.SUM, deadline: float | None = None) -> None:
-        self._guard()
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self.wait(self.pg.allreduce([tensor], opts), deadline=deadline, what="all_reduce")
+        self.wait(self._issue(self.pg.allreduce, [tensor], opts, what="all_reduce"), deadline=deadline,
+                  what="all_reduce")
 
     def all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor, *, deadline: float | None = None) -> None:
-        self._guard()
-        self.wait(self.pg.allgather([out], [tensor]), deadline=deadline, what="all_gather")
+        self.wait(self._issue(self.pg.allgather, [out], [tensor], what="all_gather"), deadline=deadline,
+                  what="all_gather")
 
     def barrier(self, *, deadline: float | None = None) -> None:
         # A tiny all_reduce instead of pg.barrier(): the same on every backend, and abortable.
@@ -268,13 +268,22 @@ class CommGroup:
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
         """Start a point-to-point send; complete it with :meth:`wait`."""
-        self._guard()
-        return self._track(self.pg.send([tensor], dst, tag))
+        return self._track(self._issue(self.pg.send, [tensor], dst, tag, what="send"))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0):
         """Start a point-to-point receive; complete it with :meth:`wait`."""
+        return self._track(self._issue(self.pg.recv, [tensor], src, tag, what="recv"))
+
+    def _issue(self, op, *args, what: str):
+        """Start ``op``; a backend error at issue time (gloo raises there when a pair is
+        already closed) is translated like one at wait time."""
         self._guard()
-        return self._track(self.pg.recv([tensor], src, tag))
+        try:
+            return op(*args)
+        except Exception as exc:  # torch raises RuntimeError/DistBackendError subclasses
+            if self._aborted.is_set():
+                raise RefitAborted(f"{what} on group {self.name!r} was aborted", rank=self.rank) from exc
+            raise translate_comm_error(exc, rank=self.rank, what=f"{what} on group {self.name!r}") from exc
 
     def _track(self, work):
         # gloo: hand the work to the waiter thread now, not at wait time, so it waits on

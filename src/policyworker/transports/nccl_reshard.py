@@ -42,7 +42,7 @@ from typing import Any
 import msgspec
 import torch
 
-from ..errors import ConfigError, PlanMismatch, ProtocolError, RefitAborted, TransportError
+from ..errors import ConfigError, PeerLost, PlanMismatch, ProtocolError, RefitAborted, TransportError
 from ..layout.apply import _region, bucket_copies, copy_nbytes, pack, unpack
 from ..layout.parallelism import Parallelism
 from ..layout.plan import Copy, ReshardPlan
@@ -277,30 +277,34 @@ class NcclReshardTransport(Transport):
         ctx.state["touched"] = False
         ctx.state["kv_scales"] = None
         update_group = ctx.state.get("update_group")
-        failure: ProtocolError | PlanMismatch | None = None
         try:
             if ctx.role == "send":
-                nbytes, nbuckets = self._send_bulk(ctx, version)
+                nbytes, nbuckets, failure = self._send_bulk(ctx, version)
             else:
                 nbytes, nbuckets, version, failure = self._recv_bulk(ctx)
             if update_group is not None:
-                scales, version, failures = exchange_leftovers(
+                scales, version, failures, lost = exchange_leftovers(
                     update_group,
                     is_source=ctx.role == "send" and update_group.rank == 0,
                     kv_scales=ctx.options.get("kv_scales"),
                     deadline=self._deadline(ctx),
                     version=version if version is not None else -1,
                     ok=failure is None,
+                    lost=isinstance(failure, PeerLost),
                 )
                 ctx.state["kv_scales"] = scales
             else:
-                failures = int(failure is not None)
+                failures, lost = int(failure is not None), int(isinstance(failure, PeerLost))
         except RefitAborted:
             if ctx.deadline is not None:
                 ctx.deadline.check()  # a fired deadline is a RefitTimeout
             raise
         if failure is not None:
             raise failure
+        if lost:
+            # A process of this refit is gone: every rank must rebuild its groups.
+            raise PeerLost(f"refit {version}: {lost} rank(s) lost a peer; rebuild the groups",
+                           rank=ctx.rank, transport=self.name)
         if failures:
             raise TransportError(
                 f"refit {version}: {failures} rank(s) failed to receive it; no rollout committed it",
@@ -312,33 +316,63 @@ class NcclReshardTransport(Transport):
             peak_extra_bytes=sum(b.numel() for b in ctx.state["ring"]),
         )
 
-    def _send_bulk(self, ctx: TransportContext, version: int) -> tuple[int, int]:
+    def _send_bulk(self, ctx: TransportContext, version: int):
+        """Send every scheduled message; returns (bytes, buckets, failure).
+
+        A peer that is gone (``PeerLost``) does not stop the loop: its remaining
+        messages are skipped and the others still get theirs, so every live rank
+        reaches the verdict round promptly and learns of the loss there.
+        """
         plan, params, ring = ctx.plan, ctx.params, ctx.state["ring"]
         deadline = self._deadline(ctx)
         hash63 = plan_hash63(plan)
-        pending: deque = deque()  # (work, group, slot or None)
+        pending: deque = deque()  # (work, group, slot or None, dst)
         free = list(range(len(ring)))
         total = buckets = 0
+        lost: set[int] = set()
+        failure: PeerLost | None = None
         totals: dict[tuple[int, int], int] = {}
         for m in ctx.state["schedule"]:
             if m.copies is not None:
                 totals[(m.key[1], m.key[2])] = totals.get((m.key[1], m.key[2]), 0) + m.nbytes
+
+        def settle(entry) -> None:
+            nonlocal failure
+            work, group, slot, dst = entry
+            try:
+                if work is not None:
+                    group.wait(work, deadline=deadline, what="reshard send")
+            except PeerLost as exc:
+                lost.add(dst)
+                failure = failure or exc
+            if slot is not None:
+                free.append(slot)
+
+        def issue(m: _Msg, tensor: torch.Tensor, slot: int | None) -> None:
+            nonlocal failure
+            try:
+                work = m.group.isend(tensor, m.peer, m.tag)
+            except PeerLost as exc:
+                lost.add(m.key[2])
+                failure = failure or exc
+                work = None
+            pending.append((work, m.group, slot, m.key[2]))
+
         for m in ctx.state["schedule"]:
+            if m.key[2] in lost:
+                continue
             while pending and (len(pending) >= self.in_flight or (m.copies is not None and not free)):
-                work, group, slot = pending.popleft()
-                group.wait(work, deadline=deadline, what="reshard send")
-                if slot is not None:
-                    free.append(slot)
+                settle(pending.popleft())
             if m.copies is None:
                 header = torch.tensor(
                     [_HEADER_MAGIC, version, totals.get((m.key[1], m.key[2]), 0), m.nbytes, hash63, int(self.checksum)],
                     dtype=torch.int64, device=m.group.device,
                 )
-                pending.append((m.group.isend(header, m.peer, m.tag), m.group, None))
+                issue(m, header, None)
                 continue
             direct = None if self.checksum else _direct_view(plan, m.copies, params, "src")
             if direct is not None:
-                pending.append((m.group.isend(direct, m.peer, m.tag), m.group, None))
+                issue(m, direct, None)
             else:
                 slot = free.pop()
                 buf = self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0))
@@ -346,13 +380,12 @@ class NcclReshardTransport(Transport):
                 if self.checksum:
                     buf.narrow(0, end, 8).view(torch.int64).fill_(_crc(buf.narrow(0, 0, end)))
                     end += 8
-                pending.append((m.group.isend(buf.narrow(0, 0, end), m.peer, m.tag), m.group, slot))
+                issue(m, buf.narrow(0, 0, end), slot)
             total += m.nbytes
             buckets += 1
         while pending:
-            work, group, _slot = pending.popleft()
-            group.wait(work, deadline=deadline, what="reshard send")
-        return total, buckets
+            settle(pending.popleft())
+        return total, buckets, failure
 
     def _buffer(self, ctx: TransportContext, slot: int, size: int) -> torch.Tensor:
         # bucket_copies cuts any box down to bucket_bytes (inside rows too; elements are
@@ -364,7 +397,8 @@ class NcclReshardTransport(Transport):
 
         A protocol failure (bad header, checksum) does not stop the loop: the rest is
         drained into the ring without touching the weights, so the senders finish and
-        every rank reaches the verdict round, where the failure is shared.
+        every rank reaches the verdict round, where the failure is shared. A trainer
+        that is gone (``PeerLost``) is skipped the same way.
         """
         plan, params, ring = ctx.plan, ctx.params, ctx.state["ring"]
         deadline = self._deadline(ctx)
@@ -373,7 +407,8 @@ class NcclReshardTransport(Transport):
         free = list(range(len(ring)))
         total = buckets = 0
         version: int | None = None
-        failure: ProtocolError | PlanMismatch | None = None
+        failure: ProtocolError | PlanMismatch | PeerLost | None = None
+        lost: set[int] = set()
         expected: dict[tuple[int, int], int] = {}
         for m in ctx.state["schedule"]:
             if m.copies is not None:
@@ -403,10 +438,15 @@ class NcclReshardTransport(Transport):
         def finish(entry) -> None:
             nonlocal total, buckets, failure
             work, m, slot, tensor = entry
-            m.group.wait(work, deadline=deadline, what="reshard receive")
+            try:
+                if work is not None:
+                    m.group.wait(work, deadline=deadline, what="reshard receive")
+            except PeerLost as exc:
+                lost.add(m.key[1])
+                failure = failure if isinstance(failure, PeerLost) else exc
             if slot is not None:
                 free.append(slot)
-            if failure is not None:
+            if failure is not None or work is None:
                 return  # draining: bytes are discarded
             try:
                 if m.copies is None:
@@ -428,21 +468,31 @@ class NcclReshardTransport(Transport):
             total += m.nbytes
             buckets += 1
 
+        def issue(m: _Msg, tensor: torch.Tensor, slot: int | None) -> None:
+            nonlocal failure
+            try:
+                work = m.group.irecv(tensor, m.peer, m.tag)
+            except PeerLost as exc:
+                lost.add(m.key[1])
+                failure = failure if isinstance(failure, PeerLost) else exc
+                work = None
+            pending.append((work, m, slot, tensor))
+
         for m in ctx.state["schedule"]:
+            if m.key[1] in lost:
+                continue
             while pending and (len(pending) >= self.in_flight or (m.copies is not None and not free)):
                 finish(pending.popleft())
             if m.copies is None:
-                header = torch.zeros(_HEADER_LEN, dtype=torch.int64, device=m.group.device)
-                pending.append((m.group.irecv(header, m.peer, m.tag), m, None, header))
+                issue(m, torch.zeros(_HEADER_LEN, dtype=torch.int64, device=m.group.device), None)
                 continue
             direct = None if (self.checksum or failure is not None) else _direct_view(plan, m.copies, params, "dst")
             if direct is not None:
                 ctx.state["touched"] = True  # bytes land in the live tensor from here on
-                pending.append((m.group.irecv(direct, m.peer, m.tag), m, None, direct))
+                issue(m, direct, None)
             else:
                 slot = free.pop()
-                buf = self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0))
-                pending.append((m.group.irecv(buf, m.peer, m.tag), m, slot, buf))
+                issue(m, self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0)), slot)
         while pending:
             finish(pending.popleft())
         want = sum(expected.values())
@@ -459,39 +509,52 @@ _TAG_VERDICT, _TAG_OUTCOME, _TAG_SCALES = 1 << 20, (1 << 20) + 1, (1 << 20) + 2
 
 
 def exchange_leftovers(group, *, is_source: bool, kv_scales: Mapping[str, float] | None, deadline: float,
-                       version: int, ok: bool) -> tuple[dict[str, float] | None, int, int]:
-    """Gather every rank's verdict on rank 0; rank 0 answers (failures, version, scales).
+                       version: int, ok: bool, lost: bool = False) -> tuple[dict[str, float] | None, int, int, int]:
+    """Gather every rank's verdict on rank 0; rank 0 answers (failures, version, scales, lost).
 
     Every rank of the update group calls it; rank 0 (a trainer, ``is_source``)
     contributes the version and the kv scales. A star of point-to-point messages:
     two hops, about half the latency of an all-reduce among 4–8 processes (measured
-    on gloo). Returns (kv_scales, version, failures).
+    on gloo). Rank 0 counts a peer it cannot reach as a failed and lost one and still
+    answers the others, so a dead process is known to every live rank at once; a rank
+    that cannot reach rank 0 raises ``PeerLost``. Returns (kv_scales, version,
+    failures, lost).
     """
     dev = group.device
-    mine = torch.tensor([0 if ok else 1, version if is_source else 0, 0], dtype=torch.int64, device=dev)
+    mine = torch.tensor([0 if ok else 1, version if is_source else 0, 0, int(lost)], dtype=torch.int64, device=dev)
     payload = b""
     if group.rank == 0:
         if is_source and kv_scales is not None:
             payload = msgspec.msgpack.encode(KvScales(dict(kv_scales)))
             mine[2] = len(payload) + 1  # +1 so that {} still arrives as {}
-        peers = range(1, group.world_size)
-        inbox = [torch.zeros(3, dtype=torch.int64, device=dev) for _ in peers]
-        group.wait_all([group.irecv(b, p, _TAG_VERDICT) for b, p in zip(inbox, peers)], deadline=deadline,
-                       what="verdict gather")
         outcome = mine.clone()
-        for b in inbox:
-            outcome[0] += b[0]
-        works = [group.isend(outcome, p, _TAG_OUTCOME) for p in peers]
-        if payload:
-            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev)
-            works += [group.isend(buf, p, _TAG_SCALES) for p in peers]
-        group.wait_all(works, deadline=deadline, what="verdict answer")
+        reachable = []
+        for peer in range(1, group.world_size):
+            inbox = torch.zeros(4, dtype=torch.int64, device=dev)
+            try:
+                group.wait(group.irecv(inbox, peer, _TAG_VERDICT), deadline=deadline, what="verdict gather")
+            except PeerLost:
+                outcome[0] += 1
+                outcome[3] += 1
+                continue
+            outcome[0] += inbox[0]
+            outcome[3] += inbox[3]
+            reachable.append(peer)
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev) if payload else None
+        for peer in reachable:
+            try:
+                works = [group.isend(outcome, peer, _TAG_OUTCOME)]
+                if buf is not None:
+                    works.append(group.isend(buf, peer, _TAG_SCALES))
+                group.wait_all(works, deadline=deadline, what="verdict answer")
+            except PeerLost:
+                outcome[3] += 1  # gone since it answered: its own error tells it
     else:
-        outcome = torch.zeros(3, dtype=torch.int64, device=dev)
+        outcome = torch.zeros(4, dtype=torch.int64, device=dev)
         sent = group.isend(mine, 0, _TAG_VERDICT)
         group.wait(group.irecv(outcome, 0, _TAG_OUTCOME), deadline=deadline, what="verdict answer")
         group.wait(sent, deadline=deadline, what="verdict gather")
-    failures, version, length = (int(x) for x in outcome.cpu().tolist())
+    failures, version, length, lost_count = (int(x) for x in outcome.cpu().tolist())
     scales = None
     if length:
         if group.rank == 0:
@@ -501,4 +564,4 @@ def exchange_leftovers(group, *, is_source: bool, kv_scales: Mapping[str, float]
             if buf.numel():
                 group.wait(group.irecv(buf, 0, _TAG_SCALES), deadline=deadline, what="kv scales")
             scales = _KV_DECODER.decode(bytes(buf.cpu().numpy())).scales
-    return scales, version, failures
+    return scales, version, failures, lost_count
