@@ -108,3 +108,12 @@ def test_cli_lists_transports():
 
     rows = {r["name"]: r for r in json.loads(out.stdout)}
     assert rows["memory"]["distribution"] == "policyworker" and rows["memory"]["loaded"] is False
+
+
+def test_every_builtin_transport_loads():
+    reg = TransportRegistry()
+    names = {i.name for i in reg.list() if i.distribution == "policyworker"}
+    assert names >= {"memory", "nccl_reshard", "zmq", "sglang_ipc"}
+    for name in names:
+        cls = reg.load(name)
+        assert issubclass(cls, Transport) and cls.name == name
