@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from .errors import ConfigError, RefitAborted, RefitTimeout, translate_comm_error
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CommGroup", "new_group", "share_token"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CommGroup", "group_on_store", "new_group", "share_token"]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -336,25 +336,39 @@ def new_group(
             raise ConfigError(f"port {port} on {host} is already in use (group {name!r})", rank=rank) from exc
         raise translate_comm_error(exc, rank=rank, what=f"store connect for group {name!r}") from exc
     prefixed = dist.PrefixStore(f"policyworker/{name}", store)
+    return group_on_store(prefixed, rank=rank, world_size=world_size, name=name, backend=backend,
+                          timeout_s=timeout_s, owner_store=store, verify=verify)
+
+
+def group_on_store(
+    store: dist.Store,
+    *,
+    rank: int,
+    world_size: int,
+    name: str,
+    backend: str,
+    timeout_s: float,
+    owner_store: dist.TCPStore | None = None,
+    verify: bool = True,
+    transport: str | None = None,
+) -> CommGroup:
+    """A group whose ranks meet on ``store`` (already prefixed for it), warmed up if ``verify``.
+
+    ``new_group`` uses it over a fresh TCPStore; callers that already share a store
+    (e.g. the update group's, under a prefix of their own) use it directly.
+    """
+    timeout = _dt.timedelta(seconds=timeout_s)
     try:
         if backend == "gloo":
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         else:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-    except Exception as exc:
-        raise translate_comm_error(exc, rank=rank, what=f"creating group {name!r}") from exc
-    group = CommGroup(
-        pg,
-        prefixed,
-        rank=rank,
-        world_size=world_size,
-        backend=backend,
-        name=name,
-        timeout_s=timeout_s,
-        owner_store=store,
-    )
+            pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    except Exception as exc:  # torch raises RuntimeError / DistError with backend text
+        raise translate_comm_error(exc, rank=rank, transport=transport, what=f"creating group {name!r}") from exc
+    group = CommGroup(pg, store, rank=rank, world_size=world_size, backend=backend, name=name,
+                      timeout_s=timeout_s, owner_store=owner_store)
     if verify:
         try:
             _warm_up(group, deadline=time.monotonic() + timeout_s)

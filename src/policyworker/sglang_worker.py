@@ -25,8 +25,6 @@ next connect rebuilds even an unchanged layout), and the transport's buffer and 
 
 from __future__ import annotations
 
-import datetime as _dt
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import CommGroup, _warm_up
-from .errors import ConfigError, PeerLost, RefitAborted, translate_comm_error
+from .comm import CommGroup, group_on_store
+from .errors import ConfigError, PeerLost, RefitAborted
 from .sglang_client import SglangEngine
 from .transports.base import RefitReport, TransportContext
 from .transports.sglang_ipc import NAME, SglangIpcTransport
@@ -95,19 +93,8 @@ class EngineLayout:
 
 def _engine_group(update_group: CommGroup, prefix: str, rank: int, size: int, name: str, timeout_s: float) -> CommGroup:
     """A gloo group on ``update_group``'s store under ``prefix``; warmed up before use."""
-    store = dist.PrefixStore(prefix, update_group.store)
-    try:
-        pg = dist.ProcessGroupGloo(store, rank, size, _dt.timedelta(seconds=timeout_s))
-    except Exception as exc:  # torch raises RuntimeError / DistError with backend text
-        raise translate_comm_error(exc, rank=rank, transport=NAME, what=f"creating group {name!r}") from exc
-    group = CommGroup(pg, store, rank=rank, world_size=size, backend="gloo", name=name,
-                      timeout_s=timeout_s, owner_store=None)
-    try:
-        _warm_up(group, deadline=time.monotonic() + timeout_s)
-    except BaseException:
-        group.close()
-        raise
-    return group
+    return group_on_store(dist.PrefixStore(prefix, update_group.store), rank=rank, world_size=size, name=name,
+                          backend="gloo", timeout_s=timeout_s, transport=NAME)
 
 
 class SglangIpcMixin:
