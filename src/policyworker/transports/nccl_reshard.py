@@ -234,7 +234,13 @@ class NcclReshardTransport(Transport):
                     rank=ctx.rank, transport=self.name,
                 )
         device = groups[0].device
-        ctx.state["schedule"] = _schedule(plan, ctx, self.bucket_bytes)
+        schedule = ctx.state["schedule"] = _schedule(plan, ctx, self.bucket_bytes)
+        pair_bytes: dict[tuple[int, int], int] = {}
+        for m in schedule:
+            if m.copies is not None:
+                pair = (m.key[1], m.key[2])
+                pair_bytes[pair] = pair_bytes.get(pair, 0) + m.nbytes
+        ctx.state["pair_bytes"] = pair_bytes  # (src, dst) -> payload bytes; in every header
         ring_bytes = self.bucket_bytes + (8 if self.checksum else 0)
         ring = ctx.state.get("ring")
         if ring is None or len(ring) != self.staging or ring[0].numel() != ring_bytes or ring[0].device != device:
@@ -331,10 +337,7 @@ class NcclReshardTransport(Transport):
         total = buckets = 0
         lost: set[int] = set()
         failure: PeerLost | None = None
-        totals: dict[tuple[int, int], int] = {}
-        for m in ctx.state["schedule"]:
-            if m.copies is not None:
-                totals[(m.key[1], m.key[2])] = totals.get((m.key[1], m.key[2]), 0) + m.nbytes
+        totals = ctx.state["pair_bytes"]
 
         def settle(entry) -> None:
             nonlocal failure
@@ -409,11 +412,7 @@ class NcclReshardTransport(Transport):
         version: int | None = None
         failure: ProtocolError | PlanMismatch | PeerLost | None = None
         lost: set[int] = set()
-        expected: dict[tuple[int, int], int] = {}
-        for m in ctx.state["schedule"]:
-            if m.copies is not None:
-                pair = (m.key[1], m.key[2])
-                expected[pair] = expected.get(pair, 0) + m.nbytes
+        expected = ctx.state["pair_bytes"]
 
         def check_header(m: _Msg, tensor: torch.Tensor) -> None:
             nonlocal version
