@@ -33,7 +33,7 @@ async def test_token_holders_are_served_and_others_rejected_without_harm():
     status = client.status()
     assert (status.alive, status.role, status.rank) == (True, "trainer", 0)
 
-    deadline = process_watchdog().arm(60, [], label="control-test")
+    deadline = process_watchdog().arm(60, [], label="control-test", owner=w)
     assert client.stand_down() >= 1 and deadline.stood_down
 
     with pytest.raises(AccessDenied, match="bad token"):

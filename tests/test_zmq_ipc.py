@@ -18,7 +18,7 @@ from policyworker.testing import TransportPair, check_transport
 from policyworker.transports import zmq_wire as w
 from policyworker.transports.base import TransportContext
 from policyworker.transports.zmq_ipc import ZmqIpcTransport
-from policyworker.zmq_worker import flat_local_tensors
+from policyworker.layout.local import flat_local_tensors
 
 from .zmq_world import ZmqSpec, ZTrainer, zmq_rank
 

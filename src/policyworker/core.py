@@ -1,31 +1,44 @@
-"""WorkerCore: what trainer-side and rollout-side workers share.
+"""WorkerCore: the one refit road that trainer-side and rollout-side workers share.
 
-One refit executor thread (refits are serial), device facts resolved once, the
-per-transport state dicts, the ZMQ endpoint, the groups, profiling, and an
-idempotent shutdown. Nothing here reads ``RANK`` or other globals: rank, device and
-directories are passed in.
+Every refit, whatever the transport, built-in or plugin, goes::
+
+    attach_transport(name, **setup)   registry → Setup parsed → from_setup → connect(ctx)
+    refit(name, **options)            Options parsed → deadline armed for this worker →
+                                      send(ctx, v) | receive(ctx, v) → ledger commit
+    detach_transport(name)            aclose
+
+The core knows no transport by name. It owns one refit executor thread (refits are
+serial), device facts resolved once, the per-transport state dicts
+(``_refit_transport_state``), the update group, the control endpoint and an
+idempotent shutdown. Nothing here reads ``RANK`` or other globals.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import stat
 import tempfile
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from . import device as _device
 from ._aio import run_in_executor
-from .comm import DEFAULT_TIMEOUT_S, CommGroup, _check_timeout
-from .errors import ConfigError, RefitAborted, WorkerClosed
+from .comm import DEFAULT_TIMEOUT_S, CommGroup, _check_timeout, new_group, share_token
+from .config import parse
+from .errors import ConfigError, RefitAborted, TransportError, WorkerClosed
+from .facts import DeviceQueries
+from .ledger import WeightLedger
+from .registry import TransportRegistry, default_registry
+from .transports.base import RefitReport, Transport, TransportContext
 from .watchdog import process_watchdog
 
-__all__ = ["RUNTIME_DIR_ENV", "WorkerCore", "private_runtime_dir"]
+__all__ = ["RUNTIME_DIR_ENV", "Attachment", "WorkerCore", "private_runtime_dir"]
 
 T = TypeVar("T")
 RUNTIME_DIR_ENV = "POLICYWORKER_RUNTIME_DIR"
@@ -68,18 +81,36 @@ def _check_index(value: int | None, name: str) -> int | None:
     return value
 
 
-class WorkerCore:
-    """Shared machinery of ``AbstractPolicyWorker`` and ``RolloutWorker``.
+@dataclass(slots=True)
+class Attachment:
+    """One attached transport of a worker: its instance, parsed setup, plan, connect state."""
+
+    name: str
+    transport: Transport
+    setup: Any
+    plan: Any = None
+    connected: bool = False
+    raw_setup: dict[str, Any] = field(default_factory=dict)
+
+
+class WorkerCore(DeviceQueries):
+    """Shared machinery of ``AbstractPolicyWorker`` and ``RolloutWorker``: the one refit road.
 
     ``rank`` is this process's rank in its own world (trainer world or rollout world).
     ``zmq_pair`` tells colocated pairs on one device apart (0 unless several trainer/
     rollout pairs share a GPU): it is part of the IPC endpoint's name.
     ``device``: a torch device / CUDA index, or None for the current CUDA device (CPU
     when there is no GPU). ``cpu_index`` names the CPU "device" for pairing colocated
-    peers when there is no GPU (defaults to ``rank``).
+    peers when there is no GPU (defaults to ``rank``). ``registry``: where transport
+    names resolve (default: the installed entry points).
+
+    Subclasses say which side they are (``transport_role``: ``"send"`` or
+    ``"receive"``) and provide ``_transport_params(attachment)`` (the tensors a refit
+    moves) and ``_adopt_plan(name, plan)``; a receiving worker also has a ``ledger``.
     """
 
     role = "worker"
+    transport_role = "send"
 
     def __init__(
         self,
@@ -91,6 +122,8 @@ class WorkerCore:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         zmq_timeout_s: float = 30.0,
         zmq_pair: int = 0,
+        registry: TransportRegistry | None = None,
+        transport_options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         _check_index(rank, "rank")
         _check_index(zmq_pair, "zmq_pair")
@@ -98,6 +131,9 @@ class WorkerCore:
         for value, name in ((timeout_s, "timeout_s"), (zmq_timeout_s, "zmq_timeout_s")):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if registry is not None and not isinstance(registry, TransportRegistry):
+            raise ConfigError(f"registry must be a TransportRegistry, got {type(registry).__name__}")
+        seed = _check_transport_options(transport_options, registry)
         self.rank = rank
         self.zmq_pair = zmq_pair
         self.timeout_s = float(timeout_s)
@@ -105,20 +141,70 @@ class WorkerCore:
         self.device_facts = _device.device_facts(device, cpu_index=rank if cpu_index is None else cpu_index)
         self.device = self.device_facts.torch_device
         self.runtime_dir = private_runtime_dir(runtime_dir)
+        self._registry = registry
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"policyworker-{self.role}-{rank}")
         self._transport_state: dict[str, dict[str, Any]] = {}
+        self._attachments: dict[str, Attachment] = {}
         self._state_lock = threading.Lock()
         self._closed = False
-        self._zmq_ctx = None
-        self._zmq_socket = None
-        self._zmq_lock = threading.Lock()
         self.model_update_group: CommGroup | None = None
         #: The update group's shared secret (new at every init_collective); see control.py.
         self.control_token: str | None = None
         self._control = None
         self._profiler = None
         self.profile_dir = os.path.join(self.runtime_dir, "profiles")
-        self.last_profile_path: str | None = None
+        self.last_profile_path = None
+        self.ledger: WeightLedger | None = None
+        #: Setup the seed shims attach each transport with (``transport_options``).
+        self._seed_setup: dict[str, dict[str, Any]] = seed
+
+    # -- transport options (validated when given) ---------------------------------------
+    def set_transport_options(self, name: str, options: Mapping[str, Any] | None) -> None:
+        """The setup the seed shims attach ``name`` with; checked now (``ConfigError``)."""
+        self._seed_setup.update(_check_transport_options({name: options or {}}, self._registry))
+
+    def transport_options(self, name: str) -> dict[str, Any]:
+        return dict(self._seed_setup.get(name, {}))
+
+    async def _seed_attach(self, name: str, **wiring: Any) -> Attachment:
+        """Attach ``name`` with its ``transport_options`` + ``wiring`` unless already so attached.
+
+        The connect is left to the next refit (inside its deadline), as the seed's
+        methods always did.
+        """
+        setup = {**self._seed_setup.get(name, {}), **wiring}
+        att = self._attachments.get(name)
+        if att is not None and att.raw_setup == {k: v for k, v in setup.items() if k != "plan"} \
+                and att.plan == setup.get("plan"):
+            return att
+        return await self._attach(name, setup)
+
+    async def _new_update_group(self, ip: str, port: int, world_size: int, group_rank: int) -> None:
+        """Replace the update group (recovery). Every transport group belongs to the old world:
+        abort them (a refit blocked in one returns), then build the new group."""
+        for state in list(self._transport_state.values()):
+            for group in _groups_in(state):
+                group.abort()
+        self._set_update_group(None)
+        group = await self._run(new_group, host=ip, port=port, rank=group_rank, world_size=world_size,
+                                name="model_update", timeout_s=self.timeout_s)
+        self._set_update_group(group)
+        self.control_token = await self._run(share_token, group)
+
+    async def _retire_groups(self, state: dict[str, Any], keys: tuple[str, ...]) -> None:
+        """Abort the groups under ``keys``, let the executor leave them (bounded), close them."""
+        old = []
+        for key in keys:
+            value = state.pop(key, None)
+            items = value.values() if isinstance(value, Mapping) else (value,)
+            old += [g for g in items if isinstance(g, CommGroup) and g not in old]
+        if not old:
+            return
+        for group in old:
+            group.abort()
+        await _drain(self._executor, self.timeout_s)
+        for group in old:
+            group.close()
 
     # -- plumbing ------------------------------------------------------------------
     def _ensure_open(self) -> None:
@@ -135,34 +221,6 @@ class WorkerCore:
             return None
         return _check_timeout(refit_timeout_s, "refit_timeout_s")
 
-    async def _refit_under_deadline(
-        self, transport: Any, ctx: Any, *, timeout: float | None, aborts: list[Callable[[], None]],
-        version: int | None = None,
-    ) -> Any:
-        """Connect ``transport`` if the plan changed, then send or receive one refit.
-
-        With ``timeout`` a watchdog deadline is armed around both (``aborts`` run when it
-        fires; ``ctx.deadline`` is set) and an abort it caused surfaces as
-        ``RefitTimeout``. The deadline is disarmed however the refit ends.
-        """
-        deadline = None
-        if timeout is not None:
-            deadline = ctx.deadline = process_watchdog().arm(
-                timeout, aborts, label=f"{transport.name} {self.role} rank {self.rank}")
-        try:
-            if ctx.state.get("connected_hash") != ctx.plan.hash:
-                await transport.connect(ctx)
-            if ctx.role == "send":
-                return await transport.send(ctx, version)
-            return await transport.receive(ctx)
-        except RefitAborted:
-            if deadline is not None:
-                deadline.check()  # fired: a RefitTimeout, not a bare abort
-            raise
-        finally:
-            if deadline is not None:
-                process_watchdog().disarm(deadline)
-
     def _refit_transport_state(self, key: str) -> dict[str, Any]:
         """The bookkeeping dict of transport ``key``: same dict per key, created lazily."""
         if not isinstance(key, str) or not key:
@@ -173,11 +231,188 @@ class WorkerCore:
                 state = self._transport_state[key] = {}
             return state
 
+    def _peek_state(self, key: str) -> Mapping[str, Any]:
+        """Transport ``key``'s state if it exists, else an empty mapping (creates nothing)."""
+        with self._state_lock:
+            return self._transport_state.get(key) or {}
+
     def _replace_group(self, attr: str, group: CommGroup | None) -> None:
         old = getattr(self, attr, None)
         setattr(self, attr, group)
         if old is not None and old is not group:
             old.close()
+
+    def _set_update_group(self, group: CommGroup | None) -> None:
+        """A new update group is a new refit world: every attachment connects again."""
+        self._replace_group("model_update_group", group)
+        for att in self._attachments.values():
+            att.connected = False
+
+    # -- the generic road --------------------------------------------------------------
+    def _resolve(self, name: str | Transport) -> tuple[str, type, Transport | None]:
+        if isinstance(name, Transport):
+            cls = type(name)
+            if not cls.name:
+                raise ConfigError(f"transport instance {name!r} has no name")
+            return cls.name, cls, name
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"transport must be a registered name or a Transport instance, got {name!r}")
+        registry = self._registry if self._registry is not None else default_registry()
+        return name, registry.load(name), None
+
+    def _adopt_plan(self, name: str, plan: Any) -> Any:
+        """Check (and adopt) ``plan`` for transport ``name``; subclasses allocate or verify tensors."""
+        return plan
+
+    def _transport_params(self, att: Attachment) -> Mapping[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _context(self, att: Attachment, *, options: Any = None, deadline: Any = None) -> TransportContext:
+        return TransportContext(
+            worker=self, role=self.transport_role, rank=self.rank, device=self.device_facts,
+            state=self._refit_transport_state(att.name), params=self._transport_params(att), plan=att.plan,
+            setup=att.setup, options=options, deadline=deadline, executor=self._executor,
+            update_group=self.model_update_group, world_size=getattr(self, "world_size", 1),
+        )
+
+    async def attach_transport(self, name: str | Transport, /, **setup: Any) -> None:
+        """Attach transport ``name`` (a registered name, or an instance) and connect it.
+
+        ``setup`` is checked against the transport's ``Setup`` (unknown keys and bad
+        values: ``ConfigError`` now). The key ``plan`` (a ``ReshardPlan`` or its
+        refit-info dict) is the worker's: required by transports that reshard.
+        Attaching the same name again reconnects (recovery): the instance is kept when
+        the setup is unchanged, replaced (old one closed) otherwise. ``connect`` is
+        collective with the peers: every side attaches at the same time.
+        """
+        att = await self._attach(name, setup)
+        await self._connect(att, None)
+
+    async def _attach(self, name: str | Transport, setup: Mapping[str, Any]) -> Attachment:
+        """Attach without connecting (the seed shims connect inside the refit's deadline)."""
+        self._ensure_open()
+        key, cls, instance = self._resolve(name)
+        setup = dict(setup)
+        plan = setup.pop("plan", None)
+        parsed = parse(cls.Setup, setup, what=f"setup of transport {key!r}")
+        if cls.needs_plan and plan is None:
+            raise ConfigError(f"transport {key!r} reshards: attach it with plan=...", transport=key, rank=self.rank)
+        plan = self._adopt_plan(key, plan)
+        old = self._attachments.get(key)
+        if instance is None:
+            if old is not None and type(old.transport) is cls and old.raw_setup == setup:
+                instance = old.transport
+            else:
+                instance = cls.from_setup(parsed)
+        if old is not None and old.transport is not instance:
+            await old.transport.aclose()
+        att = Attachment(key, instance, parsed, plan, False, setup)
+        self._attachments[key] = att
+        state = self._refit_transport_state(key)
+        state["transport"], state["plan"] = instance, plan
+        return att
+
+    async def _connect(self, att: Attachment, deadline: Any) -> None:
+        await att.transport.connect(self._context(att, deadline=deadline))
+        att.connected = True
+
+    def attachment(self, name: str) -> Attachment:
+        """The attachment of ``name``; ``ConfigError`` when none."""
+        att = self._attachments.get(name)
+        if att is None:
+            known = ", ".join(sorted(self._attachments)) or "none"
+            raise ConfigError(f"transport {name!r} is not attached (attached: {known}); call attach_transport first",
+                              transport=name, rank=self.rank)
+        return att
+
+    def attached_transports(self) -> list[str]:
+        return sorted(self._attachments)
+
+    async def detach_transport(self, name: str) -> None:
+        """Close transport ``name`` and forget it (its state dict too). Unknown names are a no-op."""
+        att = self._attachments.pop(name, None)
+        if att is not None:
+            await att.transport.aclose()
+        with self._state_lock:
+            state = self._transport_state.pop(name, None) or {}
+        for group in _groups_in(state):
+            group.close()
+
+    def transport_version(self, name: str) -> int:
+        """The last version this worker sent (trainer) or committed (rollout) over ``name``."""
+        if self.ledger is not None:
+            return self.ledger.version
+        return int(self._peek_state(name).get("version", 0))
+
+    async def refit(self, name: str, /, *, version: int | None = None, refit_timeout_s: float | None = None,
+                    **options: Any) -> RefitReport:
+        """One refit over attached transport ``name``: this side sends or receives.
+
+        ``options`` are checked against the transport's ``Options`` and reach it as
+        ``ctx.options``. ``version``: default the last sent + 1 (trainer) or the last
+        committed + 1 (rollout). With ``refit_timeout_s`` a deadline is armed for this
+        worker; when it passes the transport and its groups are aborted and this
+        raises ``RefitTimeout``. A receiving worker commits through its ledger only on
+        success; on failure — or cancellation, which aborts the refit and returns once
+        the executor stopped touching the weights — the version stays and touched
+        weights are marked torn.
+        """
+        self._ensure_open()
+        att = self.attachment(name)
+        timeout = self._check_refit_timeout(refit_timeout_s)
+        opts = parse(type(att.transport).Options, options, what=f"options of transport {name!r}")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
+            raise ConfigError(f"version must be an int >= 1, got {version!r}")
+        state = self._refit_transport_state(name)
+        ledger = self.ledger
+        if version is None:
+            version = (ledger.version if ledger is not None else int(state.get("version", 0))) + 1
+        ctx = self._context(att, options=opts)
+        aborts = [att.transport.abort, *(g.abort for g in _groups_in(state))]
+        if ledger is not None:
+            ledger.begin(version)
+        deadline = None
+        if timeout is not None:
+            deadline = ctx.deadline = process_watchdog().arm(
+                timeout, aborts, label=f"{name} {self.role} rank {self.rank}", owner=self)
+        try:
+            if not att.connected:
+                await self._connect(att, deadline)
+            if ctx.role == "send":
+                report = await att.transport.send(ctx, version)
+            else:
+                report = await att.transport.receive(ctx, version)
+            if not isinstance(report, RefitReport):
+                raise TransportError(f"transport {name!r} returned {type(report).__name__}, not a RefitReport",
+                                     transport=name, rank=self.rank)
+            if ledger is not None:
+                ledger.commit(report.version, received_bytes=report.bytes, expected_bytes=self._expected_bytes(att))
+        except Exception as exc:
+            if ledger is not None and ledger.in_flight:
+                ledger.fail(ctx.touched)
+            if isinstance(exc, RefitAborted) and deadline is not None:
+                deadline.check()  # fired: a RefitTimeout, not a bare abort
+            raise
+        except BaseException:  # cancelled (asyncio, anyio, trio): abort, let the executor leave, then mark
+            for abort in aborts:
+                abort()
+            drained = await _drain(self._executor, self.timeout_s)
+            if ledger is not None and ledger.in_flight:
+                ledger.fail(ctx.touched if drained else True)
+            raise
+        finally:
+            if deadline is not None:
+                process_watchdog().disarm(deadline)
+        state["version"] = report.version
+        self._after_refit(att, ctx, report)
+        return report
+
+    def _expected_bytes(self, att: Attachment) -> int | None:
+        """Bytes a receiver must land per refit (the ledger's manifest check); None: unknown."""
+        return None
+
+    def _after_refit(self, att: Attachment, ctx: TransportContext, report: RefitReport) -> None:
+        """Hook after a successful refit (the rollout keeps received kv-scales)."""
 
     # -- cheap queries (never block, never touch CUDA) -------------------------------
     def is_alive(self) -> bool:
@@ -185,8 +420,14 @@ class WorkerCore:
         return not self._closed
 
     def stand_down_refit_watchdog(self) -> int:
-        """Disarm every armed refit deadline in this process without firing; return the count."""
-        return process_watchdog().stand_down()
+        """Disarm this worker's armed refit deadlines without firing; return the count.
+
+        Other workers in the process keep theirs. What bounds a refit after a stand-down:
+        its transport's own waits (group timeout ``timeout_s``, ``zmq_timeout_s``) and a
+        dead peer's connection error; the controller then rebuilds (``init_collective``
+        again and re-attaches) — see README "Embedding in a controller".
+        """
+        return process_watchdog().stand_down(self)
 
     def get_zmq_address(self) -> str:
         """The IPC endpoint shared with the colocated peer on the same device.
@@ -210,146 +451,101 @@ class WorkerCore:
             self._control = ControlServer(self, host=host, port=port)
         return self._control.address
 
-    # -- zmq -------------------------------------------------------------------------
-    def maybe_init_zmq(self) -> None:
-        """Create this side's ZMQ socket once (idempotent): bounded send/recv, linger 0."""
-        self._ensure_open()
-        with self._zmq_lock:
-            if self._zmq_socket is not None:
-                return
-            import zmq
-
-            ctx = zmq.Context()
-            sock = ctx.socket(zmq.DEALER)
-            ms = int(self.zmq_timeout_s * 1000)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDTIMEO, ms)
-            sock.setsockopt(zmq.RCVTIMEO, ms)
-            address = self.get_zmq_address()
-            try:
-                if self._zmq_binds():
-                    sock.bind(address)
-                else:
-                    sock.connect(address)
-            except zmq.ZMQError as exc:
-                sock.close(0)
-                ctx.term()
-                raise ConfigError(f"cannot open ZMQ endpoint {address}: {exc}", rank=self.rank) from exc
-            self._zmq_ctx, self._zmq_socket = ctx, sock
-
-    def _zmq_binds(self) -> bool:
-        """Trainers bind the device's endpoint; rollouts connect to it."""
-        return True
-
-    @property
-    def zmq_socket(self):
-        return self._zmq_socket
-
-    def _close_zmq(self) -> None:
-        with self._zmq_lock:
-            sock, ctx = self._zmq_socket, self._zmq_ctx
-            self._zmq_socket = self._zmq_ctx = None
-        if sock is not None:
-            sock.close(0)
-        if ctx is not None:
-            ctx.term()
-
-    # -- device facts ----------------------------------------------------------------
-    def report_device_id(self) -> str:
-        """``GPU-<uuid>`` (NVML) or ``CPU-<host>-<index>`` (see ``policyworker.device``)."""
-        return self.device_facts.device_id
-
-    def get_free_memory_bytes(self) -> int:
-        """Free memory of the whole device (NVML), or the host's MemAvailable on CPU."""
-        return _device.free_memory_bytes(self.device)
-
-    def report_node_ip_and_gpu_id(self) -> tuple[str, int]:
-        return _device.node_ip(), self.device_facts.index
-
-    def reset_peak_memory_stats(self) -> None:
-        _device.reset_peak_memory(self.device)
-
-    def get_gpu_info(self) -> dict[str, Any]:
-        """A plain dict describing this worker's device and its memory use."""
-        facts = self.device_facts
-        info: dict[str, Any] = {
-            "rank": self.rank,
-            "role": self.role,
-            "kind": facts.kind,
-            "device": str(self.device),
-            "device_index": facts.index,
-            "device_id": facts.device_id,
-            "name": facts.name,
-            "node_ip": _device.node_ip(),
-            "pid": os.getpid(),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "free_memory_bytes": self.get_free_memory_bytes(),
-            "peak_memory_bytes": _device.peak_memory_bytes(self.device),
-        }
-        if facts.kind == "cuda":
-            info["memory_allocated_bytes"] = int(torch.cuda.memory_allocated(facts.index))
-            info["memory_reserved_bytes"] = int(torch.cuda.memory_reserved(facts.index))
-        else:
-            rss = _device.rss_bytes()
-            info["memory_allocated_bytes"] = rss
-            info["memory_reserved_bytes"] = rss
-        return info
-
-    # -- profiling -------------------------------------------------------------------
-    def start_gpu_profiling(self) -> None:
-        """Start a profile: a CUDA profiler range on GPU; a torch.profiler trace on CPU."""
-        self._ensure_open()
-        if self._profiler is not None:
-            return
-        self._profiler = _device.start_profile(self.device_facts)
-
-    def stop_gpu_profiling(self) -> str | None:
-        """Stop the profile; return the path of the written trace (CPU), else None.
-
-        The CPU trace is Chrome trace JSON (open it in chrome://tracing or Perfetto).
-        """
-        if self._profiler is None:
-            return None
-        profiler, self._profiler = self._profiler, None
-        os.makedirs(self.profile_dir, mode=0o700, exist_ok=True)
-        path = os.path.join(
-            self.profile_dir, f"{self.role}-rank{self.rank}-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        )
-        self.last_profile_path = _device.stop_profile(profiler, path)
-        return self.last_profile_path
-
     # -- lifecycle -------------------------------------------------------------------
     def _groups(self) -> list[CommGroup]:
-        """Every group this worker is in (aborted first on shutdown)."""
-        return [g for g in (getattr(self, a, None) for a in ("model_update_group", "pp_comm_group")) if g is not None]
+        """Every group this worker is in: the update group and those in transport states."""
+        found = [self.model_update_group] if self.model_update_group is not None else []
+        for state in list(self._transport_state.values()):
+            found += [g for g in _groups_in(state) if g not in found]
+        return found
 
     def _close_resources(self) -> None:
         """Subclasses release their own resources here (runs once, on shutdown)."""
 
     async def shutdown(self) -> bool:
-        """Close transports, groups, sockets and the executor. Safe to call twice."""
+        """Abort groups and transports, let the executor leave, then close everything.
+
+        Safe to call twice. Order matters: a group is never closed while the executor
+        thread may be inside it — abort first (a blocked refit returns), wait for the
+        executor (bounded by ``timeout_s``), then close transports, groups, sockets.
+        """
         if self._closed:
             return True
         self._closed = True
-        # Abort groups first: a refit blocked in a collective then returns promptly,
-        # so the executor below drains instead of waiting out a deadline.
         for group in self._groups():
             group.abort()
+        for att in list(self._attachments.values()):
+            att.transport.abort()
+        await _drain(self._executor, self.timeout_s)
+        self._executor.shutdown(wait=False)
+        for name in list(self._attachments):
+            await self.detach_transport(name)
         for state in list(self._transport_state.values()):
-            transport = state.get("transport")
-            if transport is not None and hasattr(transport, "aclose"):
-                await transport.aclose()
-            for value in list(state.values()):
-                if isinstance(value, CommGroup):
-                    value.close()
-        await run_in_executor(None, self._executor.shutdown, True)
+            for group in _groups_in(state):
+                group.close()
         self._close_resources()
-        for attr in ("model_update_group", "pp_comm_group"):
-            self._replace_group(attr, None)
-        self._close_zmq()
+        self._replace_group("model_update_group", None)
         if self._control is not None:
             self._control.close()
             self._control = None
         if self._profiler is not None:
             self.stop_gpu_profiling()
         return True
+
+
+def _check_transport_options(options: Mapping[str, Mapping[str, Any]] | None, registry: Any) -> dict:
+    """``{name: setup}`` checked against each transport's ``Setup`` (``ConfigError`` now)."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"transport_options must map transport name -> setup, got {type(options).__name__}")
+    out = {}
+    reg = registry if registry is not None else default_registry()
+    for name, setup in options.items():
+        if not isinstance(setup, Mapping):
+            raise ConfigError(f"transport_options[{name!r}] must be a mapping, got {type(setup).__name__}")
+        cls = reg.load(name)
+        parse(cls.Setup, {k: v for k, v in setup.items() if k != "plan"} | _required_stubs(cls.Setup, setup),
+              what=f"options of transport {name!r}")
+        out[name] = dict(setup)
+    return out
+
+
+def _required_stubs(cls: type, given: Mapping[str, Any]) -> dict[str, Any]:
+    """Placeholders for required wiring keys the shims fill in later (e.g. engine_gpu_counts)."""
+    import dataclasses
+
+    stubs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in given and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            stubs[f.name] = (1,)
+    return stubs
+
+
+
+def _groups_in(state: Mapping[str, Any]) -> list[CommGroup]:
+    """CommGroups kept in a transport state dict (values, or values of dict values)."""
+    out: list[CommGroup] = []
+    for value in list(state.values()):
+        items = value.values() if isinstance(value, Mapping) else (value,)
+        for item in items:
+            if isinstance(item, CommGroup) and item not in out:
+                out.append(item)
+    return out
+
+
+def _wait_idle(executor: ThreadPoolExecutor, timeout_s: float) -> bool:
+    try:
+        executor.submit(lambda: None).result(timeout=timeout_s)
+    except (concurrent.futures.TimeoutError, RuntimeError):  # RuntimeError: executor already shut down
+        return False
+    return True
+
+
+async def _drain(executor: ThreadPoolExecutor, timeout_s: float) -> bool:
+    """Wait (shielded from cancellation, at most ``timeout_s``) until the executor is idle."""
+    import anyio
+    import anyio.to_thread
+
+    with anyio.CancelScope(shield=True):
+        return await anyio.to_thread.run_sync(_wait_idle, executor, timeout_s)

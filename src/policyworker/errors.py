@@ -6,14 +6,16 @@
     ├── ConfigError                    bad arguments, bad layouts, bad options (ValueError too)
     │   └── PlanError                  a layout/model pair no plan can be made for
     ├── PlanMismatch                   ranks disagree on the reshard plan (hash differs)
-    ├── TransportError                 a transport failed to move a refit
-    │   ├── TransportLoadError         a transport plugin could not be listed or imported
+    ├── TransportLoadError             a transport plugin is broken (packaging, not a refit failure)
+    ├── TransportError                 a transport failed to move a refit (a retry may help)
     │   ├── PeerLost                   a peer process died or closed its connection
     │   ├── RefitAborted               a refit was aborted (watchdog, stand-down, explicit)
     │   │   └── RefitTimeout           ... because its deadline passed
     │   └── ProtocolError              a malformed, truncated or unexpected wire message
     ├── AccessDenied                   a control request without the group's token
     ├── TornWeights                    the rollout's in-place weights are partly updated
+    ├── RefitInProgress                weights asked for (or a second refit) while a refit is in flight
+    ├── ProcessFailed                  a spawned process of a world (demo, drill, tests) failed
     ├── CheckpointError                a checkpoint could not be written or read
     └── WorkerClosed                   the worker was shut down
 
@@ -33,7 +35,9 @@ __all__ = [
     "PlanError",
     "PlanMismatch",
     "PolicyWorkerError",
+    "ProcessFailed",
     "ProtocolError",
+    "RefitInProgress",
     "RefitAborted",
     "RefitTimeout",
     "TornWeights",
@@ -79,7 +83,7 @@ class TransportError(PolicyWorkerError):
     """A transport failed to connect or to move a refit."""
 
 
-class TransportLoadError(TransportError):
+class TransportLoadError(PolicyWorkerError):
     """A transport plugin is broken: duplicate name, import failure, wrong type.
 
     ``entry_point`` and ``distribution`` name the culprit.
@@ -118,6 +122,18 @@ class TornWeights(PolicyWorkerError):
 
     The rollout refuses to serve until a full refit commits.
     """
+
+
+class RefitInProgress(PolicyWorkerError):
+    """The weights were asked for, or a second refit started, while a refit is in flight."""
+
+
+class ProcessFailed(PolicyWorkerError):
+    """A spawned process raised, died, or the world ran out of time; ``failures``: rank → detail."""
+
+    def __init__(self, message: str, *, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
 
 
 class CheckpointError(PolicyWorkerError):

@@ -24,17 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import PolicyWorkerError
+from .errors import ProcessFailed
 
 __all__ = ["ProcessFailed", "World", "free_port", "run_world", "start_world"]
-
-
-class ProcessFailed(PolicyWorkerError):
-    """A spawned process raised, died, or the world ran out of time."""
-
-    def __init__(self, message: str, *, failures: dict[int, str]) -> None:
-        super().__init__(message)
-        self.failures = failures
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,65 +1,130 @@
 """RolloutWorker: the generation-side peer of the trainer workers.
 
-It joins the same groups as the trainers — the update group as rank
-``train_world_size + rank`` and every pipeline stage's reshard group after that
-stage's trainers — holds its weights in the generation layout (its own tp shard,
-fused ``qkv_proj`` / ``gate_up_proj`` where the plan says so), receives refits and
-keeps ``weight_version``.
+It receives refits through the core's one road (``attach_transport`` / ``refit``) and
+keeps what it holds in a :class:`~policyworker.ledger.WeightLedger`: a refit of
+version v commits only after the transport returned (every expected byte arrived,
+every rank agreed). Otherwise the worker stays at v-1; if bytes of the live tensors
+were already overwritten it is *torn*: ``weights()`` raises ``TornWeights`` until a
+full refit commits, and ``RefitInProgress`` while a refit is in flight.
 
-Versions: a refit of version v commits only after every expected byte arrived and
-every rank of the update group reported success. Otherwise the worker stays at v-1;
-if bytes of the live tensors were already overwritten it is *torn*: ``weights()``
-raises ``TornWeights`` until a full refit commits.
+Destination tensors: given directly (``RolloutWorker(params={name: tensor})``) for
+plan-less transports, or allocated from a plan when a transport attaches with one
+(its own tp shard, fused ``qkv_proj`` / ``gate_up_proj`` where the plan says so, as
+views of one flat buffer in the plan's order) unless the held tensors already fit it.
+
+Seed-style shims: ``init_nccl_reshard_comm_groups`` + ``load_refit_plan`` +
+``receive_nccl_reshard_refit`` (``nccl_reshard``: the update group as rank
+``train_world_size + rank``, every stage's group after that stage's trainers), and
+``maybe_init_zmq`` + ``load_colocated_plan`` + ``update_weights_via_ipc_zmq`` (``zmq``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-from collections.abc import Mapping
 
 import torch
 
-from .comm import CommGroup, new_group, share_token
-from .core import WorkerCore
-from .errors import ConfigError, PlanMismatch, TornWeights
+from .comm import CommGroup, new_group
+from .core import Attachment, WorkerCore
+from .errors import ConfigError
 from .layout.apply import empty_local_tensors
+from .layout.local import as_plan, check_local_tensors, flat_local_tensors
 from .layout.plan import ReshardPlan
-from .reshard_worker import check_local_tensors
+from .ledger import WeightLedger
 from .transports.base import RefitReport, TransportContext
-from .transports.nccl_reshard import NcclReshardTransport
-from .worker import SUPPORTED_NCCL_PEERS, _check_int
-from .zmq_worker import ZmqRolloutMixin
+from .worker import SUPPORTED_NCCL_PEERS, _check_int, _open_pair_socket
 
 __all__ = ["RolloutWorker"]
 
 
-class RolloutWorker(ZmqRolloutMixin, WorkerCore):
-    """Generation-side worker. ``rank`` is its rank among the generation ranks."""
+class RolloutWorker(WorkerCore):
+    """Generation-side worker. ``rank`` is its rank among the generation ranks.
+
+    ``params``: destination tensors by name (plan-less transports; plans check them).
+    ``transport_options``: transport name → setup mapping, as on the trainer
+    (``reshard_options`` is the ``nccl_reshard`` entry), checked now.
+    """
 
     role = "rollout"
+    transport_role = "receive"
 
     def __init__(
-        self, *, rank: int = 0, gen_world_size: int = 1, reshard_options: Mapping[str, Any] | None = None, **kwargs: Any
+        self, *, rank: int = 0, gen_world_size: int = 1, params: Mapping[str, torch.Tensor] | None = None,
+        reshard_options: Mapping[str, Any] | None = None,
+        transport_options: Mapping[str, Mapping[str, Any]] | None = None, **kwargs: Any
     ) -> None:
         _check_int(gen_world_size, "gen_world_size", minimum=1)
         if isinstance(rank, int) and not isinstance(rank, bool) and rank >= gen_world_size:
             raise ConfigError(f"rollout rank {rank} is outside the generation world [0, {gen_world_size})")
-        super().__init__(rank=rank, **kwargs)
+        if params is not None:
+            if not isinstance(params, Mapping) or not all(
+                    isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items()):
+                raise ConfigError("params must map names (str) to tensors")
+        options = dict(transport_options or {})
+        if reshard_options is not None:
+            options["nccl_reshard"] = dict(reshard_options)
+        super().__init__(rank=rank, transport_options=options, **kwargs)
         self.gen_world_size = gen_world_size
-        self.stage_groups: dict[int, CommGroup] = {}
-        self.weight_version = 0
-        self.torn = False
+        self.world_size = gen_world_size
         self.kv_scales: dict[str, float] | None = None
-        self.params: dict[str, torch.Tensor] = {}
+        self.params: dict[str, torch.Tensor] = dict(params or {})
         self.last_report: RefitReport | None = None
-        #: Options of the NcclReshardTransport (must match the trainers').
-        self.reshard_options: dict[str, Any] = dict(reshard_options or {})
+        self.ledger = WeightLedger(rank=rank, what="rollout")
 
-    def _zmq_binds(self) -> bool:
-        return False  # the colocated trainer binds the device's endpoint
+    reshard_options = property(lambda self: self.transport_options("nccl_reshard"),
+                               lambda self, v: self.set_transport_options("nccl_reshard", v),
+                               doc="Setup options of nccl_reshard (must match the trainers').")
+    zmq_options = property(lambda self: self.transport_options("zmq"),
+                           lambda self, v: self.set_transport_options("zmq", v),
+                           doc="Setup options of zmq.")
 
+    # -- versions ----------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        """The last committed version (0: none yet)."""
+        return self.ledger.version
+
+    @property
+    def torn(self) -> bool:
+        return self.ledger.torn
+
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The live weights for serving; ``TornWeights`` while torn, ``RefitInProgress`` mid-refit."""
+        self.ledger.check_servable()
+        return self.params
+
+    # -- the road's hooks ----------------------------------------------------------------
+    def _transport_params(self, att: Attachment) -> Mapping[str, torch.Tensor]:
+        return self.params
+
+    def _adopt_plan(self, name: str, plan: Any) -> Any:
+        if plan is None:
+            return None
+        plan = as_plan(plan)
+        if plan.body.gen_world_size != self.gen_world_size:
+            raise ConfigError(
+                f"the plan is for {plan.body.gen_world_size} generation ranks, this world has {self.gen_world_size}"
+            )
+        try:
+            check_local_tensors(plan, "dst", self.rank, self.params)
+        except ConfigError:
+            if self.params and self.ledger.version > 0:
+                raise  # committed weights of another layout: refuse rather than drop them silently
+            self.params = {k: v.zero_() for k, v in
+                           empty_local_tensors(plan, "dst", self.rank, self.device, flat=True).items()}
+        return plan
+
+    def _expected_bytes(self, att: Attachment) -> int | None:
+        if att.plan is None:
+            return None
+        return att.plan.recv_bytes_per_dst_rank().get(self.rank, 0)
+
+    def _after_refit(self, att: Attachment, ctx: TransportContext, report: RefitReport) -> None:
+        self.kv_scales = ctx.state.get("kv_scales")
+        self.last_report = report
+
+    # -- collectives -----------------------------------------------------------------------
     async def init_collective(
         self, ip: str, port: int, world_size: int, *, train_world_size: int, nccl_peer: str = "nemo"
     ) -> None:
@@ -73,21 +138,9 @@ class RolloutWorker(ZmqRolloutMixin, WorkerCore):
                 f"world_size {world_size} != train_world_size {train_world_size} + gen_world_size {self.gen_world_size}"
             )
         self._ensure_open()
-        for stage_group in self.stage_groups.values():
-            stage_group.abort()  # stale with the old update group (see AbstractPolicyWorker)
-        self._replace_group("model_update_group", None)
-        group = await self._run(
-            new_group,
-            host=ip,
-            port=port,
-            rank=train_world_size + self.rank,
-            world_size=world_size,
-            name="model_update",
-            timeout_s=self.timeout_s,
-        )
-        self._replace_group("model_update_group", group)
-        self.control_token = await self._run(share_token, group)
+        await self._new_update_group(ip, port, world_size, train_world_size + self.rank)
 
+    # -- nccl_reshard (seed-style shims) --------------------------------------------------
     async def init_nccl_reshard_comm_groups(
         self, pp_ips: Sequence[str], pp_ports: Sequence[int], trainers_per_stage: Sequence[int]
     ) -> None:
@@ -106,30 +159,19 @@ class RolloutWorker(ZmqRolloutMixin, WorkerCore):
         for n in trainers_per_stage:
             _check_int(n, "trainers_per_stage[i]", minimum=1)
         self._ensure_open()
-        for group in self.stage_groups.values():
-            group.close()
-        self.stage_groups = {}
+        state = self._refit_transport_state("nccl_reshard")
+        await self._retire_groups(state, ("seed_groups", "groups"))
+        groups: dict[int, CommGroup] = {}
         for stage, (ip, port, n_train) in enumerate(zip(pp_ips, pp_ports, trainers_per_stage)):
-            self.stage_groups[stage] = await self._run(
-                new_group,
-                host=ip,
-                port=port,
-                rank=n_train + self.rank,
-                world_size=n_train + self.gen_world_size,
-                name=f"reshard_pp{stage}",
-                timeout_s=self.timeout_s,
+            groups[stage] = await self._run(
+                new_group, host=ip, port=port, rank=n_train + self.rank, world_size=n_train + self.gen_world_size,
+                name=f"reshard_pp{stage}", timeout_s=self.timeout_s,
             )
+        state["seed_groups"] = groups
 
-    # -- weights and versions --------------------------------------------------------
-    def weights(self) -> Mapping[str, torch.Tensor]:
-        """The live weights for serving; raises ``TornWeights`` while torn."""
-        if self.torn:
-            raise TornWeights(
-                f"rollout rank {self.rank}: a failed refit left the weights partly overwritten "
-                f"(last committed version {self.weight_version}); a full refit must commit first",
-                rank=self.rank,
-            )
-        return self.params
+    @property
+    def stage_groups(self) -> dict[int, CommGroup]:
+        return dict(self._peek_state("nccl_reshard").get("seed_groups") or {})
 
     def load_refit_plan(
         self, plan: ReshardPlan | Mapping[str, Any], *, params: Mapping[str, torch.Tensor] | None = None
@@ -142,68 +184,59 @@ class RolloutWorker(ZmqRolloutMixin, WorkerCore):
         ConfigError.
         """
         self._ensure_open()
-        if not isinstance(plan, ReshardPlan):
-            if not isinstance(plan, Mapping):
-                raise ConfigError(f"plan must be a ReshardPlan or its refit-info dict, got {type(plan).__name__}")
-            claimed = plan.get("hash")
-            plan = ReshardPlan.from_dict(dict(plan))
-            if claimed is not None and claimed != plan.hash:
-                raise PlanMismatch(f"the plan's contents hash to {plan.hash[:12]}…, its dict claims {str(claimed)[:12]}…",
-                                   rank=self.rank)
+        plan = as_plan(plan)
+        if params is not None:
+            check_local_tensors(plan, "dst", self.rank, params)
+            self.params = dict(params)
+        self._refit_transport_state("nccl_reshard")["seed_plan"] = self._adopt_plan("nccl_reshard", plan)
+
+    async def receive_nccl_reshard_refit(self, *, refit_timeout_s: float | None = None) -> RefitReport:
+        """``refit("nccl_reshard")`` after the shims' attach steps; commit it or raise."""
+        self._check_refit_timeout(refit_timeout_s)
+        self._ensure_open()
+        state = self._refit_transport_state("nccl_reshard")
+        if state.get("seed_plan") is None:
+            raise ConfigError("call load_refit_plan before receiving a refit", rank=self.rank)
+        if not state.get("seed_groups") or self.model_update_group is None:
+            raise ConfigError("join the update group and the stage groups before receiving a refit", rank=self.rank)
+        await self._seed_attach("nccl_reshard", plan=state["seed_plan"], groups=state["seed_groups"])
+        return await self.refit("nccl_reshard", refit_timeout_s=refit_timeout_s)
+
+    # -- zmq (seed-style shims) -------------------------------------------------------------
+    def maybe_init_zmq(self) -> None:
+        """Connect this side's ZMQ socket to the colocated trainer's endpoint (idempotent)."""
+        self._ensure_open()
+        _open_pair_socket(self, bind=False)
+
+    @property
+    def zmq_socket(self):
+        return self._peek_state("zmq").get("socket")
+
+    def load_colocated_plan(self, plan_or_info: Any, *, params: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Adopt the trainer's one-source plan; allocate (flat, zeroed) or check ``params``."""
+        self._ensure_open()
+        plan = as_plan(plan_or_info)
+        if plan.body.train_world_size != 1:
+            raise ConfigError("a colocated plan has one full source (train 'tp=1', world 1)")
         if plan.body.gen_world_size != self.gen_world_size:
-            raise ConfigError(
-                f"the plan is for {plan.body.gen_world_size} generation ranks, this world has {self.gen_world_size}"
-            )
+            raise ConfigError(f"the plan is for {plan.body.gen_world_size} generation ranks, "
+                              f"this world has {self.gen_world_size}")
         if params is None:
-            params = {k: v.zero_() for k, v in empty_local_tensors(plan, "dst", self.rank, self.device, flat=True).items()}
+            params = flat_local_tensors(plan, self.rank, self.device)
         else:
             check_local_tensors(plan, "dst", self.rank, params)
         self.params = dict(params)
-        state = self._refit_transport_state("nccl_reshard")
-        state["plan"] = plan
-        state.pop("connected_hash", None)
+        state = self._refit_transport_state("zmq")
+        state["seed_plan"] = plan
+        state["program"] = None
 
-    async def receive_nccl_reshard_refit(self, *, refit_timeout_s: float | None = None) -> RefitReport:
-        """Receive one refit from the trainers; commit it or raise (see module docstring)."""
-        timeout = self._check_refit_timeout(refit_timeout_s)
+    async def update_weights_via_ipc_zmq(self, *, refit_timeout_s: float | None = None) -> RefitReport:
+        """``refit("zmq")``: pull the next refit from the colocated trainer; commit it or raise."""
+        self._check_refit_timeout(refit_timeout_s)
         self._ensure_open()
-        state = self._refit_transport_state("nccl_reshard")
-        plan = state.get("plan")
-        if plan is None:
-            raise ConfigError("call load_refit_plan before receiving a refit", rank=self.rank)
-        if not self.stage_groups or self.model_update_group is None:
-            raise ConfigError("join the update group and the stage groups before receiving a refit", rank=self.rank)
-        transport = state.get("transport")
-        if transport is None:
-            transport = state["transport"] = NcclReshardTransport(**self.reshard_options)
-        if state.get("groups") != self.stage_groups or state.get("update_group") is not self.model_update_group:
-            state["groups"], state["update_group"] = dict(self.stage_groups), self.model_update_group
-            state.pop("connected_hash", None)
-        ctx = TransportContext(
-            worker=self, role="receive", rank=self.rank, device=self.device_facts, state=state,
-            params=self.params, plan=plan, executor=self._executor,
-        )
-        aborts = [g.abort for g in (*self.stage_groups.values(), self.model_update_group)]
-        return await self._receive_and_commit(transport, ctx, timeout=timeout, aborts=aborts)
-
-    async def _receive_and_commit(self, transport, ctx: TransportContext, *, timeout, aborts) -> RefitReport:
-        """Receive one refit; commit its version on success, mark torn on a failure that touched bytes."""
-        try:
-            report = await self._refit_under_deadline(transport, ctx, timeout=timeout, aborts=aborts)
-        except BaseException:
-            if ctx.state.get("touched"):
-                self.torn = True
-            raise
-        self.weight_version = report.version
-        self.kv_scales = ctx.state.get("kv_scales")
-        self.torn = False
-        self.last_report = report
-        return report
-
-    def _groups(self) -> list[CommGroup]:
-        return [*super()._groups(), *self.stage_groups.values()]
-
-    def _close_resources(self) -> None:
-        for group in self.stage_groups.values():
-            group.close()
-        self.stage_groups = {}
+        state = self._refit_transport_state("zmq")
+        if state.get("seed_plan") is None:
+            raise ConfigError("call load_colocated_plan before update_weights_via_ipc_zmq", rank=self.rank)
+        self.maybe_init_zmq()
+        await self._seed_attach("zmq", plan=state["seed_plan"], timeout_s=self.zmq_timeout_s)
+        return await self.refit("zmq", refit_timeout_s=refit_timeout_s)

@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from dataclasses import dataclass as _dc
+from typing import Any
 
 import torch
 
@@ -46,10 +48,29 @@ class MemoryHub:
             return self._box.pop(version)
 
 
+@_dc(frozen=True, kw_only=True, slots=True)
+class MemorySetup:
+    """``hub``: the MemoryHub both ends share (one process); ``timeout_s`` bounds a receive."""
+
+    hub: Any = None
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.hub is not None and not isinstance(self.hub, MemoryHub):
+            raise ConfigError(f"hub must be a MemoryHub, got {type(self.hub).__name__}", transport="memory")
+        if not 0 < self.timeout_s < float("inf"):
+            raise ConfigError(f"timeout_s must be a finite number > 0, got {self.timeout_s!r}", transport="memory")
+
+
 class InMemoryTransport(Transport):
     """Sends ``ctx.params`` by value to the receiver sharing ``hub``; same layout both sides."""
 
     name = "memory"
+    Setup = MemorySetup
+
+    @classmethod
+    def from_setup(cls, setup: MemorySetup) -> InMemoryTransport:
+        return cls(setup.hub, timeout_s=setup.timeout_s)
 
     def __init__(self, hub: MemoryHub | None = None, *, timeout_s: float = 10.0) -> None:
         self.hub = hub if hub is not None else MemoryHub()
@@ -76,7 +97,9 @@ class InMemoryTransport(Transport):
     async def receive(self, ctx: TransportContext, version: int) -> RefitReport:
         self._check_open()
         t0 = time.perf_counter()
-        incoming = await ctx.blocking(self.hub.take, version, self.timeout_s)
+        ctx.touched = False
+        wait = self.timeout_s if ctx.deadline is None else max(0.0, min(self.timeout_s, ctx.deadline.remaining()))
+        incoming = await ctx.blocking(self.hub.take, version, wait)
         missing = set(ctx.params) - set(incoming)
         extra = set(incoming) - set(ctx.params)
         if missing or extra:
@@ -88,6 +111,7 @@ class InMemoryTransport(Transport):
                 raise ProtocolError(f"refit {version}: {name} is {src.dtype}{list(src.shape)}, "
                                     f"expected {dst.dtype}{list(dst.shape)}", transport=self.name, param=name)
         # Validate everything before touching any destination: nothing half-applied.
+        ctx.touched = True
         nbytes = 0
         for name, dst in ctx.params.items():
             dst.copy_(incoming[name])

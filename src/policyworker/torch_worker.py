@@ -35,9 +35,7 @@ from torch import nn
 from ._aio import run_in_executor
 from .checkpoint import AsyncCheckpointWriter, read_checkpoint
 from .errors import CheckpointError, ConfigError, PolicyWorkerError
-from .reshard_worker import NcclReshardMixin
 from .worker import AbstractPolicyWorker
-from .zmq_worker import ZmqRefitMixin
 
 __all__ = ["TorchPolicyWorker"]
 
@@ -138,7 +136,7 @@ def _check_batch(data: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, lengths
 
 
-class TorchPolicyWorker(ZmqRefitMixin, NcclReshardMixin, AbstractPolicyWorker):
+class TorchPolicyWorker(AbstractPolicyWorker):
     """Trainer-side worker over a causal LM ``model`` (see the module docstring).
 
     ``reference_state_dict``: the reference policy's weights by parameter name (tied
@@ -153,7 +151,9 @@ class TorchPolicyWorker(ZmqRefitMixin, NcclReshardMixin, AbstractPolicyWorker):
     is itself sharded passes ``refit_params`` (its local shards by name, or DTensors)
     and ``refit_source`` (a ModelConfig, ``{name: (shape, dtype)}``, or the DTensor
     state dict). ``reshard_options`` configure the transport (bucket_bytes, in_flight,
-    checksum) and must match the rollouts'.
+    checksum) and must match the rollouts' (the ``nccl_reshard`` entry of
+    ``transport_options``). Plan-less transports (and colocated one-source plans)
+    move the model's named parameters themselves.
     """
 
     def __init__(
@@ -167,6 +167,7 @@ class TorchPolicyWorker(ZmqRefitMixin, NcclReshardMixin, AbstractPolicyWorker):
         refit_params: Mapping[str, torch.Tensor] | None = None,
         refit_source: Any = None,
         reshard_options: Mapping[str, Any] | None = None,
+        transport_options: Mapping[str, Mapping[str, Any]] | None = None,
         **core_kwargs: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -180,12 +181,14 @@ class TorchPolicyWorker(ZmqRefitMixin, NcclReshardMixin, AbstractPolicyWorker):
         self._pin = torch.cuda.is_available()
         sources = _reference_sources(model, unique, names, reference_state_dict)
         self._reference = _cpu_copies(sources, unique, self._pin)
-        super().__init__(rank=rank, world_size=world_size, **core_kwargs)
+        options = dict(transport_options or {})
+        if reshard_options is not None:
+            options["nccl_reshard"] = dict(reshard_options)
+        super().__init__(rank=rank, world_size=world_size, transport_options=options, **core_kwargs)
         self.model = model
         self._params = unique
         self._refit_params = None if refit_params is None else dict(refit_params)
         self._refit_source = refit_source
-        self.reshard_options = dict(reshard_options or {})
         self._backup: list[torch.Tensor] | None = None
         self._checkpointer = AsyncCheckpointWriter(
             pin_memory=self._pin, thread_name=f"policyworker-ckpt-{self.rank}"
@@ -202,7 +205,11 @@ class TorchPolicyWorker(ZmqRefitMixin, NcclReshardMixin, AbstractPolicyWorker):
 
         return cls(build_model(get_preset("tiny"), seed=0), rank=rank, world_size=world_size, timeout_s=timeout_s)
 
-    # -- refit: nccl_reshard (NcclReshardMixin implements the two methods) ----------
+    # -- what a refit moves -----------------------------------------------------------
+    def _named_tensors(self) -> Mapping[str, torch.Tensor]:
+        """The model's unique parameters by name: the live ``Parameter`` objects."""
+        return {name: p for name, p in self._params}
+
     def _refit_model_source(self) -> Any:
         """The plan's source: ``refit_source``, else the model's ModelConfig, else its shapes."""
         if self._refit_source is not None:
@@ -218,13 +225,11 @@ class TorchPolicyWorker(ZmqRefitMixin, NcclReshardMixin, AbstractPolicyWorker):
         dtypes = {p.dtype for _, p in self._params if p.is_floating_point()}
         return dtypes.pop() if len(dtypes) == 1 else torch.bfloat16
 
-    def _refit_local_params(self, plan: Any) -> Mapping[str, torch.Tensor]:
+    def _plan_tensors(self, plan: Any) -> Mapping[str, torch.Tensor]:
         """``refit_params`` if given, else this rank's shard as views of the full model."""
         if self._refit_params is not None:
             return self._refit_params
-        from .reshard_worker import shard_views
-
-        return shard_views(plan, self.rank, dict(self._params))
+        return super()._plan_tensors(plan)
 
     # -- reference policy ----------------------------------------------------------
     async def get_reference_policy_logprobs(

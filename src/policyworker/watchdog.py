@@ -8,10 +8,15 @@ passes, the watchdog marks it ``fired`` and calls its abort callbacks (typically
 raising, so the refit must check ``deadline.fired`` afterwards and raise
 ``RefitTimeout`` itself — :meth:`Deadline.check` does exactly that.
 
-``stand_down()`` is the controller's lever once it knows a peer is dead and will
-rebuild: it disarms every armed deadline without firing any and returns how many.
-It takes one uncontended lock and never blocks on a refit, so it is safe to call
-from the event loop while the refit executor thread is stuck in a collective.
+Deadlines belong to an *owner* (the worker that armed them). ``stand_down(owner)``
+is the controller's lever once it knows a peer is dead and will rebuild: it disarms
+that owner's armed deadlines without firing any and returns how many — other
+workers in the same process keep theirs. It takes one uncontended lock and never
+blocks on a refit, so it is safe to call from the event loop while the refit
+executor thread is stuck in a collective.
+
+Each fired deadline's abort callbacks run on a thread of their own: one abort that
+hangs (an NCCL communicator that will not die) delays no other deadline.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ _log = logging.getLogger(__name__)
 class Deadline:
     """One armed refit deadline. States: armed → fired | disarmed (final)."""
 
-    __slots__ = ("label", "at", "_callbacks", "_state", "_seq", "__weakref__")
+    __slots__ = ("label", "at", "owner", "_callbacks", "_state", "_seq", "__weakref__")
 
-    def __init__(self, label: str, at: float, callbacks: tuple[Callable[[], None], ...], seq: int) -> None:
+    def __init__(self, label: str, at: float, callbacks: tuple[Callable[[], None], ...], seq: int,
+                 owner: object = None) -> None:
         self.label = label
+        self.owner = owner
         self.at = at
         self._callbacks = callbacks
         self._state = "armed"
@@ -77,14 +84,15 @@ class RefitWatchdog:
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def arm(self, timeout_s: float, on_fire: Iterable[Callable[[], None]] = (), *, label: str = "refit") -> Deadline:
-        """Arm a deadline ``timeout_s`` from now; ``on_fire`` runs on the timer thread."""
+    def arm(self, timeout_s: float, on_fire: Iterable[Callable[[], None]] = (), *, label: str = "refit",
+            owner: object = None) -> Deadline:
+        """Arm a deadline ``timeout_s`` from now for ``owner``; ``on_fire`` runs on its own thread."""
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
             raise ConfigError(f"refit_timeout_s must be a number of seconds, got {timeout_s!r}")
         if not timeout_s > 0 or timeout_s == float("inf"):
             raise ConfigError(f"refit_timeout_s must be a finite number > 0, got {timeout_s!r}")
         seq = next(self._seq)
-        deadline = Deadline(label, time.monotonic() + float(timeout_s), tuple(on_fire), seq)
+        deadline = Deadline(label, time.monotonic() + float(timeout_s), tuple(on_fire), seq, owner)
         with self._wake:
             self._armed[seq] = deadline
             heapq.heappush(self._heap, (deadline.at, seq, deadline))
@@ -103,18 +111,20 @@ class RefitWatchdog:
             self._armed.pop(deadline._seq, None)
             return True
 
-    def stand_down(self) -> int:
-        """Disarm every armed deadline without firing; return how many. Never blocks long."""
-        with self._lock:
-            count = len(self._armed)
-            for d in self._armed.values():
-                d._state = "stood_down"
-            self._armed.clear()
-            return count
+    def stand_down(self, owner: object = None) -> int:
+        """Disarm ``owner``'s armed deadlines without firing; return how many. Never blocks long.
 
-    def armed_count(self) -> int:
+        ``owner=None`` stands down every deadline of the process.
+        """
         with self._lock:
-            return len(self._armed)
+            mine = [seq for seq, d in self._armed.items() if owner is None or d.owner is owner]
+            for seq in mine:
+                self._armed.pop(seq)._state = "stood_down"
+            return len(mine)
+
+    def armed_count(self, owner: object = None) -> int:
+        with self._lock:
+            return sum(1 for d in self._armed.values() if owner is None or d.owner is owner)
 
     def _run(self) -> None:
         while True:
@@ -136,14 +146,18 @@ class RefitWatchdog:
                         d._state = "fired"
                         self._armed.pop(seq, None)
                         due.append(d)
-            # Callbacks run outside the lock: an abort may take a while (NCCL) and
-            # stand_down() must stay instant meanwhile.
+            # Callbacks run outside the lock, one thread per deadline: an abort may take
+            # a while (NCCL) or hang, and neither stand_down() nor another deadline may wait.
             for d in due:
-                for cb in d._callbacks:
-                    try:
-                        cb()
-                    except Exception:  # noqa: BLE001 - one failing abort must not stop the others
-                        _log.exception("watchdog abort callback failed for %r", d)
+                threading.Thread(target=_fire, args=(d,), name=f"policyworker-abort-{d._seq}", daemon=True).start()
+
+
+def _fire(d: Deadline) -> None:
+    for cb in d._callbacks:
+        try:
+            cb()
+        except Exception:  # noqa: BLE001 - one failing abort must not stop the others; it is logged
+            _log.exception("watchdog abort callback failed for %r", d)
 
 
 _PROCESS_WATCHDOG: RefitWatchdog | None = None

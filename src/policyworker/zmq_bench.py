@@ -54,22 +54,24 @@ def _baseline_module():
 
 
 def _workers():
-    from .core import WorkerCore
     from .rollout import RolloutWorker
-    from .zmq_worker import ZmqRefitMixin
+    from .worker import AbstractPolicyWorker
 
-    class BenchTrainer(ZmqRefitMixin, WorkerCore):
+    class BenchTrainer(AbstractPolicyWorker):
         """A trainer that is only its (seeded) parameters: no model, no reference copy."""
 
-        role = "trainer"
-
         def __init__(self, params, config, dtype, **kw):
-            kw.pop("world_size", None)
             super().__init__(**kw)
             self._params, self._config, self._dtype = params, config, dtype
 
-        def _zmq_model_source(self):
+        def _named_tensors(self):
+            return dict(self._params)
+
+        def _refit_model_source(self):
             return self._config
+
+        async def get_reference_policy_logprobs(self, *, data, micro_batch_size=None):
+            raise NotImplementedError("a bench trainer has no model")
 
         def _refit_dtype(self):
             return self._dtype

@@ -2,32 +2,66 @@
 
 A transport is a small object with four coroutines. One instance lives on each side
 of a refit (a trainer rank sends, a rollout rank receives); the worker owns it and
-calls it in this order::
+drives it, whatever its name, through one road::
+
+    await worker.attach_transport(name, **setup)   # registry → Setup → from_setup → connect
+    report = await worker.refit(name, **options)   # deadline → send | receive → ledger commit
+    await worker.detach_transport(name)            # aclose
+
+and the transport sees these calls, in this order::
 
     await t.connect(ctx)                 # once, and again after a failure (re-entrant)
     report = await t.send(ctx, version)  # trainer side, once per refit   } every refit
     report = await t.receive(ctx, v)     # rollout side, once per refit   }
     await t.aclose()                     # once; idempotent
 
-Contract, for implementers:
+Declaring what it takes, for implementers:
+
+* ``Setup`` — a frozen, kw-only dataclass of what ``attach_transport(name, **setup)``
+  accepts: wiring (groups, endpoints, directories) and the options fixed for the
+  attachment (bucket sizes, checksums). The worker checks the keys and simple types
+  (:func:`policyworker.config.parse`) and ``__post_init__`` may check values; both
+  raise ``ConfigError`` at attach time. ``from_setup(setup)`` builds the instance
+  (default: ``cls()``); an instance handed to ``attach_transport`` keeps the options
+  it was constructed with and still receives the parsed ``Setup`` as ``ctx.setup``.
+* ``Options`` — a frozen, kw-only dataclass of what ``refit(name, **options)`` accepts
+  per refit (kv-scales, an engine handle); parsed the same way, as ``ctx.options``.
+* ``needs_plan`` — True when the transport reshards and needs ``ctx.plan`` (a
+  ``ReshardPlan``); the worker then refuses to attach without one. A plan-less
+  transport moves ``ctx.params`` by name: the sender's local tensors and the
+  receiver's destinations must share names, shapes and dtypes.
+
+Contract of the four calls:
 
 * ``connect`` builds what lives across refits (groups, sockets, staging buffers,
   exported handles) and keeps it in ``ctx.state`` — the worker's per-transport dict —
-  not on the worker. It must verify the peers agree on the plan (``PlanMismatch``) so a
-  bad pairing fails here, never mid-refit. Calling it again replaces old resources.
-* ``send`` / ``receive`` move exactly one refit of ``version``. They are awaited on the
-  worker's event loop, which they must never block: anything that waits on a peer or
-  moves tensors goes through ``await ctx.blocking(fn, ...)``, which runs it on the
-  worker's single refit executor thread (refits are serial). They must
-  finish or raise before ``ctx.deadline`` (when set) and check ``ctx.deadline.fired``
-  after every wait an abort can cut short. A receiver never exposes a partly applied
-  refit: on failure it raises and leaves the old version (or marks it torn).
-* Errors: raise only ``policyworker.errors`` types; translate zmq/gloo/nccl/http errors
-  here, at the boundary (``PeerLost`` when a peer went away, ``RefitTimeout`` /
-  ``RefitAborted`` on deadlines and aborts, ``ProtocolError`` on bad messages).
+  not on the worker. It must verify the peers agree (plan hash, options:
+  ``PlanMismatch`` / ``ConfigError``) so a bad pairing fails here, never mid-refit.
+  Calling it again replaces old resources (recovery).
+* ``send`` / ``receive`` move exactly one refit. ``version`` is the version the
+  trainer announces (its last sent + 1) and, on the receiver, the version expected
+  next (last committed + 1). A transport whose peers announce versions (headers) may
+  land another, higher version and says so in its report: the worker's ledger commits
+  ``report.version`` and refuses one that does not advance.
+* They are awaited on the worker's event loop, which they must never block: anything
+  that waits on a peer or moves tensors goes through ``await ctx.blocking(fn, ...)``,
+  which runs it on the worker's single refit executor thread (refits are serial).
+  They must finish or raise before ``ctx.deadline`` (when set) and check
+  ``ctx.deadline.fired`` after every wait an abort can cut short. When the deadline
+  fires the worker calls ``abort()`` on the transport (from another thread): cut the
+  current wait short and raise ``RefitAborted``.
+* A receiver never commits anything itself; the worker's ledger does, after
+  ``receive`` returned. Before it first writes a live destination byte it sets
+  ``ctx.touched = True``; a receiver that stages everything first and writes only at
+  the end sets ``ctx.touched = False`` at the start and True just before it writes.
+  A failed refit with ``ctx.touched`` not False leaves the rollout *torn* (it refuses
+  to serve until a refit commits): a transport that never says is assumed to touch.
+* Errors: raise only ``policyworker.errors`` types; translate zmq/gloo/nccl/http
+  errors here, at the boundary (``PeerLost`` when a peer went away, ``RefitTimeout``
+  / ``RefitAborted`` on deadlines and aborts, ``ProtocolError`` on bad messages).
 * Deadlock hazard: both sides must issue matching operations in the same order; a
   transport documents its order in its module docstring.
-* No pickle on sockets; only ``policyworker.wire`` messages and raw tensor bytes.
+* No pickle on sockets; only ``policyworker.wire``-style typed messages and raw bytes.
 """
 
 from __future__ import annotations
@@ -38,6 +72,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
+
+from ..config import EmptyOptions, EmptySetup
 
 if TYPE_CHECKING:
     import torch
@@ -55,9 +91,12 @@ class TransportContext:
     """Everything a transport may use. New fields get defaults, so plugins never break.
 
     ``params`` are this rank's local tensors: the sender's sources (its shards in the
-    training layout) or the receiver's destinations (its shards in the generation
-    layout, fused params included). ``plan`` is the ``ReshardPlan`` when the transport
-    reshards. ``role`` is ``"send"`` or ``"receive"``.
+    training layout, or its full tensors by name for a plan-less transport) or the
+    receiver's destinations (its shards in the generation layout, fused params
+    included). ``plan`` is the ``ReshardPlan`` when the transport reshards. ``role``
+    is ``"send"`` or ``"receive"``. ``setup`` / ``options`` are the parsed ``Setup``
+    and ``Options`` of the transport. ``update_group`` is the worker's update group
+    (``init_collective``) when it has one; ``world_size`` the size of this side's world.
     """
 
     worker: Any
@@ -67,15 +106,39 @@ class TransportContext:
     state: dict[str, Any]
     params: Mapping[str, torch.Tensor]
     plan: Any = None
-    options: Mapping[str, Any] = field(default_factory=dict)
+    setup: Any = None
+    options: Any = None
     deadline: Deadline | None = None
     executor: Executor | None = None
+    update_group: Any = None
+    world_size: int = 1
+    #: Receiver: None = unknown (assumed touched on failure), False = live bytes intact,
+    #: True = live bytes were (possibly) overwritten.
+    touched: bool | None = None
 
     async def blocking(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the refit executor thread (or a fresh thread when none is set)."""
         from .._aio import run_in_executor
 
         return await run_in_executor(self.executor, fn, *args, **kwargs)
+
+    def option(self, key: str, default: Any = None) -> Any:
+        """``options.key`` (a dataclass or a mapping), else ``default``."""
+        opts = self.options
+        if opts is None:
+            return default
+        if isinstance(opts, Mapping):
+            return opts.get(key, default)
+        return getattr(opts, key, default)
+
+    def setting(self, key: str, default: Any = None) -> Any:
+        """``setup.key`` (a dataclass or a mapping), else ``default``."""
+        setup = self.setup
+        if setup is None:
+            return default
+        if isinstance(setup, Mapping):
+            return setup.get(key, default)
+        return getattr(setup, key, default)
 
 
 class RefitReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,9 +162,17 @@ class Transport:
     """Base class of every transport; see the module docstring for the contract."""
 
     name: ClassVar[str] = ""
+    Setup: ClassVar[type] = EmptySetup
+    Options: ClassVar[type] = EmptyOptions
+    needs_plan: ClassVar[bool] = False
+
+    @classmethod
+    def from_setup(cls, setup: Any) -> Transport:
+        """The instance ``attach_transport`` uses for this ``Setup`` (default: ``cls()``)."""
+        return cls()
 
     async def connect(self, ctx: TransportContext) -> None:
-        """Build groups, sockets and buffers that live across refits; check the plan."""
+        """Build groups, sockets and buffers that live across refits; check the peers agree."""
         raise NotImplementedError
 
     async def send(self, ctx: TransportContext, version: int) -> RefitReport:
@@ -109,8 +180,15 @@ class Transport:
         raise NotImplementedError
 
     async def receive(self, ctx: TransportContext, version: int) -> RefitReport:
-        """Rollout side: land refit ``version`` in ``ctx.params`` (or raise, leaving v-1)."""
+        """Rollout side: land a refit in ``ctx.params`` (or raise; never commit)."""
         raise NotImplementedError
+
+    def abort(self) -> None:
+        """Cut the current wait short (any thread); the refit then raises ``RefitAborted``.
+
+        Default: nothing — a transport whose waits are bounded by ``ctx.deadline`` alone
+        needs no more (groups in ``ctx.state`` are aborted by the worker).
+        """
 
     async def aclose(self) -> None:
         """Release everything ``connect`` built. Idempotent."""

@@ -1,9 +1,11 @@
 """nccl_reshard: trainers send each generation rank exactly its plan's bytes, point to point.
 
 Groups: one per pipeline stage (the stage's trainers first, then every generation
-rank), built by ``init_nccl_reshard_comm_group`` / ``RolloutWorker.
-init_nccl_reshard_comm_groups``; plus ``model_update_group`` for the small leftovers.
-NCCL on GPU, gloo on CPU: the same code.
+rank), given at attach time — a trainer passes its stage's ``group`` and ``stage``, a
+receiver every stage's ``groups`` (stage → group); the seed methods
+``init_nccl_reshard_comm_group`` / ``RolloutWorker.init_nccl_reshard_comm_groups``
+build them — plus the worker's update group (``ctx.update_group``) for the small
+leftovers. NCCL on GPU, gloo on CPU: the same code.
 
 One refit, both sides:
 
@@ -38,6 +40,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from ..config import positive_int
 
 import msgspec
 import torch
@@ -181,10 +185,56 @@ class KvScales(msgspec.Struct, frozen=True):
 _KV_DECODER = msgspec.msgpack.Decoder(KvScales)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NcclReshardSetup:
+    """Attach-time setup. ``bucket_bytes``/``checksum`` must match on every rank.
+
+    Trainer: ``group`` (its stage's group) and ``stage``. Receiver: ``groups``
+    (stage → group, every stage of the plan).
+    """
+
+    bucket_bytes: int = 16 << 20
+    in_flight: int = 16
+    staging: int = 2
+    checksum: bool = False
+    group: Any = None
+    stage: int | None = None
+    groups: Any = None
+
+    def __post_init__(self) -> None:
+        positive_int(self.bucket_bytes, "bucket_bytes", minimum=1024)
+        positive_int(self.in_flight, "in_flight")
+        positive_int(self.staging, "staging")
+        if self.stage is not None:
+            positive_int(self.stage, "stage", minimum=0)
+        if self.groups is not None and not isinstance(self.groups, Mapping):
+            raise ConfigError(f"groups must map stage -> group, got {type(self.groups).__name__}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NcclReshardOptions:
+    """Per-refit options: ``kv_scales`` (name → float; trainer rank 0's are sent)."""
+
+    kv_scales: Any = None
+
+    def __post_init__(self) -> None:
+        from ..layout.local import validate_kv_scales
+
+        object.__setattr__(self, "kv_scales", validate_kv_scales(self.kv_scales))
+
+
 class NcclReshardTransport(Transport):
     """See the module docstring. ``bucket_bytes`` and ``checksum`` must match on every rank."""
 
     name = "nccl_reshard"
+    Setup = NcclReshardSetup
+    Options = NcclReshardOptions
+    needs_plan = True
+
+    @classmethod
+    def from_setup(cls, setup: NcclReshardSetup) -> NcclReshardTransport:
+        return cls(bucket_bytes=setup.bucket_bytes, in_flight=setup.in_flight, staging=setup.staging,
+                   checksum=setup.checksum)
 
     def __init__(
         self, *, bucket_bytes: int = 16 << 20, in_flight: int = 16, staging: int = 2, checksum: bool = False
@@ -198,6 +248,11 @@ class NcclReshardTransport(Transport):
         self.staging = min(staging, in_flight)  # staging buffers (bucket_bytes each) per rank
         self.checksum = bool(checksum)
         self._closed = False
+        self._active: list[Any] = []  # groups of the refit in progress (abort() aborts them)
+
+    def abort(self) -> None:
+        for group in list(self._active):
+            group.abort()
 
     # -- connect ---------------------------------------------------------------------
     async def connect(self, ctx: TransportContext) -> None:
@@ -207,7 +262,24 @@ class NcclReshardTransport(Transport):
             raise ConfigError("nccl_reshard needs ctx.plan (a ReshardPlan)", transport=self.name)
         await ctx.blocking(self._connect, ctx)
 
+    @staticmethod
+    def _wire(ctx: TransportContext) -> None:
+        """Adopt the groups of ``ctx.setup`` (attach) into the state; keep the state's otherwise."""
+        setup = ctx.setup
+        if setup is not None:
+            if ctx.role == "send" and setup.group is not None:
+                ctx.state["group"], ctx.state["stage"] = setup.group, setup.stage or 0
+            if ctx.role == "receive" and setup.groups is not None:
+                ctx.state["groups"] = dict(setup.groups)
+        if ctx.update_group is not None:
+            ctx.state["update_group"] = ctx.update_group
+        need = "group" if ctx.role == "send" else "groups"
+        if ctx.state.get(need) is None:
+            raise ConfigError(f"nccl_reshard ({ctx.role}) needs {need}= at attach (the stage group"
+                              f"{'' if ctx.role == 'send' else 's'})", rank=ctx.rank, transport="nccl_reshard")
+
     def _connect(self, ctx: TransportContext) -> None:
+        self._wire(ctx)
         plan = ctx.plan
         members = stage_members(plan)
         mine = torch.tensor([plan_hash63(plan), self.bucket_bytes, int(self.checksum)], dtype=torch.int64)
@@ -257,9 +329,9 @@ class NcclReshardTransport(Transport):
     async def receive(self, ctx: TransportContext, version: int | None = None) -> RefitReport:
         """Receive the next refit (its version comes from the trainers' headers).
 
-        Commits nothing itself: on success the caller commits ``report.version``;
-        ``ctx.state["touched"]`` says whether live bytes were overwritten (for a torn
-        mark on failure) and ``ctx.state["kv_scales"]`` holds the received scales.
+        Commits nothing itself: on success the worker commits ``report.version``;
+        ``ctx.touched`` says whether live bytes were overwritten (for a torn mark on
+        failure) and ``ctx.state["kv_scales"]`` holds the received scales.
         """
         self._check(ctx)
         return await ctx.blocking(self._refit, ctx, version)
@@ -281,8 +353,10 @@ class NcclReshardTransport(Transport):
     def _refit(self, ctx: TransportContext, version: int | None) -> RefitReport:
         t0 = time.perf_counter()
         ctx.state["touched"] = False
+        ctx.touched = False
         ctx.state["kv_scales"] = None
         update_group = ctx.state.get("update_group")
+        self._active = [*self._groups(ctx), *([update_group] if update_group is not None else [])]
         try:
             if ctx.role == "send":
                 nbytes, nbuckets, failure = self._send_bulk(ctx, version)
@@ -292,7 +366,7 @@ class NcclReshardTransport(Transport):
                 scales, version, failures, lost = exchange_leftovers(
                     update_group,
                     is_source=ctx.role == "send" and update_group.rank == 0,
-                    kv_scales=ctx.options.get("kv_scales"),
+                    kv_scales=ctx.option("kv_scales"),
                     deadline=self._deadline(ctx),
                     version=version if version is not None else -1,
                     ok=failure is None,
@@ -305,6 +379,8 @@ class NcclReshardTransport(Transport):
             if ctx.deadline is not None:
                 ctx.deadline.check()  # a fired deadline is a RefitTimeout
             raise
+        finally:
+            self._active = []
         if failure is not None:
             raise failure
         if lost:
@@ -459,7 +535,7 @@ class NcclReshardTransport(Transport):
                                 f"checksum mismatch in bucket {m.key[0]} from train rank {m.key[1]}",
                                 rank=ctx.rank, transport=self.name,
                             )
-                    ctx.state["touched"] = True
+                    ctx.state["touched"] = ctx.touched = True
                     unpack(plan, m.copies, tensor, params)
             except (ProtocolError, PlanMismatch) as exc:
                 failure = exc
@@ -487,7 +563,7 @@ class NcclReshardTransport(Transport):
                 continue
             direct = None if (self.checksum or failure is not None) else _direct_view(plan, m.copies, params, "dst")
             if direct is not None:
-                ctx.state["touched"] = True  # bytes land in the live tensor from here on
+                ctx.state["touched"] = ctx.touched = True  # bytes land in the live tensor from here on
                 issue(m, direct, None)
             else:
                 slot = free.pop()

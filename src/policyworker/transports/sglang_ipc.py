@@ -1,10 +1,20 @@
 """sglang_ipc: colocated refit into SGLang engines, in SGLang's own request format.
 
+Setup: ``engine_gpu_counts`` (tp ranks = GPUs of each engine) and
+``engine_gpu_offsets`` (each engine's first GPU = trainer rank; default the running
+sum). Colocation: trainer rank r runs on GPU r, so engine e's tp rank i is trainer
+rank ``offset_e + i``. Ranks on no engine's GPUs take part in no group; their refit
+is a no-op (a 0-byte report that does not advance the version).
+
 Groups: one gloo group per engine over the trainer ranks colocated with its GPUs, in
 GPU order (group rank i = engine tp rank i); group rank 0 is the engine's *gather
-source* and the only rank that talks to the engine. Built by
-``SglangIpcMixin.connect_sglang_rollout_engines``; kept in ``ctx.state["group"]``.
-Only small CPU tensors travel on it: the bulk never leaves the device.
+source* and the only rank that talks to the engine. ``connect`` builds them on the
+worker's update group's store (``ctx.update_group``, from ``init_collective``) under
+the prefix ``sglang_ipc/<epoch>/engine<e>``, so no extra port is needed; ``epoch``
+counts layout rebuilds since the update group was formed (every trainer rank makes
+the same calls, so all derive the same prefix). The same layout again is a no-op
+unless a refit lost the group (``broken``) or the update group changed. Only small
+CPU tensors travel on the groups: the bulk never leaves the device.
 
 ``connect`` (every rank of the engine group, in this order):
   1. all-gather (manifest digest, bucket_bytes, buckets): every rank must hold the
@@ -30,9 +40,16 @@ One refit of version v (every rank, in this order):
 from __future__ import annotations
 
 import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..comm import CommGroup, group_on_store
+from ..config import positive_int
 
 from ..errors import (
     ConfigError,
@@ -56,9 +73,96 @@ from .sglang_format import (
     to_base64,
 )
 
-__all__ = ["SglangIpcTransport"]
+__all__ = ["EngineLayout", "SglangIpcOptions", "SglangIpcSetup", "SglangIpcTransport"]
 
 NAME = "sglang_ipc"
+
+
+def _int(value: Any, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{what} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLayout:
+    """Which trainer ranks (= GPUs) each engine covers: ``[offsets[e], offsets[e] + counts[e])``."""
+
+    counts: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def build(cls, counts: Any, offsets: Any, world_size: int) -> EngineLayout:
+        """Validate against the trainer world; ``ConfigError`` names the first problem."""
+        if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence):
+            raise ConfigError(f"engine_gpu_counts must be a sequence of ints, got {type(counts).__name__}")
+        c = tuple(_int(v, f"engine_gpu_counts[{i}]", 1) for i, v in enumerate(counts))
+        if not c:
+            raise ConfigError("engine_gpu_counts must name at least one engine")
+        if offsets is None:
+            o = tuple(sum(c[:i]) for i in range(len(c)))
+        else:
+            if isinstance(offsets, (str, bytes)) or not isinstance(offsets, Sequence):
+                raise ConfigError(f"engine_gpu_offsets must be a sequence of ints, got {type(offsets).__name__}")
+            o = tuple(_int(v, f"engine_gpu_offsets[{i}]", 0) for i, v in enumerate(offsets))
+            if len(o) != len(c):
+                raise ConfigError(f"engine_gpu_offsets has {len(o)} entries, engine_gpu_counts has {len(c)}")
+        if sum(c) > world_size:
+            raise ConfigError(f"the engines need {sum(c)} GPUs, the trainer world has {world_size} ranks")
+        for e, (off, n) in enumerate(zip(o, c)):
+            if off + n > world_size:
+                raise ConfigError(f"engine {e} covers GPUs [{off}, {off + n}), outside the trainer world "
+                                  f"[0, {world_size})")
+        spans = sorted((off, off + n, e) for e, (off, n) in enumerate(zip(o, c)))
+        for (a0, a1, ea), (b0, b1, eb) in zip(spans, spans[1:]):
+            if b0 < a1:
+                raise ConfigError(f"engines {ea} [{a0}, {a1}) and {eb} [{b0}, {b1}) overlap")
+        return cls(c, o)
+
+    def locate(self, rank: int) -> tuple[int, int] | None:
+        """(engine index, tp rank in it) of trainer ``rank``, or None when no engine covers it."""
+        for e, (off, n) in enumerate(zip(self.offsets, self.counts)):
+            if off <= rank < off + n:
+                return e, rank - off
+        return None
+
+
+def _engine_group(update_group: CommGroup, prefix: str, rank: int, size: int, name: str, timeout_s: float) -> CommGroup:
+    """A gloo group on ``update_group``'s store under ``prefix``; warmed up before use."""
+    return group_on_store(dist.PrefixStore(prefix, update_group.store), rank=rank, world_size=size, name=name,
+                          backend="gloo", timeout_s=timeout_s, transport=NAME)
+
+
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SglangIpcSetup:
+    """Attach-time setup: the engines' GPU layout and ``bucket_bytes`` (equal on every rank)."""
+
+    engine_gpu_counts: Any
+    engine_gpu_offsets: Any = None
+    bucket_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        positive_int(self.bucket_bytes, "bucket_bytes", minimum=1024)
+        EngineLayout.build(self.engine_gpu_counts, self.engine_gpu_offsets, 1 << 30)  # shape checks only
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SglangIpcOptions:
+    """Per-refit options. ``engine`` (on the gather source only): an ``SglangHttpEngine``, an
+    ``InProcessSglangEngine`` or anything with ``update_weights_from_tensor``. The flags are
+    SGLang's own (sent with the last, the first and the last bucket)."""
+
+    engine: Any = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    torch_empty_cache: bool = False
+
+    def __post_init__(self) -> None:
+        if self.engine is not None and not callable(getattr(self.engine, "update_weights_from_tensor", None)):
+            raise ConfigError(f"engine {self.engine!r} has no update_weights_from_tensor", transport=NAME)
+
 
 
 class BufferHello(Message, frozen=True, kw_only=True):
@@ -102,6 +206,12 @@ class SglangIpcTransport(Transport):
     """See the module docstring. ``bucket_bytes`` must match on every rank of an engine."""
 
     name = NAME
+    Setup = SglangIpcSetup
+    Options = SglangIpcOptions
+
+    @classmethod
+    def from_setup(cls, setup: SglangIpcSetup) -> SglangIpcTransport:
+        return cls(bucket_bytes=setup.bucket_bytes)
 
     def __init__(self, *, bucket_bytes: int = 256 << 20) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1024:
@@ -121,12 +231,43 @@ class SglangIpcTransport(Transport):
 
     # -- connect ---------------------------------------------------------------------
     async def connect(self, ctx: TransportContext) -> None:
-        """Check manifests, allocate this rank's buffer, gather the handles to the source."""
+        """Build this rank's engine group (if the layout or the update group changed), then
+        check manifests, allocate this rank's buffer and gather the handles to the source."""
         self._check_open()
-        if ctx.state.get("group") is None:
-            raise ConfigError("this rank is in no engine group; connect_sglang_rollout_engines first",
+        if ctx.setup is not None:
+            await ctx.blocking(self._ensure_group, ctx)
+        if "layout" not in ctx.state:
+            raise ConfigError("attach sglang_ipc with engine_gpu_counts= first", rank=ctx.rank, transport=NAME)
+        if ctx.state.get("group") is not None:
+            await ctx.blocking(self._connect, ctx)
+
+    def _ensure_group(self, ctx: TransportContext) -> None:
+        state = ctx.state
+        layout = EngineLayout.build(ctx.setup.engine_gpu_counts, ctx.setup.engine_gpu_offsets, ctx.world_size)
+        update_group = ctx.update_group
+        if update_group is None:
+            raise ConfigError("call init_collective first: the engine groups are built on its store",
                               rank=ctx.rank, transport=NAME)
-        await ctx.blocking(self._connect, ctx)
+        same_world = state.get("update_group_ref") is not None and state["update_group_ref"]() is update_group
+        old = state.get("group")
+        if (state.get("layout") == layout and same_world and not state.get("broken")
+                and (old is None or not old.aborted)):
+            return
+        epoch = (state.get("epoch", 0) if same_world else 0) + 1
+        where = layout.locate(ctx.rank)
+        group = None
+        if where is not None:
+            e, tp_rank = where
+            group = _engine_group(update_group, f"sglang_ipc/{epoch}/engine{e}", tp_rank, layout.counts[e],
+                                  f"sglang_engine{e}", update_group.timeout_s)
+        if old is not None and old is not group:
+            old.close()
+        # The update group is the worker's: keep a reference, not the group (the worker's
+        # deadline aborts the groups in this state, and the update group is not ours to abort).
+        state.update(layout=layout, group=group, epoch=epoch, update_group_ref=weakref.ref(update_group),
+                     broken=False, engine_index=None if where is None else where[0],
+                     group_rank=None if where is None else where[1],
+                     gather_src=None if where is None else layout.offsets[where[0]], connected_group=None)
 
     def _connect(self, ctx: TransportContext) -> None:
         state, group = ctx.state, ctx.state["group"]
@@ -159,11 +300,21 @@ class SglangIpcTransport(Transport):
 
     # -- refit -----------------------------------------------------------------------
     async def send(self, ctx: TransportContext, version: int) -> RefitReport:
-        """Move refit ``version`` into the engine; ``ctx.options["engine"]`` on the source."""
+        """Move refit ``version`` into the engine (``ctx.options.engine`` on the source)."""
         self._check_open()
+        if "layout" not in ctx.state:
+            raise ConfigError("attach sglang_ipc (connect_sglang_rollout_engines) before a refit",
+                              rank=ctx.rank, transport=NAME)
         if ctx.state.get("group") is None:
-            raise ConfigError("this rank is in no engine group", rank=ctx.rank, transport=NAME)
-        return await ctx.blocking(self._refit, ctx, version)
+            return RefitReport(transport=NAME, role="send", version=version - 1, bytes=0, seconds=0.0,
+                               notes=("this rank hosts no engine GPU",))
+        try:
+            return await ctx.blocking(self._refit, ctx, version)
+        except (RefitAborted, PeerLost):
+            # The group may be out of step or dead: the next connect rebuilds it even for
+            # the same layout (every rank of the engine got an error here too).
+            ctx.state["broken"] = True
+            raise
 
     async def receive(self, ctx: TransportContext, version: int) -> RefitReport:
         raise ConfigError("sglang_ipc has no receiving side of ours: the engine is the receiver "
@@ -180,7 +331,7 @@ class SglangIpcTransport(Transport):
     def _start(self, ctx: TransportContext, version: int, deadline: float) -> bool:
         """The start round; returns whether the engine wants blobs (raises on disagreement)."""
         state, group = ctx.state, ctx.state["group"]
-        engine = ctx.options.get("engine")
+        engine = ctx.option("engine")
         digest = manifest_digest(ctx.params)
         connected = state.get("connected_group") is group and state.get("digest") == digest
         mine = torch.tensor([version, digest, int(connected), int(engine is not None),
@@ -237,7 +388,7 @@ class SglangIpcTransport(Transport):
     def _call_engine(self, ctx, version, layout, gathered, wants_blobs, deadline) -> tuple[int, str]:
         from ..sglang_client import UpdateWeightsFromTensorRequest
 
-        state, opts = ctx.state, ctx.options
+        state = ctx.state
         try:
             blobs: list[str] = []
             if wants_blobs:
@@ -249,17 +400,17 @@ class SglangIpcTransport(Transport):
             last = layout.index == len(state["buckets"]) - 1
             request = UpdateWeightsFromTensorRequest(
                 serialized_named_tensors=blobs,
-                flush_cache=bool(opts.get("flush_cache", True)) and last,
-                abort_all_requests=bool(opts.get("abort_all_requests", False)) and layout.index == 0,
+                flush_cache=bool(ctx.option("flush_cache", True)) and last,
+                abort_all_requests=bool(ctx.option("abort_all_requests", False)) and layout.index == 0,
                 weight_version=str(version) if last else None,
-                torch_empty_cache=bool(opts.get("torch_empty_cache", False)) and last,
+                torch_empty_cache=bool(ctx.option("torch_empty_cache", False)) and last,
                 buffers=state["peer_handles"], metadata=layout.metadata,
                 bucket=layout.index, num_buckets=len(state["buckets"]),
             )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RefitTimeout("no time left for the engine call")
-            result = opts["engine"].update_weights_from_tensor(request, timeout_s=remaining)
+            result = ctx.option("engine").update_weights_from_tensor(request, timeout_s=remaining)
         except PolicyWorkerError as exc:
             return _code_of(exc), f"{type(exc).__name__}: {exc}"
         if not result.success:

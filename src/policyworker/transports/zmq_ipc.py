@@ -33,10 +33,12 @@ import os
 import secrets
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..config import positive_int, positive_seconds
 from ..errors import ConfigError, PlanMismatch, ProtocolError, PolicyWorkerError, TransportError
 from ..layout.apply import _region, bucket_copies, copy_nbytes, pack, unpack
 from ..layout.plan import ReshardPlan
@@ -85,18 +87,60 @@ def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch
     return out + strided
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZmqSetup:
+    """Attach-time setup (see :class:`ZmqIpcTransport` for the meaning of each)."""
+
+    bucket_bytes: int = 64 << 20
+    staging: int = 2
+    staged: bool = False
+    flatten: bool = False
+    endpoint: str | None = None
+    bind: bool | None = None
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        positive_int(self.bucket_bytes, "bucket_bytes", minimum=1024)
+        positive_int(self.staging, "staging")
+        positive_seconds(self.timeout_s, "timeout_s", optional=False)
+        if self.endpoint is not None and not self.endpoint.startswith(("ipc://", "tcp://", "inproc://")):
+            raise ConfigError(f"endpoint must be a zmq address (ipc://, tcp://, inproc://), got {self.endpoint!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZmqOptions:
+    """Per-refit options: ``kv_scales`` (name → float) ride in the Offer."""
+
+    kv_scales: Any = None
+
+    def __post_init__(self) -> None:
+        from ..layout.local import validate_kv_scales
+
+        object.__setattr__(self, "kv_scales", validate_kv_scales(self.kv_scales))
+
+
 class ZmqIpcTransport(Transport):
     """See the module docstring.
 
     ``bucket_bytes``/``staging``: the ring for sources that cannot be mapped.
     ``staged``: force every source through the ring (tests; or the NeMo-RL-like path).
     ``flatten``: at connect, re-point the trainer's parameters into one buffer (one
-    extra copy, once) so refits coalesce into few copies. ``endpoint``/``bind``: own
-    socket when ``ctx.state["socket"]`` (the worker's) is absent. ``timeout_s`` bounds
-    each wait when the refit has no deadline.
+    extra copy, once) so refits coalesce into few copies. The socket: the worker's
+    (``ctx.state["socket"]``, from ``maybe_init_zmq``) when there is one, else an own
+    socket on ``endpoint`` (default: the worker's ``get_zmq_address()``), bound by the
+    sender unless ``bind`` says otherwise. ``timeout_s`` bounds each wait when the
+    refit has no deadline.
     """
 
     name = "zmq"
+    Setup = ZmqSetup
+    Options = ZmqOptions
+    needs_plan = True
+
+    @classmethod
+    def from_setup(cls, setup: ZmqSetup) -> ZmqIpcTransport:
+        return cls(bucket_bytes=setup.bucket_bytes, staging=setup.staging, staged=setup.staged,
+                   flatten=setup.flatten, endpoint=setup.endpoint, bind=setup.bind, timeout_s=setup.timeout_s)
 
     def __init__(self, *, bucket_bytes: int = 64 << 20, staging: int = 2, staged: bool = False,
                  flatten: bool = False, endpoint: str | None = None, bind: bool | None = None,
@@ -113,6 +157,7 @@ class ZmqIpcTransport(Transport):
         self._own: tuple[Any, Any] | None = None  # (zmq context, socket) we created
         self._chan: Channel | None = None
         self._executor: Any = None
+        self._state: dict[str, Any] | None = None
         self._closed = False
 
     # -- plumbing ------------------------------------------------------------------
@@ -122,13 +167,17 @@ class ZmqIpcTransport(Transport):
             self._chan.abort()
 
     def _channel(self, ctx: TransportContext) -> Channel:
+        self._state = ctx.state
         sock = ctx.state.get("socket")
         if sock is None:
             if self._own is None:
-                if self.endpoint is None:
+                endpoint = self.endpoint
+                if endpoint is None and hasattr(ctx.worker, "get_zmq_address"):
+                    endpoint = ctx.worker.get_zmq_address()
+                if endpoint is None:
                     raise ConfigError("zmq needs ctx.state['socket'] or an endpoint", transport=self.name)
                 bind = (ctx.role == "send") if self.bind is None else self.bind
-                self._own = open_socket(self.endpoint, bind=bind, timeout_s=self.timeout_s)
+                self._own = open_socket(endpoint, bind=bind, timeout_s=self.timeout_s)
             sock = self._own[1]
         if self._chan is None or self._chan.sock is not sock:
             self._chan = Channel(sock, rank=ctx.rank, poll_s=self.poll_s)
@@ -329,7 +378,7 @@ class ZmqIpcTransport(Transport):
         chan.send(w.Offer(version=version, plan_hash=plan.hash, handles=new, release=release,
                           sources=refs if send_table else [], staged_buckets=len(buckets),
                           ring=[h.id for _, h in ring], bucket_bytes=self.bucket_bytes,
-                          kv_scales=ctx.options.get("kv_scales"), epoch=epoch), "Offer")
+                          kv_scales=ctx.option("kv_scales"), epoch=epoch), "Offer")
         st["sent_epoch"] = epoch
         sent.update(h.id for h in new)
         sent.difference_update(release)
@@ -388,7 +437,7 @@ class ZmqIpcTransport(Transport):
         t0 = time.perf_counter()
         chan, deadline = self._begin(ctx)
         st = ctx.state
-        st["touched"] = False
+        st["touched"] = ctx.touched = False
         st["kv_scales"] = None
         chan.send(w.Ready(session=st["session"], committed=int(st.get("committed", 0))), "Ready")
         offer = chan.expect(deadline, "waiting for the trainer's Offer", w.Offer)
@@ -444,7 +493,7 @@ class ZmqIpcTransport(Transport):
         if len(buckets) != offer.staged_buckets:
             raise ProtocolError(f"trainer stages {offer.staged_buckets} buckets, the plan says {len(buckets)}",
                                 rank=ctx.rank, transport=self.name)
-        st["touched"] = True  # bytes land in the live tensors from here on
+        st["touched"] = ctx.touched = True  # bytes land in the live tensors from here on
         nbytes = 0
         for src, dst in runs:
             dst.copy_(src, non_blocking=True)
@@ -509,13 +558,21 @@ class ZmqIpcTransport(Transport):
         self._closed = True
         self.abort()
         own, self._own = self._own, None
-        if own is None:
+        # The worker's socket (maybe_init_zmq) was handed to this transport: close it too.
+        shared = None
+        if self._state is not None and self._state.get("socket") is not None:
+            shared = (self._state.pop("zmq_context", None), self._state.pop("socket"))
+        if own is None and shared is None:
             return
-        zctx, sock = own
 
         def close() -> None:
-            sock.close(0)
-            zctx.term()
+            for pair in (own, shared):
+                if pair is None:
+                    continue
+                zctx, sock = pair
+                sock.close(0)
+                if zctx is not None:
+                    zctx.term()
 
         # The socket belongs to the refit executor's thread: close it there, after the
         # aborted refit (if any) returned. No executor (in-process tests): nothing runs.

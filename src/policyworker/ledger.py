@@ -1,0 +1,102 @@
+"""The commit ledger: which version a set of weights holds, and whether it may be served.
+
+One :class:`WeightLedger` per receiver — a ``RolloutWorker`` or an engine adapter (the
+vLLM backend) — and one commit path for every transport::
+
+    ledger.begin(expected)      # a refit starts: weights are not servable meanwhile
+    ... the transport lands bytes, sets ctx.touched ...
+    ledger.commit(version, received_bytes=..., expected_bytes=...)   # all arrived
+    ledger.fail(touched)        # anything else: version stays, torn if bytes were touched
+
+States: *committed* (``version`` v, servable) → *in flight* (``begin``) → committed v' > v
+(``commit``) or back to v (``fail``: *torn* when live bytes were touched; torn
+weights are refused until a later refit commits). The version never goes back and
+never advances on a failure. ``check_servable()`` is what ``weights()`` calls.
+
+Thread-safe (one lock); ``check_servable`` never blocks on a refit.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .errors import ProtocolError, RefitInProgress, TornWeights
+
+__all__ = ["WeightLedger"]
+
+
+class WeightLedger:
+    """Version, torn mark and in-flight mark of one set of weights (see module docstring)."""
+
+    def __init__(self, *, rank: int | None = None, what: str = "rollout") -> None:
+        self._lock = threading.Lock()
+        self._version = 0
+        self._torn = False
+        self._in_flight: int | None = None
+        self.rank = rank
+        self.what = what
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def torn(self) -> bool:
+        return self._torn
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def mark_torn(self) -> None:
+        """Live bytes changed outside a refit that can commit (e.g. a cancelled copy)."""
+        with self._lock:
+            self._torn = True
+
+    def begin(self, expected: int) -> None:
+        """A refit expecting ``expected`` starts. Refits are serial: a second is refused."""
+        with self._lock:
+            if self._in_flight is not None:
+                raise RefitInProgress(f"{self.what} rank {self.rank}: refit {self._in_flight} is still in flight",
+                                      rank=self.rank)
+            self._in_flight = expected
+
+    def commit(self, version: int, *, received_bytes: int | None = None, expected_bytes: int | None = None) -> None:
+        """Every byte of ``version`` landed: make it the servable version.
+
+        Refuses (``ProtocolError``, and the refit counts as failed and touched) a
+        version that does not advance or a byte count short of the manifest's.
+        """
+        with self._lock:
+            try:
+                if isinstance(version, bool) or not isinstance(version, int) or version <= self._version:
+                    raise ProtocolError(f"{self.what} rank {self.rank}: refit reported version {version!r}, "
+                                        f"not past the committed {self._version}", rank=self.rank)
+                if expected_bytes is not None and received_bytes is not None and received_bytes < expected_bytes:
+                    raise ProtocolError(f"{self.what} rank {self.rank}: refit {version} landed {received_bytes} of "
+                                        f"the {expected_bytes} bytes this rank expects", rank=self.rank)
+            except ProtocolError:
+                self._torn = True
+                self._in_flight = None
+                raise
+            self._version = version
+            self._torn = False
+            self._in_flight = None
+
+    def fail(self, touched: bool | None) -> None:
+        """The refit failed; ``touched`` not False (True or unknown) marks the weights torn."""
+        with self._lock:
+            if touched is not False:
+                self._torn = True
+            self._in_flight = None
+
+    def check_servable(self) -> None:
+        """Raise ``RefitInProgress`` during a refit, ``TornWeights`` while torn."""
+        with self._lock:
+            if self._in_flight is not None:
+                raise RefitInProgress(f"{self.what} rank {self.rank}: refit {self._in_flight} is in flight; "
+                                      f"the last committed version is {self._version}", rank=self.rank)
+            if self._torn:
+                raise TornWeights(f"{self.what} rank {self.rank}: a failed refit left the weights partly "
+                                  f"overwritten (last committed version {self._version}); a full refit must "
+                                  f"commit first", rank=self.rank)
