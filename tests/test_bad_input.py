@@ -13,17 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policyworker import (
-    ConfigError,
-    PlanError,
-    PlanMismatch,
-    PolicyWorkerError,
-    ProtocolError,
-    RolloutWorker,
-    TorchPolicyWorker,
-    TransportLoadError,
-    TransportRegistry,
-)
+from policyworker import ConfigError, PlanError, PlanMismatch, PolicyWorkerError, ProtocolError, RolloutWorker, TorchPolicyWorker, TransportLoadError
+from policyworker.registry import TransportRegistry
 from policyworker.layout import ReshardPlan, build_plan
 from policyworker.models import build_model, get_preset
 from policyworker.transports.nccl_reshard import NcclReshardTransport, _buckets

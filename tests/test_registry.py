@@ -5,7 +5,8 @@ import types
 
 import pytest
 
-from policyworker import ConfigError, TransportLoadError, TransportRegistry
+from policyworker import ConfigError, TransportLoadError
+from policyworker.registry import TransportRegistry
 from policyworker.registry import DISABLE_AUTOLOAD_ENV
 from policyworker.transports.base import Transport
 

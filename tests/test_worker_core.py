@@ -63,10 +63,16 @@ def test_seed_surface_matches_design(name):
     assert _describe(fn) == params
 
 
-def test_refit_methods_stay_abstract():
-    assert {"prepare_nccl_reshard_refit_info", "nccl_reshard_refit"} <= AbstractPolicyWorker.__abstractmethods__
+def test_training_chores_stay_abstract_and_no_transport_mixins_remain():
+    assert {"get_reference_policy_logprobs"} <= AbstractPolicyWorker.__abstractmethods__
+    assert "nccl_reshard_refit" not in AbstractPolicyWorker.__abstractmethods__  # a shim over refit()
     with pytest.raises(TypeError):
         AbstractPolicyWorker()  # type: ignore[abstract]
+    from policyworker import TorchPolicyWorker
+
+    for cls in (TorchPolicyWorker, RolloutWorker):
+        bases = [c.__module__ for c in cls.__mro__]
+        assert all("transports" not in m and "mixin" not in m.lower() for m in bases), bases
 
 
 async def test_transport_state_is_lazy_and_per_key():
@@ -197,7 +203,7 @@ async def test_stand_down_answers_from_the_loop_while_a_refit_blocks_the_executo
     release = threading.Event()
     from policyworker.watchdog import process_watchdog
 
-    deadline = process_watchdog().arm(30.0, [release.set], label="stuck")
+    deadline = process_watchdog().arm(30.0, [release.set], label="stuck", owner=w)
     blocked = asyncio.ensure_future(w._run(release.wait, 10.0))
     await asyncio.sleep(0.05)
     t0 = time.perf_counter()

@@ -117,8 +117,16 @@ def test_conformance_in_one_process(tmp_path):
         s, sc, r, rc = _pair(plan, f"ipc://{tmp_path}/conf.sock", src, dst)
         return TransportPair(s, sc, r, rc, expected=lambda p: dest_shards(plan, 0, p))
 
-    reports = asyncio.run(check_transport(factory))
-    assert [r.version for r in reports] == [1, 1, 2, 2]
+    other = build_plan(config, "tp=1", "tp=1", 1, 1, dtype=torch.bfloat16)
+
+    async def mismatched():
+        s, sc, r, rc = _pair(plan, f"ipc://{tmp_path}/conf.sock", src, flat_local_tensors(other, 0, torch.device("cpu")))
+        rc.plan = other
+        return TransportPair(s, sc, r, rc)
+
+    result = asyncio.run(check_transport(factory, mismatched_factory=mismatched))
+    assert [r.version for r in result.reports] == [1, 1, 2, 2, 3, 3]
+    assert result.timeout_seconds < 4 and result.abort_seconds < 2
 
 
 def test_plan_mismatch_fails_at_connect(tmp_path):

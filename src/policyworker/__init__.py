@@ -1,12 +1,17 @@
 """policyworker: move policy weights from trainers to rollout engines after every step.
 
-Public surface (guarded by ``tests/test_public_api.py``): import from here, not from
-submodules, unless you write a transport (then ``policyworker.transports.base``).
+Public surface (guarded by ``tests/test_public_api.py``): what users call — the
+workers and their one refit road (``attach_transport`` / ``refit`` /
+``detach_transport``), the commit ledger, the errors, the transport contract and the
+built-in transport classes, the conformance suite, plans and model configs. Import
+from here, not from submodules, unless you write a transport (then
+``policyworker.transports.base`` and ``policyworker.config``). Transport classes and
+``check_transport`` are imported on first use, so ``import policyworker`` loads no
+transport.
 """
 
-from .comm import CommGroup, new_group
-from .core import WorkerCore, private_runtime_dir
-from .device import DeviceFacts, device_facts
+import importlib as _importlib
+
 from .control import ControlClient
 from .errors import (
     AccessDenied,
@@ -16,8 +21,10 @@ from .errors import (
     PlanError,
     PlanMismatch,
     PolicyWorkerError,
+    ProcessFailed,
     ProtocolError,
     RefitAborted,
+    RefitInProgress,
     RefitTimeout,
     TornWeights,
     TransportError,
@@ -25,61 +32,76 @@ from .errors import (
     WorkerClosed,
 )
 from .layout import Parallelism, ReshardPlan, build_plan
-from .models import PRESETS, ModelConfig, build_model, get_preset
-from .registry import TransportInfo, TransportRegistry, list_transports, load_transport
+from .ledger import WeightLedger
+from .models import PRESETS, ModelConfig, get_preset
+from .registry import TransportInfo, list_transports, load_transport
 from .rollout import RolloutWorker
-from .sglang_client import SglangHttpEngine
-from .sglang_engine import InProcessSglangEngine
 from .torch_worker import TorchPolicyWorker
 from .transports.base import RefitReport, Transport, TransportContext
-from .watchdog import Deadline, RefitWatchdog, process_watchdog
 from .worker import AbstractPolicyWorker
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "NcclReshardTransport": "policyworker.transports.nccl_reshard",
+    "ZmqIpcTransport": "policyworker.transports.zmq_ipc",
+    "SglangIpcTransport": "policyworker.transports.sglang_ipc",
+    "InMemoryTransport": "policyworker.testing",
+    "check_transport": "policyworker.testing",
+    "SglangHttpEngine": "policyworker.sglang_client",
+    "InProcessSglangEngine": "policyworker.sglang_engine",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'policyworker' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "AbstractPolicyWorker",
     "AccessDenied",
     "CheckpointError",
-    "CommGroup",
     "ConfigError",
     "ControlClient",
-    "Deadline",
-    "DeviceFacts",
+    "InMemoryTransport",
     "InProcessSglangEngine",
     "ModelConfig",
+    "NcclReshardTransport",
     "PRESETS",
     "Parallelism",
     "PeerLost",
     "PlanError",
     "PlanMismatch",
     "PolicyWorkerError",
+    "ProcessFailed",
     "ProtocolError",
     "RefitAborted",
+    "RefitInProgress",
     "RefitReport",
     "RefitTimeout",
-    "RefitWatchdog",
     "ReshardPlan",
     "RolloutWorker",
     "SglangHttpEngine",
-    "TorchPolicyWorker",
+    "SglangIpcTransport",
     "TornWeights",
+    "TorchPolicyWorker",
     "Transport",
     "TransportContext",
     "TransportError",
     "TransportInfo",
     "TransportLoadError",
-    "TransportRegistry",
+    "WeightLedger",
     "WorkerClosed",
-    "WorkerCore",
+    "ZmqIpcTransport",
     "__version__",
-    "build_model",
     "build_plan",
-    "device_facts",
+    "check_transport",
     "get_preset",
     "list_transports",
     "load_transport",
-    "new_group",
-    "private_runtime_dir",
-    "process_watchdog",
 ]

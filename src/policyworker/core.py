@@ -155,6 +155,8 @@ class WorkerCore(DeviceQueries):
         self.profile_dir = os.path.join(self.runtime_dir, "profiles")
         self.last_profile_path = None
         self.ledger: WeightLedger | None = None
+        #: Closers of resources the seed shims opened outside any transport (run at shutdown).
+        self._closers: list[Callable[[], None]] = []
         #: Setup the seed shims attach each transport with (``transport_options``).
         self._seed_setup: dict[str, dict[str, Any]] = seed
 
@@ -477,13 +479,16 @@ class WorkerCore(DeviceQueries):
         for att in list(self._attachments.values()):
             att.transport.abort()
         await _drain(self._executor, self.timeout_s)
-        self._executor.shutdown(wait=False)
+        await run_in_executor(None, self._executor.shutdown, True)  # idle now: returns at once
         for name in list(self._attachments):
             await self.detach_transport(name)
         for state in list(self._transport_state.values()):
             for group in _groups_in(state):
                 group.close()
         self._close_resources()
+        for close in reversed(self._closers):
+            close()
+        self._closers.clear()
         self._replace_group("model_update_group", None)
         if self._control is not None:
             self._control.close()
@@ -544,6 +549,21 @@ def _wait_idle(executor: ThreadPoolExecutor, timeout_s: float) -> bool:
 
 async def _drain(executor: ThreadPoolExecutor, timeout_s: float) -> bool:
     """Wait (shielded from cancellation, at most ``timeout_s``) until the executor is idle."""
+    import asyncio
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # another anyio backend (trio)
+        loop = None
+    if loop is not None:
+        fut = loop.run_in_executor(None, _wait_idle, executor, timeout_s)
+        while True:
+            try:
+                return await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                if fut.done():
+                    return fut.result()
+                continue  # a second cancel while draining: keep waiting (bounded by timeout_s)
     import anyio
     import anyio.to_thread
 

@@ -188,7 +188,8 @@ class RolloutWorker(WorkerCore):
         if params is not None:
             check_local_tensors(plan, "dst", self.rank, params)
             self.params = dict(params)
-        self._refit_transport_state("nccl_reshard")["seed_plan"] = self._adopt_plan("nccl_reshard", plan)
+        state = self._refit_transport_state("nccl_reshard")
+        state["seed_plan"] = state["plan"] = self._adopt_plan("nccl_reshard", plan)
 
     async def receive_nccl_reshard_refit(self, *, refit_timeout_s: float | None = None) -> RefitReport:
         """``refit("nccl_reshard")`` after the shims' attach steps; commit it or raise."""
@@ -227,7 +228,7 @@ class RolloutWorker(WorkerCore):
             check_local_tensors(plan, "dst", self.rank, params)
         self.params = dict(params)
         state = self._refit_transport_state("zmq")
-        state["seed_plan"] = plan
+        state["seed_plan"] = state["plan"] = plan
         state["program"] = None
 
     async def update_weights_via_ipc_zmq(self, *, refit_timeout_s: float | None = None) -> RefitReport:

@@ -13,11 +13,12 @@ On CUDA the loads are asynchronous, and the answer to a bucket is what allows th
 trainer ranks to repack their buffers: so the adapter waits for its copies before it
 answers. ``close()`` lets go of the opened buffers (call it before the trainers exit).
 
-Versions follow ``RolloutWorker``: the first bucket of a refit begins it; bytes land in
-place; the bucket that carries ``weight_version`` commits it, and only when every
-param of every worker was received (manifest check). A failed bucket after bytes
-landed leaves the workers *torn* (``weights()`` raises ``TornWeights``) at their last
-committed version until a full refit commits.
+Versions go through each worker's :class:`~policyworker.ledger.WeightLedger` — the
+one commit path: the first bucket of a refit begins it (``weights()`` refuses while
+it is in flight); bytes land in place; the bucket that carries ``weight_version``
+commits it, and only when every param of every worker was received (manifest
+check). A failed bucket after bytes landed leaves the workers *torn* (``weights()``
+raises ``TornWeights``) at their last committed version until a full refit commits.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class InProcessSglangEngine:
         self._buffers: dict[BufferHandle, torch.Tensor] = {}
         self._next_bucket = 0
         self._seen: list[set[str]] = []
+        self._touched = False
         self._bytes = 0
         self._t0 = 0.0
         self.calls = 0
@@ -98,12 +100,21 @@ class InProcessSglangEngine:
         if request.bucket == 0:
             self._next_bucket, self._bytes, self._t0 = 0, 0, time.perf_counter()
             self._seen = [set() for _ in self.workers]
+            self._touched = False
+            for worker in self.workers:
+                if worker.ledger.in_flight:  # the last refit never finished: it touched, or may have
+                    worker.ledger.fail(True)
+                worker.ledger.begin(worker.ledger.version + 1)
             # A reconnected trainer rank exported a new buffer: drop the stale ones.
             for stale in set(self._buffers) - set(request.buffers):
                 del self._buffers[stale]
         try:
             self._apply(request)
         except (PolicyWorkerError, RuntimeError, ValueError) as exc:
+            self._next_bucket = -1
+            for worker in self.workers:
+                if worker.ledger.in_flight:
+                    worker.ledger.fail(self._touched)
             # SGLang answers (False, message) when a load fails; so do we, and the
             # transport raises it on every trainer rank of this engine.
             return EngineResult(success=False, message=f"{type(exc).__name__}: {exc}")
@@ -133,8 +144,13 @@ class InProcessSglangEngine:
             try:
                 with torch.no_grad():
                     for i, (worker, tensors) in enumerate(zip(self.workers, received)):
+                        if tensors and not self._touched:
+                            # Torn from the first byte until the commit: the trainer side may fail
+                            # between buckets without this adapter ever hearing of it.
+                            self._touched = True
+                            for w in self.workers:
+                                w.ledger.mark_torn()
                         for name, t in tensors:
-                            worker.torn = True  # from the first byte until the commit
                             self.loader(worker, name, t)
                             self._seen[i].add(name)
                             self._bytes += t.numel() * t.element_size()
@@ -145,6 +161,9 @@ class InProcessSglangEngine:
                 self._commit(request)
         except BaseException:
             self._next_bucket = -1  # a failed refit: only a new one (bucket 0) is accepted
+            for worker in self.workers:
+                if worker.ledger.in_flight:
+                    worker.ledger.fail(self._touched)
             raise
 
     def _commit(self, request: UpdateWeightsFromTensorRequest) -> None:
@@ -157,8 +176,7 @@ class InProcessSglangEngine:
                                      f"{worker.rank}, e.g. {sorted(missing)[0]!r}; not committed")
         seconds = time.perf_counter() - self._t0
         for worker in self.workers:
-            worker.weight_version = version
-            worker.torn = False
+            worker.ledger.commit(version)
             worker.last_report = RefitReport(
                 transport="sglang_ipc", role="receive", version=version, bytes=self._bytes // len(self.workers),
                 seconds=seconds, buckets=request.num_buckets,

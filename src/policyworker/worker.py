@@ -224,7 +224,8 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
             train_world_size, gen_world_size, dtype=self._refit_dtype(),
         )
         plan = self._adopt_plan("nccl_reshard", plan)
-        self._refit_transport_state("nccl_reshard")["seed_plan"] = plan
+        state = self._refit_transport_state("nccl_reshard")
+        state["seed_plan"] = state["plan"] = plan
         return plan.refit_info()
 
     @property
@@ -290,7 +291,8 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
         plan = await self._run(build_plan, self._refit_model_source(), "tp=1", gen_parallelism, 1, gen_world_size,
                                dtype=self._refit_dtype())
         plan = self._adopt_plan("zmq", plan)
-        self._refit_transport_state("zmq")["seed_plan"] = plan
+        state = self._refit_transport_state("zmq")
+        state["seed_plan"] = state["plan"] = plan
         return plan.refit_info()
 
     async def stream_weights_via_ipc_zmq(self, *, kv_scales: dict[str, float] | None = None,
@@ -395,3 +397,13 @@ def _open_pair_socket(worker: WorkerCore, *, bind: bool) -> None:
     except TransportError as exc:  # a bad endpoint (path too long, no such dir) is bad config here
         raise ConfigError(f"cannot open ZMQ endpoint {address}: {exc}", rank=worker.rank) from exc
     state["zmq_context"], state["socket"] = zctx, sock
+
+    def close() -> None:
+        # The zmq transport, once attached, owns (and closes) the socket; else it is closed here.
+        if state.get("socket") is sock:
+            state.pop("socket", None)
+            state.pop("zmq_context", None)
+            sock.close(0)
+            zctx.term()
+
+    worker._closers.append(close)

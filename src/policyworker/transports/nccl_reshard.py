@@ -171,6 +171,13 @@ def _direct_view(plan: ReshardPlan, copies: list[Copy], tensors: Mapping[str, to
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start - base, (end - start,), (1,))
 
 
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except RuntimeError:  # an aborted work: it delivered nothing more
+        return False
+
+
 def _crc(buf: torch.Tensor) -> int:
     data = buf if buf.device.type == "cpu" else buf.cpu()
     return zlib.crc32(memoryview(data.numpy())) & 0x7FFFFFFF
@@ -489,6 +496,12 @@ class NcclReshardTransport(Transport):
         failure: ProtocolError | PlanMismatch | PeerLost | None = None
         lost: set[int] = set()
         expected = ctx.state["pair_bytes"]
+        # Torn accounting: a receive posted straight into a live tensor can be written only
+        # after its sender started this refit, i.e. after that sender's header arrived (one
+        # ordered connection per pair). So "touched" = a direct receive from a sender whose
+        # header completed — not merely posted: a refit that never came leaves v-1 intact.
+        direct_srcs: set[int] = set()
+        headers_seen: set[int] = set()
 
         def check_header(m: _Msg, tensor: torch.Tensor) -> None:
             nonlocal version
@@ -525,6 +538,9 @@ class NcclReshardTransport(Transport):
                 return  # draining: bytes are discarded
             try:
                 if m.copies is None:
+                    headers_seen.add(m.key[1])
+                    if m.key[1] in direct_srcs:
+                        ctx.state["touched"] = ctx.touched = True
                     check_header(m, tensor)
                     return
                 if slot is not None:
@@ -553,23 +569,34 @@ class NcclReshardTransport(Transport):
                 work = None
             pending.append((work, m, slot, tensor))
 
-        for m in ctx.state["schedule"]:
-            if m.key[1] in lost:
-                continue
-            while pending and (len(pending) >= self.in_flight or (m.copies is not None and not free)):
+        try:
+            for m in ctx.state["schedule"]:
+                if m.key[1] in lost:
+                    continue
+                while pending and (len(pending) >= self.in_flight or (m.copies is not None and not free)):
+                    finish(pending.popleft())
+                if m.copies is None:
+                    issue(m, torch.zeros(_HEADER_LEN, dtype=torch.int64, device=m.group.device), None)
+                    continue
+                direct = None if (self.checksum or failure is not None) else _direct_view(plan, m.copies, params, "dst")
+                if direct is not None:
+                    direct_srcs.add(m.key[1])
+                    if m.key[1] in headers_seen:
+                        ctx.state["touched"] = ctx.touched = True  # bytes land in the live tensor from here on
+                    issue(m, direct, None)
+                else:
+                    slot = free.pop()
+                    issue(m, self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0)), slot)
+            while pending:
                 finish(pending.popleft())
-            if m.copies is None:
-                issue(m, torch.zeros(_HEADER_LEN, dtype=torch.int64, device=m.group.device), None)
-                continue
-            direct = None if (self.checksum or failure is not None) else _direct_view(plan, m.copies, params, "dst")
-            if direct is not None:
-                ctx.state["touched"] = ctx.touched = True  # bytes land in the live tensor from here on
-                issue(m, direct, None)
-            else:
-                slot = free.pop()
-                issue(m, self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0)), slot)
-        while pending:
-            finish(pending.popleft())
+        finally:
+            # Cut short (abort, deadline): a header that arrived but was not looked at yet
+            # still means its sender's bytes may be landing.
+            for work, m, _slot, _t in pending:
+                if m.copies is None and work is not None and _completed(work):
+                    headers_seen.add(m.key[1])
+            if direct_srcs & headers_seen:
+                ctx.state["touched"] = ctx.touched = True
         want = sum(expected.values())
         if failure is None and total != want:
             failure = ProtocolError(f"refit received {total} of {want} bytes", rank=ctx.rank, transport=self.name)

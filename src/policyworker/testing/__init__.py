@@ -1,0 +1,12 @@
+"""Test doubles and the transport conformance suite (httpx's MockTransport, trio's checks).
+
+* :class:`InMemoryTransport` / :class:`MemoryHub` — the in-process test double
+  (registered as transport ``memory``);
+* :func:`check_transport` — the conformance suite every transport runs on itself.
+"""
+
+from .conformance import ConformanceReport, TransportPair, check_transport
+from .memory import InMemoryTransport, MemoryHub, MemorySetup, memory_pair_factory
+
+__all__ = ["ConformanceReport", "InMemoryTransport", "MemoryHub", "MemorySetup", "TransportPair",
+           "check_transport", "memory_pair_factory"]

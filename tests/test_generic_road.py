@@ -1,0 +1,280 @@
+"""The one refit road: attach_transport / refit / detach_transport, ledger, deadlines (one process).
+
+Transports here are the in-memory double and two small transports written for these
+tests (as a plugin author would): every one goes through the same worker path as
+the built-ins, with the watchdog, the ledger and torn marking applying to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from policyworker import (
+    ConfigError,
+    RefitAborted,
+    RefitInProgress,
+    RefitTimeout,
+    RolloutWorker,
+    TornWeights,
+    TorchPolicyWorker,
+    Transport,
+    TransportError,
+)
+from policyworker.models import build_model, get_preset
+from policyworker.testing import InMemoryTransport, MemoryHub
+from policyworker.transports.base import RefitReport
+from policyworker.watchdog import process_watchdog
+
+pytestmark = pytest.mark.anyio
+
+
+def _pair(seed: int = 0):
+    model = build_model(get_preset("tiny"), seed=seed)
+    trainer = TorchPolicyWorker(model, device="cpu", timeout_s=10)
+    dst = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    rollout = RolloutWorker(device="cpu", params=dst, timeout_s=10)
+    return model, trainer, rollout
+
+
+def _perturb(model, step: int) -> None:
+    gen = torch.Generator().manual_seed(100 + step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen).to(p.dtype))
+
+
+async def test_a_transport_by_name_refits_bit_exact_and_versions_advance():
+    model, trainer, rollout = _pair()
+    hub = MemoryHub()
+    try:
+        await asyncio.gather(trainer.attach_transport("memory", hub=hub), rollout.attach_transport("memory", hub=hub))
+        for v in (1, 2, 3):
+            _perturb(model, v)
+            sent, got = await asyncio.gather(trainer.refit("memory"), rollout.refit("memory"))
+            assert (sent.version, got.version, rollout.weight_version) == (v, v, v)
+            for name, p in model.named_parameters():
+                assert torch.equal(rollout.weights()[name], p.detach())
+        assert trainer.transport_version("memory") == 3
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
+async def test_an_instance_is_accepted_and_detach_closes_it():
+    model, trainer, rollout = _pair()
+    hub = MemoryHub()
+    send, recv = InMemoryTransport(hub), InMemoryTransport(hub)
+    try:
+        await trainer.attach_transport(send)
+        await rollout.attach_transport(recv)
+        assert trainer.attached_transports() == ["memory"]
+        await asyncio.gather(trainer.refit("memory"), rollout.refit("memory"))
+        await trainer.detach_transport("memory")
+        with pytest.raises(ConfigError, match="not attached"):
+            await trainer.refit("memory")
+        with pytest.raises(TransportError):
+            await send.send(None, 9)  # closed by detach
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
+async def test_bad_setup_and_options_fail_before_anything_happens():
+    _, trainer, rollout = _pair()
+    try:
+        with pytest.raises(ConfigError, match="unknown key.*bucket_size"):
+            await trainer.attach_transport("memory", bucket_size=1)
+        with pytest.raises(ConfigError, match="timeout_s"):
+            await trainer.attach_transport("memory", timeout_s="soon")
+        with pytest.raises(ConfigError, match="unknown transport"):
+            await trainer.attach_transport("no-such-transport")
+        with pytest.raises(ConfigError, match="reshards: attach it with plan"):
+            await trainer.attach_transport("nccl_reshard")
+        assert trainer.attached_transports() == []
+        with pytest.raises(ConfigError, match="options of transport 'nccl_reshard'.*bucket_bytes"):
+            TorchPolicyWorker(build_model(get_preset("tiny"), seed=0), device="cpu",
+                              reshard_options={"bucket_bytes": "big"})
+        with pytest.raises(ConfigError, match="unknown key"):
+            RolloutWorker(device="cpu", transport_options={"zmq": {"stagingg": 2}})
+        await rollout.attach_transport("memory", hub=MemoryHub())
+        with pytest.raises(ConfigError, match="unknown key"):
+            await rollout.refit("memory", kv_scales={"a": 1.0})  # memory takes no options
+        assert (rollout.weight_version, rollout.torn) == (0, False)
+        rollout.weights()  # still servable
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
+async def test_a_version_never_sent_times_out_inside_the_deadline_and_changes_nothing():
+    _, trainer, rollout = _pair()
+    try:
+        await rollout.attach_transport("memory", hub=MemoryHub())
+        t0 = time.monotonic()
+        with pytest.raises(RefitTimeout):
+            await rollout.refit("memory", refit_timeout_s=0.5)
+        assert time.monotonic() - t0 < 3.0
+        assert (rollout.weight_version, rollout.torn) == (0, False)
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _StuckSetup:
+    events: object = None
+
+
+class HalfThenStuck(Transport):
+    """Writes the first destination tensor, then waits for an abort (a plugin that touches in place)."""
+
+    name = "half_then_stuck"
+    Setup = _StuckSetup
+
+    def __init__(self) -> None:
+        self._abort = threading.Event()
+        self.entered = threading.Event()
+        self.left = threading.Event()
+
+    async def connect(self, ctx) -> None:
+        pass
+
+    def _body(self, ctx) -> None:
+        self.entered.set()
+        try:
+            first = next(iter(ctx.params.values()))
+            ctx.touched = True
+            with torch.no_grad():
+                first.fill_(7)
+            while not self._abort.wait(0.01):
+                pass
+            time.sleep(0.2)  # still inside the copy when the abort arrives: the core must wait
+            raise RefitAborted("aborted", transport=self.name)
+        finally:
+            self.left.set()
+
+    async def receive(self, ctx, version) -> RefitReport:
+        await ctx.blocking(self._body, ctx)
+        raise AssertionError("unreachable")
+
+    async def send(self, ctx, version) -> RefitReport:
+        await ctx.blocking(self._body, ctx)
+        raise AssertionError("unreachable")
+
+    def abort(self) -> None:
+        self._abort.set()
+
+    async def aclose(self) -> None:
+        self._abort.set()
+
+
+async def test_a_cancelled_refit_is_torn_never_served_as_the_old_version():
+    _, trainer, rollout = _pair()
+    stuck = HalfThenStuck()
+    try:
+        await rollout.attach_transport(stuck)
+        task = asyncio.ensure_future(rollout.refit("half_then_stuck"))
+        while not stuck.entered.is_set():
+            await asyncio.sleep(0.01)
+        with pytest.raises(RefitInProgress):
+            rollout.weights()  # mid-refit: no bytes of an uncommitted version go out
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert stuck.left.is_set(), "refit returned while the executor was still touching the weights"
+        assert (rollout.weight_version, rollout.torn) == (0, True)
+        with pytest.raises(TornWeights):
+            rollout.weights()
+        # A full refit commits and clears the mark.
+        hub = MemoryHub()
+        await rollout.attach_transport("memory", hub=hub)
+        await trainer.attach_transport("memory", hub=hub)
+        await asyncio.gather(trainer.refit("memory"), rollout.refit("memory"))
+        assert (rollout.weight_version, rollout.torn) == (1, False)
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
+async def test_wait_for_around_refit_is_cancel_safe_too():
+    _, trainer, rollout = _pair()
+    stuck = HalfThenStuck()
+    try:
+        await rollout.attach_transport(stuck)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(rollout.refit("half_then_stuck"), 0.2)
+        assert stuck.left.is_set()
+        assert (rollout.weight_version, rollout.torn) == (0, True)
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
+async def test_a_deadline_aborts_a_plugin_and_marks_touched_weights_torn():
+    _, trainer, rollout = _pair()
+    try:
+        await rollout.attach_transport(HalfThenStuck())
+        t0 = time.monotonic()
+        with pytest.raises(RefitTimeout):
+            await rollout.refit("half_then_stuck", refit_timeout_s=0.3)
+        assert time.monotonic() - t0 < 3.0
+        assert (rollout.weight_version, rollout.torn) == (0, True)
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
+async def test_stand_down_is_scoped_to_the_worker():
+    _, a, _r1 = _pair()
+    _, b, _r2 = _pair()
+    sa, sb = HalfThenStuck(), HalfThenStuck()
+    try:
+        await a.attach_transport(sa)
+        await b.attach_transport(sb)
+        ta = asyncio.ensure_future(a.refit("half_then_stuck", refit_timeout_s=30))
+        tb = asyncio.ensure_future(b.refit("half_then_stuck", refit_timeout_s=30))
+        while not (sa.entered.is_set() and sb.entered.is_set()):
+            await asyncio.sleep(0.01)
+        t0 = time.perf_counter()
+        assert a.stand_down_refit_watchdog() == 1
+        assert time.perf_counter() - t0 < 0.05
+        assert process_watchdog().armed_count(a) == 0
+        assert process_watchdog().armed_count(b) == 1  # b keeps its deadline
+        sa.abort()
+        sb.abort()
+        for t in (ta, tb):
+            with pytest.raises(RefitAborted):
+                await t
+    finally:
+        for w in (a, b, _r1, _r2):
+            await w.shutdown()
+
+
+def test_one_hanging_abort_callback_does_not_delay_other_deadlines():
+    wd = process_watchdog()
+    hang = threading.Event()
+    fired = threading.Event()
+    wd.arm(0.05, [lambda: hang.wait(5)], label="hangs")
+    t0 = time.monotonic()
+    wd.arm(0.1, [fired.set], label="other")
+    assert fired.wait(2.0)
+    assert time.monotonic() - t0 < 1.0
+    hang.set()
+
+
+async def test_shutdown_detaches_every_transport():
+    _, trainer, rollout = _pair()
+    send = InMemoryTransport(MemoryHub())
+    await trainer.attach_transport(send)
+    await trainer.shutdown()
+    assert trainer.attached_transports() == []
+    with pytest.raises(TransportError):
+        await send.send(None, 1)
+    await rollout.shutdown()
