@@ -40,7 +40,8 @@ import torch
 
 def _rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
     from policyworker import RolloutWorker, TorchPolicyWorker
-    from policyworker.models import build_model, get_preset, seeded_state_dict
+    from policyworker.models import get_preset, seeded_state_dict
+    from policyworker.testing.toy_model import build_model
     from policyworker.sglang_engine import InProcessSglangEngine
 
     torch.set_num_threads(1)
@@ -163,7 +164,7 @@ def _gpu_rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5) -> dict[str, Any]:
-    from policyworker.procs import free_port, run_world
+    from policyworker.cli.procs import free_port, run_world
 
     a = dict(preset=preset, dtype=dtype, refits=refits, bucket_bytes=bucket_bytes, port=free_port(),
              ceiling_rounds=ceiling_rounds)
@@ -184,7 +185,7 @@ def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceil
 
 
 def run_sglang(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5) -> dict[str, Any]:
-    from policyworker.procs import free_port, run_world
+    from policyworker.cli.procs import free_port, run_world
 
     a = dict(preset=preset, dtype=dtype, refits=refits, bucket_bytes=bucket_bytes, port=free_port(),
              ceiling_rounds=ceiling_rounds)
@@ -203,9 +204,9 @@ def run_sglang(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_
 
 def run_zmq(preset: str, dtype: str, refits: int, device: str = "cpu") -> dict[str, Any]:
     try:
-        from policyworker.zmq_bench import run_zmq_bench
+        from policyworker.cli.zmq_bench import run_zmq_bench
     except ImportError as exc:  # written concurrently; absent in some checkouts
-        return {"transport": "zmq", "skipped": f"policyworker.zmq_bench not importable: {exc}"}
+        return {"transport": "zmq", "skipped": f"policyworker.cli.zmq_bench not importable: {exc}"}
     res = run_zmq_bench(preset, dtype, refits, device, baseline=False)
     keep = ("transport", "device", "preset", "dtype", "bytes", "refits", "first_refit_s", "gbps_median",
             "ceiling_gbps", "ratio_to_ceiling", "bit_exact", "peak_extra_bytes")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from policyworker import PolicyWorkerError, RolloutWorker
-from policyworker.faults import FlippingGroup, MutedGroup
+from policyworker.testing.faults import FlippingGroup, MutedGroup
 from policyworker.layout import Parallelism, build_plan, dest_shards, source_shards
 from policyworker.models import get_preset, param_specs, seeded_state_dict
 

@@ -15,7 +15,8 @@ import torch
 
 from policyworker import PolicyWorkerError, RolloutWorker, TorchPolicyWorker
 from policyworker.comm import new_group
-from policyworker.models import build_model, get_preset, seeded_state_dict
+from policyworker.models import get_preset, seeded_state_dict
+from policyworker.testing.toy_model import build_model
 from policyworker.sglang_client import EngineResult, SglangHttpEngine
 from policyworker.sglang_engine import InProcessSglangEngine
 

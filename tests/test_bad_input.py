@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from policyworker import ConfigError, PlanError, PlanMismatch, PolicyWorkerError, ProtocolError, RolloutWorker, TorchPolicyWorker, TransportLoadError
 from policyworker.registry import TransportRegistry
 from policyworker.layout import ReshardPlan, build_plan
-from policyworker.models import build_model, get_preset
+from policyworker.models import get_preset
+from policyworker.testing.toy_model import build_model
 from policyworker.transports.nccl_reshard import NcclReshardTransport, _buckets
 from policyworker.watchdog import RefitWatchdog
 from policyworker.wire import Decoder, Message

@@ -17,7 +17,7 @@ from policyworker.comm import new_group
 from policyworker.device import device_facts
 from policyworker.layout import build_plan, dest_shards
 from policyworker.models import get_preset, seeded_state_dict
-from policyworker.procs import free_port
+from policyworker.cli.procs import free_port
 from policyworker.testing import TransportPair, check_transport, memory_pair_factory
 from policyworker.transports.base import TransportContext
 from policyworker.transports.nccl_reshard import NcclReshardTransport

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from policyworker.drill import SCENARIOS
+from policyworker.cli.drill import SCENARIOS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -26,7 +26,8 @@ from policyworker import (
     Transport,
     TransportError,
 )
-from policyworker.models import build_model, get_preset
+from policyworker.models import get_preset
+from policyworker.testing.toy_model import build_model
 from policyworker.testing import InMemoryTransport, MemoryHub
 from policyworker.transports.base import RefitReport
 from policyworker.watchdog import process_watchdog

@@ -9,14 +9,8 @@ import pytest
 import torch
 
 from policyworker.errors import ConfigError
-from policyworker.models import (
-    PRESETS,
-    ModelConfig,
-    build_model,
-    get_preset,
-    param_specs,
-    seeded_state_dict,
-)
+from policyworker.models import PRESETS, ModelConfig, get_preset, param_specs, seeded_state_dict
+from policyworker.testing.toy_model import build_model
 
 
 def _count(config: ModelConfig, skip_embed: bool = False) -> int:

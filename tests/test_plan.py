@@ -25,7 +25,8 @@ from policyworker.layout import (
     source_shards,
     unpack,
 )
-from policyworker.models import PRESETS, build_model, param_specs, seeded_state_dict
+from policyworker.models import PRESETS, param_specs, seeded_state_dict
+from policyworker.testing.toy_model import build_model
 
 BF16 = torch.bfloat16
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from policyworker import ConfigError, PeerLost, ProtocolError, RefitTimeout
-from policyworker.procs import free_port, run_world
+from policyworker.cli.procs import free_port, run_world
 from policyworker.sglang_client import SglangHttpEngine, UpdateWeightsFromTensorRequest
 from policyworker.transports import sglang_format as fmt
 
@@ -23,7 +23,8 @@ from .sglang_world import FakeSglangServer, SglangSpec, SglangTrainer, http_rank
 # -- layout validation (no groups needed: validation comes first) ----------------------
 @pytest.fixture
 def trainer():
-    from policyworker.models import build_model, get_preset
+    from policyworker.models import get_preset
+    from policyworker.testing.toy_model import build_model
 
     w = SglangTrainer(build_model(get_preset("tiny"), seed=0), rank=0, world_size=4, device="cpu", timeout_s=5.0)
     yield w

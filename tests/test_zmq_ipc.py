@@ -13,7 +13,7 @@ from policyworker.device import device_facts
 from policyworker.errors import PlanMismatch, ProtocolError, RefitTimeout
 from policyworker.layout import build_plan, dest_shards
 from policyworker.models import get_preset, seeded_state_dict
-from policyworker.procs import run_world
+from policyworker.cli.procs import run_world
 from policyworker.testing import TransportPair, check_transport
 from policyworker.transports import zmq_wire as w
 from policyworker.transports.base import TransportContext
@@ -66,7 +66,7 @@ def test_staged_ring_keeps_several_buckets_in_flight():
 
 def test_trainer_times_out_when_the_rollout_never_asks():
     async def main():
-        from policyworker.models import build_model
+        from policyworker.testing.toy_model import build_model
 
         w_ = ZTrainer(build_model(get_preset("tiny"), seed=0, dtype=torch.float32), rank=0, world_size=1,
                       device="cpu")

@@ -46,7 +46,8 @@ def _load(model: torch.nn.Module, config, version: int) -> None:
 
 def zmq_rank(rank: int, spec: ZmqSpec) -> dict[str, Any]:
     from policyworker.layout import dest_shards
-    from policyworker.models import build_model, get_preset, seeded_state_dict
+    from policyworker.models import get_preset, seeded_state_dict
+    from policyworker.testing.toy_model import build_model
 
     torch.set_num_threads(1)
     config = get_preset(spec.preset)

@@ -188,8 +188,9 @@ class RolloutWorker(WorkerCore):
         if params is not None:
             check_local_tensors(plan, "dst", self.rank, params)
             self.params = dict(params)
+        plan = self._adopt_plan("nccl_reshard", plan)
         state = self._refit_transport_state("nccl_reshard")
-        state["seed_plan"] = state["plan"] = self._adopt_plan("nccl_reshard", plan)
+        state["seed_plan"] = state["plan"] = plan
 
     async def receive_nccl_reshard_refit(self, *, refit_timeout_s: float | None = None) -> RefitReport:
         """``refit("nccl_reshard")`` after the shims' attach steps; commit it or raise."""

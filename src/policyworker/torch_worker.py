@@ -201,7 +201,8 @@ class TorchPolicyWorker(AbstractPolicyWorker):
     @classmethod
     def for_demo(cls, *, rank: int, world_size: int, timeout_s: float) -> TorchPolicyWorker:
         """A worker over ``policyworker.models``' "tiny" preset (seed 0 on every rank)."""
-        from .models import build_model, get_preset
+        from .models import get_preset
+        from .testing.toy_model import build_model
 
         return cls(build_model(get_preset("tiny"), seed=0), rank=rank, world_size=world_size, timeout_s=timeout_s)
 

@@ -2,7 +2,9 @@
 
 * :class:`InMemoryTransport` / :class:`MemoryHub` — the in-process test double
   (registered as transport ``memory``);
-* :func:`check_transport` — the conformance suite every transport runs on itself.
+* :func:`check_transport` — the conformance suite every transport runs on itself;
+* :mod:`.toy_model` — a small causal LM with Hugging Face names (``build_model``);
+* :mod:`.faults` — fault injection for the drill and the tests.
 """
 
 from .conformance import ConformanceReport, TransportPair, check_transport

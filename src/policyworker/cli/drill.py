@@ -63,8 +63,8 @@ SCENARIOS = {
 def _plan(bad: bool = False):
     import torch
 
-    from .layout import build_plan
-    from .models import get_preset
+    from ..layout import build_plan
+    from ..models import get_preset
 
     gen = "tp=1,dp=2" if bad else "tp=2"  # same world size, another layout: another hash
     return build_plan(get_preset("tiny"), "tp=2", gen, N_TRAIN, N_GEN, dtype=torch.float32)
@@ -73,12 +73,13 @@ def _plan(bad: bool = False):
 def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: int) -> dict[str, Any]:
     import torch
 
-    from . import faults
-    from .errors import PolicyWorkerError
-    from .layout import dest_shards
-    from .models import build_model, get_preset, seeded_state_dict
-    from .rollout import RolloutWorker
-    from .torch_worker import TorchPolicyWorker
+    from ..testing import faults
+    from ..errors import PolicyWorkerError
+    from ..layout import dest_shards
+    from ..models import get_preset, seeded_state_dict
+    from ..testing.toy_model import build_model
+    from ..rollout import RolloutWorker
+    from ..torch_worker import TorchPolicyWorker
 
     torch.set_num_threads(1)
     config = get_preset("tiny")

@@ -15,7 +15,7 @@ def _cmd_transports(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .registry import TransportRegistry
+    from ..registry import TransportRegistry
 
     registry = TransportRegistry()
     infos = registry.list()
@@ -86,7 +86,7 @@ def _cmd_drill(args: argparse.Namespace) -> int:
     names = args.scenario or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
-        from .errors import ConfigError
+        from ..errors import ConfigError
 
         raise ConfigError(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
     console = Console()
@@ -117,7 +117,7 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .layout.report import format_plan_report, plan_report
+    from ..layout.report import format_plan_report, plan_report
 
     report = plan_report(args.preset, args.train, args.gen)
     print(format_plan_report(report))
@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .errors import PolicyWorkerError
+    from ..errors import PolicyWorkerError
 
     args = build_parser().parse_args(argv)
     try:

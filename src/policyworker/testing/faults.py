@@ -11,7 +11,7 @@ import os
 import signal
 from typing import Any
 
-from .comm import CommGroup
+from ..comm import CommGroup
 
 __all__ = ["FlippingGroup", "MutedGroup", "die_after_waits"]
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
+from ..layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
 from .procs import free_port, start_world
 
 __all__ = ["RefitBenchSpec", "run_refit_bench"]
@@ -68,7 +68,7 @@ def _max_over(group, value: float) -> float:
 
 def _ceiling(w, plan, spec: RefitBenchSpec, is_trainer: bool, rank: int, stage_groups: dict) -> list[float]:
     """Wall seconds (slowest rank) of plain sends of each pair's bytes, all pairs at once."""
-    from .transports.nccl_reshard import stage_members
+    from ..transports.nccl_reshard import stage_members
 
     members = stage_members(plan)
     if is_trainer:
@@ -92,10 +92,11 @@ def _ceiling(w, plan, spec: RefitBenchSpec, is_trainer: bool, rank: int, stage_g
 
 
 def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
-    from . import device as _device
-    from .models import build_model, get_preset, seeded_state_dict
-    from .rollout import RolloutWorker
-    from .torch_worker import TorchPolicyWorker
+    from .. import device as _device
+    from ..models import get_preset, seeded_state_dict
+    from ..testing.toy_model import build_model
+    from ..rollout import RolloutWorker
+    from ..torch_worker import TorchPolicyWorker
 
     torch.set_num_threads(1)
     config = get_preset(spec.preset)
@@ -257,6 +258,6 @@ def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
 
 
 def _config(spec: RefitBenchSpec):
-    from .models import get_preset
+    from ..models import get_preset
 
     return get_preset(spec.preset)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ProcessFailed
+from ..errors import ProcessFailed
 
 __all__ = ["ProcessFailed", "World", "free_port", "run_world", "start_world"]
 

@@ -1,6 +1,6 @@
 """Benchmark of the ``zmq`` colocated refit: two processes (trainer, rollout) on one device.
 
-``python -m policyworker.zmq_bench --preset qwen3-8b --device cuda --json out.json``
+``python -m policyworker.cli.zmq_bench --preset qwen3-8b --device cuda --json out.json``
 
 The trainer holds the preset's full parameters (allocated on the device, filled
 from a seeded generator per version: the stand-in for a training step, outside
@@ -54,8 +54,8 @@ def _baseline_module():
 
 
 def _workers():
-    from .rollout import RolloutWorker
-    from .worker import AbstractPolicyWorker
+    from ..rollout import RolloutWorker
+    from ..worker import AbstractPolicyWorker
 
     class BenchTrainer(AbstractPolicyWorker):
         """A trainer that is only its (seeded) parameters: no model, no reference copy."""
@@ -86,7 +86,7 @@ def _peak_delta(dev: torch.device, before: int) -> int:
 
 
 def _verify(plan, rank: int, params, version: int, dev: torch.device) -> bool:
-    from .layout.apply import _region
+    from ..layout.apply import _region
 
     names = plan.body.tensor_names
     for t in plan.receives(rank):
@@ -102,8 +102,8 @@ def _verify(plan, rank: int, params, version: int, dev: torch.device) -> bool:
 
 
 def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
-    from .layout import build_plan
-    from .models import get_preset, param_specs
+    from ..layout import build_plan
+    from ..models import get_preset, param_specs
 
     dev = torch.device(a["device"])
     if dev.type == "cuda":
