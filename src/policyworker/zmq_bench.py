@@ -90,7 +90,7 @@ def _verify(plan, rank: int, params, version: int, dev: torch.device) -> bool:
 
     names = plan.body.tensor_names
     for t in plan.receives(rank):
-        for c in t.copies:
+        for c in t.all_copies():
             name = names[c.src_tensor]
             spec = plan.local_tensors("src", 0)[name]
             full = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=dev)

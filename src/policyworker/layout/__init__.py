@@ -29,6 +29,7 @@ from policyworker.layout.dtensor import (
 from policyworker.layout.parallelism import Parallelism, RankCoords
 from policyworker.layout.plan import (
     Copy,
+    CopyRun,
     LocalTensor,
     ParamInfo,
     PlanBody,
@@ -43,6 +44,7 @@ from policyworker.layout.rules import ParamRule, layer_stages, match_rule, rule_
 
 __all__ = [
     "Copy",
+    "CopyRun",
     "Layout",
     "LocalSpec",
     "LocalTensor",
