@@ -46,7 +46,7 @@ def dtype_size(dtype: str) -> int:
         raise PlanError(f"unsupported dtype {dtype!r}") from None
 
 
-class ParamInfo(msgspec.Struct, frozen=True, array_like=True):
+class ParamInfo(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A global (unsharded) parameter."""
 
     name: str
@@ -54,7 +54,7 @@ class ParamInfo(msgspec.Struct, frozen=True, array_like=True):
     dtype: str
 
 
-class WirePiece(msgspec.Struct, frozen=True, array_like=True):
+class WirePiece(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """``params[param][start:stop]`` sits at ``at`` in its local tensor."""
 
     param: int
@@ -63,7 +63,7 @@ class WirePiece(msgspec.Struct, frozen=True, array_like=True):
     at: tuple[int, ...]
 
 
-class LocalTensor(msgspec.Struct, frozen=True, array_like=True):
+class LocalTensor(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One local tensor of one rank (an ordinary shard, or a fused tensor)."""
 
     rank: int
@@ -73,7 +73,7 @@ class LocalTensor(msgspec.Struct, frozen=True, array_like=True):
     pieces: list[WirePiece]
 
 
-class Copy(msgspec.Struct, frozen=True, array_like=True):
+class Copy(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Box ``[start, stop)`` of ``params[param]``, from ``src_tensor`` at ``src_at`` to
     ``dst_tensor`` at ``dst_at`` (tensor indices into PlanBody.tensor_names)."""
 
@@ -86,7 +86,7 @@ class Copy(msgspec.Struct, frozen=True, array_like=True):
     dst_at: tuple[int, ...]
 
 
-class CopyRun(msgspec.Struct, frozen=True, array_like=True):
+class CopyRun(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """``count`` repetitions of ``block`` over an indexed family of parameters (experts).
 
     Repetition ``r`` of block copy ``j`` is that copy with ``param + r * param_step``,
@@ -115,7 +115,7 @@ class CopyRun(msgspec.Struct, frozen=True, array_like=True):
         return self.count * len(self.block)
 
 
-class Transfer(msgspec.Struct, frozen=True, array_like=True):
+class Transfer(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """All copies from training rank ``src`` to generation rank ``dst`` in one stage.
 
     The message is ``copies`` followed by each of ``runs`` expanded (`all_copies`): the
