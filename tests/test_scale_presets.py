@@ -84,3 +84,11 @@ def test_shared_expert_model_survives_a_refit_bit_exact() -> None:
     gate = full["model.layers.2.mlp.shared_experts.gate_proj.weight"]
     up = full["model.layers.2.mlp.shared_experts.up_proj.weight"]
     assert torch.equal(got[1][name], torch.cat([gate[16:], up[16:]]))
+
+
+def test_deepseek_v3_sized_preset() -> None:
+    c = PRESETS["deepseek-v3"]
+    specs = param_specs(c)
+    assert "model.layers.2.mlp.down_proj.weight" in specs                 # 3 dense layers
+    assert "model.layers.3.mlp.experts.255.down_proj.weight" in specs
+    assert 0.66e12 < _count("deepseek-v3") < 0.69e12                      # 671B published

@@ -48,7 +48,7 @@ from policyworker.errors import ConfigError
 from policyworker.layout.plan import ReshardPlan, dtype_size
 
 __all__ = ["Fabric", "Placement", "fabric_report", "format_fabric_report", "load_fabric",
-           "port_bound"]
+           "ordered_time", "port_bound"]
 
 GB = 1e9
 KINDS = ("nvlink", "nic", "local")
@@ -195,8 +195,8 @@ def _port_name(port: Port | None) -> str | None:
     return None if port is None else f"gpu {port[0]} {port[1]} {port[2]}"
 
 
-def _ordered(fabric: Fabric, place: Placement, transfers: list[tuple[int, int, int]],
-             bucket: int) -> float:
+def ordered_time(fabric: Fabric, place: Placement, transfers: list[tuple[int, int, int]],
+                 bucket: int) -> float:
     """Sum over message rounds of each round's port bound (see the module docstring)."""
     rounds: dict[int, dict[Port, float]] = {}
     for s, d, n in transfers:
@@ -278,7 +278,7 @@ def fabric_report(plan: ReshardPlan, fabric: Fabric, *, bucket_bytes: int | None
     transfers = [(t.src, t.dst, t.nbytes) for t in plan.transfers]
     ours = _pairs_result(fabric, place, transfers)
     ours.pop("_ports")
-    ours["ordered_s"] = _ordered(fabric, place, transfers, bucket)
+    ours["ordered_s"] = ordered_time(fabric, place, transfers, bucket)
     full = _pairs_result(fabric, place, _full_tensor_pairs(plan, plan.body.gen_world_size))
     full.pop("_ports")
     return {

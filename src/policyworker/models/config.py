@@ -151,6 +151,16 @@ PRESETS: dict[str, ModelConfig] = {
                          num_heads=64, num_kv_heads=8, num_experts=384,
                          moe_intermediate_size=2048, num_experts_per_tok=8,
                          num_shared_experts=1, first_k_dense=1, rope_theta=50_000.0),
+    # DeepSeek-V3's size (config.json of deepseek-ai/DeepSeek-V3): 61 layers, the first 3
+    # dense (18432 wide), then 256 routed experts of 2048 plus 1 shared, hidden 7168,
+    # vocabulary 129280. Its MLA attention is modelled, as for kimi-k2-1t, by the
+    # qwen3_moe family's GQA: 128 query heads of 128, 8 kv heads, q/k norms (675B in all
+    # where DeepSeek-V3 has 671B).
+    "deepseek-v3": _qwen3("deepseek-v3", family="qwen3_moe", vocab_size=129280,
+                          hidden_size=7168, intermediate_size=18432, num_layers=61,
+                          num_heads=128, num_kv_heads=8, num_experts=256,
+                          moe_intermediate_size=2048, num_experts_per_tok=8,
+                          num_shared_experts=1, first_k_dense=3, rope_theta=10_000.0),
     # Demo/benchmark-sized (58M parameters, 117 MB in bf16): big enough that a CPU
     # refit measures bandwidth, small enough for 8 processes on 2 cores.
     "small": _qwen3("small", vocab_size=32768, hidden_size=512, intermediate_size=1536,
