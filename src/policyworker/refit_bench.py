@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .errors import PlanError
 from .layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
 from .procs import free_port, start_world
 
@@ -134,7 +135,12 @@ def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
             await w.init_nccl_reshard_comm_group([ip] * train.pp, stage_ports, train.pp, stage,
                                                  len(members) + n_gen, members.index(rank))
             info = await w.prepare_nccl_reshard_refit_info(train, gen, n_train, n_gen)
-            plan = w._refit_transport_state("nccl_reshard")["plan"]
+            # The same plan, computed here (deterministic) rather than read out of the
+            # worker's transport state, whose keys are the core's business.
+            plan = own_plan if spec.trainer_params == "flat" else build_plan(config, train, gen, n_train, n_gen,
+                                                                               dtype=dtype)
+            if plan.hash != info["hash"]:
+                raise PlanError("the bench's plan differs from the worker's", rank=rank)
             stage_groups = {stage: w.pp_comm_group}
             out["hash"] = info["hash"]
         else:
