@@ -122,38 +122,47 @@ def _local_at(start: tuple[int, ...], piece_start: tuple[int, ...],
 
 def _wire_layout(layout: Layout, pindex: Mapping[str, int],
                  tindex: dict[str, int]) -> list[LocalTensor]:
+    # This loop sees every piece of a side (a million on a tp=8 generation side of a
+    # 235B MoE): tuple unpacking instead of attribute reads, and no coverage sums for
+    # layouts that are exact by construction (the rules').
     grouped: dict[tuple[int, str], list[WirePiece]] = {}
     held: dict[tuple[int, str], int] = {}
     volumes: dict[tuple[Any, Any], int] = {}
+    check = not layout.exact
     for name, pieces in layout.pieces.items():
         pi = pindex[name]
-        for p in pieces:
-            key = (p.rank, p.tensor)
-            box = (p.start, p.stop)
-            vol = volumes.get(box)
-            if vol is None:
-                vol = volumes[box] = box_volume(p.start, p.stop)
-            wp = WirePiece(pi, p.start, p.stop, p.at)
-            if key in grouped:
-                grouped[key].append(wp)
-                held[key] += vol
-            else:
+        for rank, tensor, start, stop, at in pieces:
+            key = (rank, tensor)
+            wp = WirePiece(pi, start, stop, at)
+            mine = grouped.get(key)
+            if mine is None:
                 grouped[key] = [wp]
-                held[key] = vol
+            else:
+                mine.append(wp)
+            if check:
+                box = (start, stop)
+                vol = volumes.get(box)
+                if vol is None:
+                    vol = volumes[box] = box_volume(start, stop)
+                held[key] = held.get(key, 0) + vol
     out = []
+    sizes: dict[tuple[int, ...], int] = {}
     for rank in sorted(layout.tensors):
         for tname, spec in layout.tensors[rank].items():
-            pieces = grouped.get((rank, tname), [])
-            covered = held.get((rank, tname), 0)
-            size = volumes.get(((0,) * len(spec.shape), spec.shape))
-            if size is None:
-                size = volumes[((0,) * len(spec.shape), spec.shape)] = prod(spec.shape)
-            if covered != size:
-                raise PlanError(f"local tensor {tname!r} of rank {rank} has {size} elements "
-                                f"but its pieces cover {covered}", rank=rank, param=tname)
-            if tname not in tindex:
-                tindex[tname] = len(tindex)
-            out.append(LocalTensor(rank, tindex[tname], tuple(spec.shape), spec.dtype, pieces))
+            key = (rank, tname)
+            pieces = grouped.get(key, [])
+            if check:
+                covered = held.get(key, 0)
+                size = sizes.get(spec.shape)
+                if size is None:
+                    size = sizes[spec.shape] = prod(spec.shape)
+                if covered != size:
+                    raise PlanError(f"local tensor {tname!r} of rank {rank} has {size} elements "
+                                    f"but its pieces cover {covered}", rank=rank, param=tname)
+            ti = tindex.get(tname)
+            if ti is None:
+                ti = tindex[tname] = len(tindex)
+            out.append(LocalTensor(rank, ti, tuple(spec.shape), spec.dtype, pieces))
     return out
 
 

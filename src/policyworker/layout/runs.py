@@ -73,10 +73,10 @@ def _delta(a: list[Piece] | None, b: list[Piece] | None, tindex: Mapping[str, in
     if not a or not b or len(a) != len(b):
         return None
     step = None
-    for x, y in zip(a, b):
-        if x.rank != y.rank or x.start != y.start or x.stop != y.stop or x.at != y.at:
+    for (xr, xt, xs, xe, xa), (yr, yt, ys, ye, ya) in zip(a, b):
+        if xr != yr or xs != ys or xe != ye or xa != ya:
             return None
-        d = tindex[y.tensor] - tindex[x.tensor]
+        d = tindex[yt] - tindex[xt]
         if step is None:
             step = d
         elif d != step:
