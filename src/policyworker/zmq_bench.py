@@ -154,7 +154,9 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
             # This refit's ceiling, while the trainer waits at the barrier.
             await asyncio.to_thread(barrier.wait, a["timeout_s"])
             if rank == 1:
-                ceiling_s.append(statistics.median(_flat_copy(src, dst, dev) for _ in range(max(1, a["ceiling_rounds"]))))
+                # On the refit executor's kind of thread, as the rollout's own copies run.
+                ceiling_s.append(await asyncio.to_thread(
+                    lambda: statistics.median(_flat_copy(src, dst, dev) for _ in range(max(1, a["ceiling_rounds"])))))
             await asyncio.to_thread(barrier.wait, a["timeout_s"])
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
