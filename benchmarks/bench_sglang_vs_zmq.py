@@ -21,7 +21,7 @@ timed region is ``sglang_refit`` (it returns after the engine's copies finished 
 GPU); the rollout is compared with the trainer's tensors afterwards. The ceiling is one
 flat device-to-device ``copy_`` of the same byte count, in the same process.
 
-zmq: ``policyworker.zmq_bench.run_zmq_bench`` (one trainer, one rollout, same device)
+zmq: ``policyworker.cli.zmq_bench.run_zmq_bench`` (one trainer, one rollout, same device)
 when it can be imported; its own same-run ceiling is reported beside it.
 """
 

@@ -11,7 +11,7 @@ handles are new every time (that is the cost being compared).
 
 Messages are msgspec structs here (NeMo RL sends pickled Python objects); the
 difference is microseconds per bucket and it keeps pickle off our sockets.
-``policyworker.zmq_bench`` runs this in the same process pair as the zmq transport.
+``policyworker.cli.zmq_bench`` runs this in the same process pair as the zmq transport.
 """
 
 from __future__ import annotations

@@ -117,9 +117,12 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from ..layout.fabric import load_fabric
     from ..layout.report import format_plan_report, plan_report
 
-    report = plan_report(args.preset, args.train, args.gen)
+    fabric = load_fabric(args.fabric) if args.fabric else None
+    bucket = int(args.bucket_mb * 2**20) if args.bucket_mb else None
+    report = plan_report(args.preset, args.train, args.gen, fabric=fabric, bucket_bytes=bucket)
     print(format_plan_report(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -137,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="small")
     p.add_argument("--train", default="tp=2,pp=2", help="training layout (default tp=2,pp=2)")
     p.add_argument("--gen", default="tp=2,dp=2", help="generation layout (default tp=2,dp=2)")
-    p.add_argument("--refits", type=int, default=3)
+    p.add_argument("--refits", type=int, default=6, help="refits (the first is cold and reported apart)")
     p.add_argument("--timeout", type=float, default=120.0, help="bound on each step of the world (s)")
     p.set_defaults(func=_cmd_demo)
 
@@ -147,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="small")
     p.add_argument("--train", default="tp=2,pp=2")
     p.add_argument("--gen", default="tp=2,dp=2")
-    p.add_argument("--refits", type=int, default=5)
+    p.add_argument("--refits", type=int, default=6, help="refits (the first is cold and reported apart)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--bucket-mb", type=float, default=16.0)
     p.add_argument("--in-flight", type=int, default=16, help="messages outstanding per rank")
@@ -174,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", required=True)
     p.add_argument("--train", required=True, help="e.g. tp=2,pp=2,dp=1")
     p.add_argument("--gen", required=True, help="e.g. tp=4,dp=1")
+    p.add_argument("--fabric", metavar="FILE",
+                   help="fabric file (JSON/TOML: GPUs per node, NVLink/NIC GB/s, placement): "
+                        "print the modelled refit time of the plan, a rank-0 broadcast and full tensors")
+    p.add_argument("--bucket-mb", type=float, help="with --fabric: bucket size (default: the file's)")
     p.add_argument("--json", metavar="PATH")
     p.set_defaults(func=_cmd_plan)
     return parser

@@ -5,6 +5,8 @@
   experts, fused generation targets).
 * :mod:`.dtensor` — source layouts read from DTensor state dicts (no rules).
 * :mod:`.planner`, :mod:`.plan` — `build_plan` and the `ReshardPlan` it returns.
+* :mod:`.runs` — families of alike parameters (a layer's experts) written once per pair.
+* :mod:`.fabric` — a fabric model: bytes per link and lower-bound refit times.
 * :mod:`.apply` — `pack` / `unpack` and expected shards for tests.
 """
 
@@ -26,9 +28,11 @@ from policyworker.layout.dtensor import (
     placement_layout,
     shard_pieces,
 )
+from policyworker.layout.fabric import Fabric, fabric_report, load_fabric
 from policyworker.layout.parallelism import Parallelism, RankCoords
 from policyworker.layout.plan import (
     Copy,
+    CopyRun,
     LocalTensor,
     ParamInfo,
     PlanBody,
@@ -43,6 +47,8 @@ from policyworker.layout.rules import ParamRule, layer_stages, match_rule, rule_
 
 __all__ = [
     "Copy",
+    "CopyRun",
+    "Fabric",
     "Layout",
     "LocalSpec",
     "LocalTensor",
@@ -66,8 +72,10 @@ __all__ = [
     "dtensor_specs",
     "dtype_size",
     "empty_local_tensors",
+    "fabric_report",
     "format_plan_report",
     "layer_stages",
+    "load_fabric",
     "local_shape",
     "match_rule",
     "merge_layouts",

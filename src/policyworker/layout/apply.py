@@ -175,7 +175,7 @@ def empty_local_tensors(plan: ReshardPlan, side: str, rank: int,
     order: dict[str, None] = {}
     names = plan.body.tensor_names
     for t in (plan.sends(rank) if side == "src" else plan.receives(rank)):
-        for c in t.copies:
+        for c in t.all_copies():
             order.setdefault(names[c.src_tensor if side == "src" else c.dst_tensor], None)
     for name in specs:
         order.setdefault(name, None)
@@ -238,8 +238,9 @@ def apply_plan(
 def _run(plan: ReshardPlan, t: Transfer, src: Mapping[str, torch.Tensor],
          dst: MutableMapping[str, torch.Tensor]) -> int:
     buf = torch.empty(t.nbytes, dtype=torch.uint8)
-    end = pack(plan, t.copies, src, buf)
-    if end != t.nbytes or unpack(plan, t.copies, buf, dst) != t.nbytes:
+    copies = t.all_copies()
+    end = pack(plan, copies, src, buf)
+    if end != t.nbytes or unpack(plan, copies, buf, dst) != t.nbytes:
         raise PlanError(f"transfer {t.stage}/{t.src}->{t.dst} packs {end} bytes, "
                         f"declares {t.nbytes}")
     return t.nbytes

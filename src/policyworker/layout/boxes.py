@@ -64,13 +64,16 @@ class Layout:
 
     ``pieces[param]`` lists the param's pieces on all ranks (replicas included);
     ``tensors[rank][local_name]`` gives each local tensor's shape and dtype;
-    ``stage_of_rank[rank]`` is the rank's pipeline stage.
+    ``stage_of_rank[rank]`` is the rank's pipeline stage. ``exact``: every local
+    tensor is the disjoint union of its pieces by construction (the rules' layouts), so
+    the planner need not sum the pieces to check it.
     """
 
     world_size: int
     stage_of_rank: tuple[int, ...]
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
     tensors: dict[int, dict[str, LocalSpec]] = field(default_factory=dict)
+    exact: bool = False
 
     def rank_pieces(self, rank: int) -> dict[str, list[tuple[str, Piece]]]:
         """``{local_name: [(param, piece), ...]}`` of one rank (linear scan; for tests)."""

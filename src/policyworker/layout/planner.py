@@ -6,7 +6,8 @@ intersected with every class; each non-empty intersection is one copy, sent by o
 replica of that class. Intersections depend only on the boxes, and the boxes repeat
 across layers and experts, so they are computed once per distinct (shape, source
 boxes, destination boxes) and reused: planning Qwen3-30B-A3B's 18,867 parameters
-costs a few hundred distinct intersections, not per-row work.
+costs a few hundred distinct intersections, not per-row work. A layer's experts are
+planned once per run (:mod:`.runs`) and written as one `CopyRun` per pair.
 
 Replica choice: copies are assigned largest first, each to the replica with the
 fewest bytes so far (ties broken starting at ``dst_rank % replicas``), then emitted
@@ -28,6 +29,7 @@ from policyworker.layout.boxes import Layout, Piece, box_volume
 from policyworker.layout.parallelism import Parallelism
 from policyworker.layout.plan import (
     Copy,
+    CopyRun,
     LocalTensor,
     ParamInfo,
     PlanBody,
@@ -37,6 +39,7 @@ from policyworker.layout.plan import (
     dtype_size,
 )
 from policyworker.layout.rules import dtype_name, rule_layout
+from policyworker.layout.runs import find_runs
 from policyworker.models.config import ModelConfig
 from policyworker.models.params import param_specs
 
@@ -119,38 +122,47 @@ def _local_at(start: tuple[int, ...], piece_start: tuple[int, ...],
 
 def _wire_layout(layout: Layout, pindex: Mapping[str, int],
                  tindex: dict[str, int]) -> list[LocalTensor]:
+    # This loop sees every piece of a side (a million on a tp=8 generation side of a
+    # 235B MoE): tuple unpacking instead of attribute reads, and no coverage sums for
+    # layouts that are exact by construction (the rules').
     grouped: dict[tuple[int, str], list[WirePiece]] = {}
     held: dict[tuple[int, str], int] = {}
     volumes: dict[tuple[Any, Any], int] = {}
+    check = not layout.exact
     for name, pieces in layout.pieces.items():
         pi = pindex[name]
-        for p in pieces:
-            key = (p.rank, p.tensor)
-            box = (p.start, p.stop)
-            vol = volumes.get(box)
-            if vol is None:
-                vol = volumes[box] = box_volume(p.start, p.stop)
-            wp = WirePiece(pi, p.start, p.stop, p.at)
-            if key in grouped:
-                grouped[key].append(wp)
-                held[key] += vol
-            else:
+        for rank, tensor, start, stop, at in pieces:
+            key = (rank, tensor)
+            wp = WirePiece(pi, start, stop, at)
+            mine = grouped.get(key)
+            if mine is None:
                 grouped[key] = [wp]
-                held[key] = vol
+            else:
+                mine.append(wp)
+            if check:
+                box = (start, stop)
+                vol = volumes.get(box)
+                if vol is None:
+                    vol = volumes[box] = box_volume(start, stop)
+                held[key] = held.get(key, 0) + vol
     out = []
+    sizes: dict[tuple[int, ...], int] = {}
     for rank in sorted(layout.tensors):
         for tname, spec in layout.tensors[rank].items():
-            pieces = grouped.get((rank, tname), [])
-            covered = held.get((rank, tname), 0)
-            size = volumes.get(((0,) * len(spec.shape), spec.shape))
-            if size is None:
-                size = volumes[((0,) * len(spec.shape), spec.shape)] = prod(spec.shape)
-            if covered != size:
-                raise PlanError(f"local tensor {tname!r} of rank {rank} has {size} elements "
-                                f"but its pieces cover {covered}", rank=rank, param=tname)
-            if tname not in tindex:
-                tindex[tname] = len(tindex)
-            out.append(LocalTensor(rank, tindex[tname], tuple(spec.shape), spec.dtype, pieces))
+            key = (rank, tname)
+            pieces = grouped.get(key, [])
+            if check:
+                covered = held.get(key, 0)
+                size = sizes.get(spec.shape)
+                if size is None:
+                    size = sizes[spec.shape] = prod(spec.shape)
+                if covered != size:
+                    raise PlanError(f"local tensor {tname!r} of rank {rank} has {size} elements "
+                                    f"but its pieces cover {covered}", rank=rank, param=tname)
+            ti = tindex.get(tname)
+            if ti is None:
+                ti = tindex[tname] = len(tindex)
+            out.append(LocalTensor(rank, ti, tuple(spec.shape), spec.dtype, pieces))
     return out
 
 
@@ -162,11 +174,14 @@ def plan_from_layouts(
     train: Parallelism | None = None,
     gen: Parallelism | None = None,
     gen_fused: bool = False,
+    compress: bool = True,
 ) -> ReshardPlan:
     """The plan moving ``specs``' parameters from layout ``src`` to layout ``dst``.
 
     Every parameter must be fully held by ``src``; parameters absent from ``dst``
     are not moved. Names in either layout that ``specs`` lacks are a PlanError.
+    ``compress=False`` writes every copy as a `Copy` (no `CopyRun`s): the same copies,
+    for tests and for readers that want them flat.
     """
     params = [ParamInfo(n, tuple(s), dtype_name(d)) for n, (s, d) in specs.items()]
     pindex = {p.name: i for i, p in enumerate(params)}
@@ -179,16 +194,21 @@ def plan_from_layouts(
     sources = _wire_layout(src, pindex, tindex)
     dests = _wire_layout(dst, pindex, tindex)
 
-    # Pass 1: every copy as (param, dst piece, replicas, box, bytes), in plan order.
-    jobs: list[tuple[int, Piece, list[Piece], tuple[int, ...], tuple[int, ...], int]] = []
+    # Pass 1: every copy as (param, dst piece, replicas, box, bytes, run, member), in
+    # plan order. A run (a layer's experts, see .runs) is planned on its first block
+    # and stands for `count` copies per job: cost grows with pairs, not experts.
+    runs = find_runs([p.name for p in params], [p.shape for p in params], src, dst,
+                     tindex) if compress else []
+    run_at = {r.first: ri for ri, r in enumerate(runs)}
+    jobs: list[tuple[int, Piece, list[Piece], tuple[int, ...], tuple[int, ...], int, int, int]] = []
     cache: dict[tuple[Any, ...], list[Any]] = {}
-    for pi, p in enumerate(params):
+
+    def plan_param(pi: int, count: int, run: int, member: int) -> None:
+        p = params[pi]
         dpieces = dst.pieces.get(p.name)
-        if not dpieces:
-            continue
+        if not dpieces or not prod(p.shape):
+            return  # not moved, or nothing to move
         spieces = src.pieces.get(p.name)
-        if not prod(p.shape):
-            continue  # nothing to move
         if not spieces:
             raise PlanError(f"no training rank holds {p.name!r}", param=p.name)
         classes: dict[Box, list[Piece]] = {}
@@ -200,45 +220,70 @@ def plan_from_layouts(
         template = cache.get(key)
         if template is None:
             template = cache[key] = _template(p.name, p.shape, ckeys, dkeys)
-        isz = dtype_size(p.dtype)
+        isz = dtype_size(p.dtype) * count
         for di, ci, start, stop, vol in template:
-            jobs.append((pi, dpieces[di], classes[ckeys[ci]], start, stop, vol * isz))
+            jobs.append((pi, dpieces[di], classes[ckeys[ci]], start, stop, vol * isz, run, member))
 
-    # Pass 2: pick a replica per copy; largest copies first (LPT) so that a few big
-    # tensors (embeddings) do not unbalance the senders.
+    pi = 0
+    while pi < len(params):
+        ri = run_at.get(pi)
+        if ri is None:
+            plan_param(pi, 1, -1, 0)
+            pi += 1
+            continue
+        run = runs[ri]
+        for member in range(run.size):
+            plan_param(pi + member, run.count, ri, member)
+        pi += run.size * run.count
+
+    # Pass 2: pick a replica per job; largest first (LPT) so that a few big tensors
+    # (embeddings) do not unbalance the senders.
     load = [0] * src.world_size
-    chosen = [reps[0] for _, _, reps, _, _, _ in jobs]
+    chosen = [job[2][0] for job in jobs]
     shared = []
-    for j, (_, _, reps, _, _, n) in enumerate(jobs):
-        if len(reps) == 1:
-            load[reps[0].rank] += n
+    for j, job in enumerate(jobs):
+        if len(job[2]) == 1:
+            load[job[2][0].rank] += job[5]
         else:
             shared.append(j)
     shared.sort(key=lambda j: -jobs[j][5])
     for j in shared:
-        _, d, reps, _, _, n = jobs[j]
+        d, reps, n = jobs[j][1], jobs[j][2], jobs[j][5]
         k = d.rank % len(reps)
         pick = min(reps[k:] + reps[:k], key=lambda r: load[r.rank])
         load[pick.rank] += n
         chosen[j] = pick
 
-    # Pass 3: emit in plan order, grouped by (stage, src, dst).
+    # Pass 3: emit in plan order, grouped by (stage, src, dst); a run's jobs to one
+    # pair become one CopyRun whose block is its members' copies.
     copies: dict[tuple[int, int, int], list[Copy]] = {}
+    blocks: dict[tuple[int, int, int], dict[int, tuple[list[Copy], list[int], list[int]]]] = {}
     nbytes: dict[tuple[int, int, int], int] = {}
     stage_of = src.stage_of_rank
-    for (pi, d, _, start, stop, n), s in zip(jobs, chosen):
+    for (pi, d, _, start, stop, n, ri, member), s in zip(jobs, chosen):
         pair = (stage_of[s.rank], s.rank, d.rank)
         c = Copy(pi, start, stop, tindex[s.tensor], _local_at(start, s.start, s.at),
                  tindex[d.tensor], _local_at(start, d.start, d.at))
-        bucket = copies.get(pair)
-        if bucket is None:
-            copies[pair] = [c]
-            nbytes[pair] = n
+        nbytes[pair] = nbytes.get(pair, 0) + n
+        if ri < 0:
+            bucket = copies.get(pair)
+            if bucket is None:
+                copies[pair] = [c]
+            else:
+                bucket.append(c)
         else:
-            bucket.append(c)
-            nbytes[pair] += n
-    transfers = [Transfer(stage, s, d, nbytes[(stage, s, d)], copies[(stage, s, d)])
-                 for (stage, s, d) in sorted(copies)]
+            block = blocks.setdefault(pair, {}).get(ri)
+            if block is None:
+                block = blocks[pair][ri] = ([], [], [])
+            block[0].append(c)
+            block[1].append(runs[ri].src_steps[member])
+            block[2].append(runs[ri].dst_steps[member])
+    transfers = []
+    for pair in sorted(nbytes):
+        pair_runs = [CopyRun(b, runs[ri].count, runs[ri].size, ss, ds)
+                     for ri, (b, ss, ds) in sorted(blocks.get(pair, {}).items())]
+        transfers.append(Transfer(pair[0], pair[1], pair[2], nbytes[pair],
+                                  copies.get(pair, []), pair_runs))
     body = PlanBody(
         train=None if train is None else train.to_dict(),
         gen=None if gen is None else gen.to_dict(),

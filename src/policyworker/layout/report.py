@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from policyworker.layout.fabric import Fabric, fabric_report, format_fabric_report
 from policyworker.layout.parallelism import Parallelism
 from policyworker.layout.planner import as_parallelism, build_plan
 from policyworker.models.config import get_preset
@@ -13,20 +14,22 @@ __all__ = ["format_plan_report", "plan_report"]
 
 
 def plan_report(preset: str, train: Parallelism | str, gen: Parallelism | str, *,
-                gen_fused: bool = True) -> dict[str, Any]:
+                gen_fused: bool = True, fabric: Fabric | None = None,
+                bucket_bytes: int | None = None) -> dict[str, Any]:
     """Plan ``preset`` from layout ``train`` to ``gen`` and summarise it (JSON-safe).
 
     Keys: preset, train, gen, train_world_size, gen_world_size, params, hash,
     total_bytes, min_bytes, recv_bytes_per_dst_rank, send_bytes_per_src_rank,
     messages, copies, wire_bytes, seconds_to_plan. Per-rank dicts are keyed by
-    the rank as a string (JSON object keys).
+    the rank as a string (JSON object keys). With a `Fabric`, also ``fabric_model``:
+    :func:`.fabric.fabric_report` of the plan (a model, not a measurement).
     """
     config = get_preset(preset)
     t, g = as_parallelism(train, "train"), as_parallelism(gen, "gen")
     began = time.perf_counter()
     plan = build_plan(config, t, g, t.world_size, g.world_size, gen_fused=gen_fused)
     seconds = time.perf_counter() - began
-    return {
+    out = {
         "preset": preset,
         "train": t.to_dict(),
         "gen": g.to_dict(),
@@ -44,6 +47,9 @@ def plan_report(preset: str, train: Parallelism | str, gen: Parallelism | str, *
         "wire_bytes": len(plan.to_wire()),
         "seconds_to_plan": round(seconds, 4),
     }
+    if fabric is not None:
+        out["fabric_model"] = fabric_report(plan, fabric, bucket_bytes=bucket_bytes)
+    return out
 
 
 def _size(n: float) -> str:
@@ -85,4 +91,6 @@ def format_plan_report(d: dict[str, Any]) -> str:
     ]
     lines += _row_block("  received per generation rank:", d["recv_bytes_per_dst_rank"])
     lines += _row_block("  sent per training rank:", d["send_bytes_per_src_rank"])
+    if "fabric_model" in d:
+        lines.append(format_fabric_report(d["fabric_model"]))
     return "\n".join(lines)

@@ -11,6 +11,7 @@ vocab              embed_tokens, lm_head                      dim 0 over tp
 replicated         norms, q/k norms, the MoE router           whole on every rank
 expert column/row  experts.E.{gate,up}/down_proj              expert E on its ep rank,
                                                               then column/row over etp
+shared expert      shared_experts.{gate,up}/down_proj         column/row over tp
 =================  =========================================  ======================
 
 Division rules. Attention shards by whole heads: tp must divide ``num_heads``; for
@@ -28,7 +29,8 @@ with tied embeddings there is no ``lm_head`` parameter and nothing is duplicated
 
 Fused generation targets (``fused=True``): per tp rank, ``self_attn.qkv_proj`` =
 [q shard; k shard; v shard] (weight and, for Qwen2, bias) and ``mlp.gate_up_proj``
-(per expert: ``mlp.experts.E.gate_up_proj``) = [gate shard; up shard], stacked along
+(per expert: ``mlp.experts.E.gate_up_proj``; shared expert: ``mlp.shared_experts.gate_up_proj``)
+= [gate shard; up shard], stacked along
 dim 0. A parameter no rule matches is a PlanError naming it.
 """
 
@@ -50,6 +52,7 @@ COLUMN, ROW, VOCAB, REPLICATED = "column", "row", "vocab", "replicated"
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_SHARED = re.compile(r"mlp\.shared_experts\.(gate|up|down)_proj\.weight")
 _QKV = re.compile(r"self_attn\.(q|k|v)_proj\.(weight|bias)")
 
 
@@ -80,8 +83,6 @@ def match_rule(name: str, config: ModelConfig | None = None) -> ParamRule:
     """
     bias = config is None or config.qkv_bias
     qk_norm = config is None or config.qk_norm
-    moe = config is None or config.is_moe
-    dense = config is None or not config.is_moe
     if name == "model.embed_tokens.weight":
         return ParamRule(VOCAB, 0, where="first")
     if name == "lm_head.weight" and (config is None or not config.tie_word_embeddings):
@@ -95,6 +96,9 @@ def match_rule(name: str, config: ModelConfig | None = None) -> ParamRule:
         if config is not None and layer >= config.num_layers:
             raise PlanError(f"parameter {name!r} names layer {layer} but the model has "
                             f"{config.num_layers}", param=name)
+        moe = config is None or config.layer_is_moe(layer)
+        dense = config is None or not config.layer_is_moe(layer)
+        shared = config is None or (moe and config.num_shared_experts > 0)
         q = _QKV.fullmatch(rest)
         if q and (q.group(2) == "weight" or bias):
             suffix = q.group(2)
@@ -117,6 +121,14 @@ def match_rule(name: str, config: ModelConfig | None = None) -> ParamRule:
             # The router is small and every token needs all of it: replicate (vLLM and
             # Megatron both do).
             return ParamRule(REPLICATED, layer=layer)
+        sh = _SHARED.fullmatch(rest)
+        if sh and shared:
+            # The shared expert runs on every token: tensor-parallel like a dense MLP.
+            if sh.group(1) == "down":
+                return ParamRule(ROW, 1, layer)
+            base = f"{prefix}mlp.shared_experts."
+            return ParamRule(COLUMN, 0, layer, fused=f"{base}gate_up_proj.weight",
+                             members=(f"{base}gate_proj.weight", f"{base}up_proj.weight"))
         e = _EXPERT.fullmatch(rest)
         if e and moe:
             expert = int(e.group(1))
@@ -238,6 +250,8 @@ def rule_layout(
     tensors: dict[int, dict[str, LocalSpec]] = {r: {} for r in range(par.world_size)}
     # Box tables live in `cache` for the whole call, so their ids are stable keys.
     entry_cache: dict[tuple[Any, ...], list[Any]] = {}
+    owner_index: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
+    new_tuple = tuple.__new__
     last = par.pp - 1
     for name, (shape, dtype) in specs.items():
         rule = rules[name]
@@ -272,27 +286,34 @@ def rule_layout(
                 entries = entry_cache[ekey] = [
                     (a, b, zero, LocalSpec(tuple(y - x for x, y in zip(a, b)), dname))
                     for a, b in table]
-        if rule.expert is not None:
-            owners = owners_of.get((stage, rule.expert // per_ep), [])
-        else:
-            owners = by_stage[stage]
-        out = pieces[name] = []
         expert = rule.expert is not None
-        for c in owners:
-            start, stop, at, local = entries[
-                0 if rule.dim is None else (c.etp_rank if expert else c.tp_rank)]
-            out.append(Piece(c.rank, tensor, start, stop, at))
-            mine_t = tensors[c.rank]
-            if tensor is name:
+        okey = (stage, rule.expert // per_ep if expert else -1, rule.dim is None, expert)
+        owners = owner_index.get(okey)
+        if owners is None:
+            cs = owners_of.get((stage, okey[1]), []) if expert else by_stage[stage]
+            owners = owner_index[okey] = [
+                (c.rank, 0 if rule.dim is None else (c.etp_rank if expert else c.tp_rank))
+                for c in cs]
+        # Hot loop (a million pieces for a 235B MoE on tp=8): tuple.__new__ skips the
+        # NamedTuple's Python-level constructor.
+        out = pieces[name] = []
+        if tensor is name:
+            for rank, i in owners:
+                start, stop, at, local = entries[i]
+                out.append(new_tuple(Piece, (rank, tensor, start, stop, at)))
+                mine_t = tensors[rank]
                 if name in mine_t:
-                    raise PlanError(f"rank {c.rank} holds {name!r} twice", rank=c.rank,
-                                    param=name)
+                    raise PlanError(f"rank {rank} holds {name!r} twice", rank=rank, param=name)
                 mine_t[name] = local
-            else:
-                prev = mine_t.setdefault(tensor, local)
-                if prev.shape[1:] != local.shape[1:] or prev.dtype != dname:
+        else:
+            for rank, i in owners:
+                start, stop, at, local = entries[i]
+                out.append(new_tuple(Piece, (rank, tensor, start, stop, at)))
+                prev = tensors[rank].setdefault(tensor, local)
+                if prev != local and (prev.shape[1:] != local.shape[1:] or prev.dtype != dname):
                     raise PlanError(f"members of {tensor!r} differ in trailing shape or "
                                     "dtype", param=name)
+    # Exact by construction: each local tensor's shape is computed from its pieces' boxes.
     return Layout(world_size=par.world_size,
                   stage_of_rank=tuple(c.pp_stage for c in coords),
-                  pieces=pieces, tensors=tensors)
+                  pieces=pieces, tensors=tensors, exact=True)

@@ -22,8 +22,11 @@ class ModelConfig:
     """Shape of a Llama/Qwen-architecture causal LM.
 
     ``num_experts > 0`` makes every layer's MLP a mixture of experts (as in
-    Qwen3-MoE with ``decoder_sparse_step=1``); ``intermediate_size`` is then unused
-    by the layers and ``moe_intermediate_size`` is each expert's width.
+    Qwen3-MoE with ``decoder_sparse_step=1``); ``moe_intermediate_size`` is each
+    expert's width. ``first_k_dense`` leading layers keep a dense MLP of
+    ``intermediate_size`` (DeepSeek-V3 / Kimi-K2's ``first_k_dense_replace``);
+    ``num_shared_experts`` adds to every MoE layer one always-on SwiGLU of width
+    ``num_shared_experts * moe_intermediate_size`` (DeepSeek's ``shared_experts``).
     ``qkv_bias`` adds biases to q/k/v (Qwen2); ``qk_norm`` adds per-head RMSNorms
     on q and k (Qwen3).
     """
@@ -43,6 +46,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
+    num_shared_experts: int = 0
+    first_k_dense: int = 0
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     name: str = field(default="", compare=False)
@@ -72,10 +77,26 @@ class ModelConfig:
                 )
         elif self.intermediate_size <= 0:
             raise ConfigError("a dense config needs intermediate_size > 0")
+        if self.num_shared_experts < 0 or (self.num_shared_experts and not self.is_moe):
+            raise ConfigError(f"num_shared_experts={self.num_shared_experts} needs an MoE "
+                              "config and must be >= 0")
+        if not 0 <= self.first_k_dense <= self.num_layers or (
+                self.first_k_dense and (not self.is_moe or self.intermediate_size <= 0)):
+            raise ConfigError(f"first_k_dense={self.first_k_dense} must be in [0, num_layers] "
+                              "and needs an MoE config with intermediate_size > 0")
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.is_moe and layer >= self.first_k_dense
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """Width of the shared expert (0 without one)."""
+        return self.num_shared_experts * self.moe_intermediate_size
 
     @property
     def q_size(self) -> int:
@@ -113,6 +134,33 @@ PRESETS: dict[str, ModelConfig] = {
                             intermediate_size=6144, num_layers=48, num_heads=32,
                             num_kv_heads=4, num_experts=128, moe_intermediate_size=768,
                             num_experts_per_tok=8),
+    # Qwen3-235B-A22B (config.json of Qwen/Qwen3-235B-A22B): 94 layers, 64 q / 4 kv heads.
+    "qwen3-235b-a22b": _qwen3("qwen3-235b-a22b", family="qwen3_moe", hidden_size=4096,
+                              intermediate_size=12288, num_layers=94, num_heads=64,
+                              num_kv_heads=4, num_experts=128, moe_intermediate_size=1536,
+                              num_experts_per_tok=8),
+    # A 1T MoE of Kimi-K2's size (config.json of moonshotai/Kimi-K2-Instruct): 61 layers,
+    # the first dense (18432 wide), then 384 routed experts of 2048 plus 1 shared expert,
+    # hidden 7168, vocabulary 163840, untied head. Kimi-K2's attention is DeepSeek's MLA,
+    # which our rules do not place; it is modelled here by the qwen3_moe family's GQA
+    # attention with Kimi's 64 query heads of 128 and 8 kv heads with q/k norms (8.0B
+    # attention parameters where MLA has 6.2B; the total, 1.03T, is Kimi-K2's 1.04T within
+    # 1.5%). The router's score-correction bias (384 values a layer) is left out.
+    "kimi-k2-1t": _qwen3("kimi-k2-1t", family="qwen3_moe", vocab_size=163840,
+                         hidden_size=7168, intermediate_size=18432, num_layers=61,
+                         num_heads=64, num_kv_heads=8, num_experts=384,
+                         moe_intermediate_size=2048, num_experts_per_tok=8,
+                         num_shared_experts=1, first_k_dense=1, rope_theta=50_000.0),
+    # DeepSeek-V3's size (config.json of deepseek-ai/DeepSeek-V3): 61 layers, the first 3
+    # dense (18432 wide), then 256 routed experts of 2048 plus 1 shared, hidden 7168,
+    # vocabulary 129280. Its MLA attention is modelled, as for kimi-k2-1t, by the
+    # qwen3_moe family's GQA: 128 query heads of 128, 8 kv heads, q/k norms (675B in all
+    # where DeepSeek-V3 has 671B).
+    "deepseek-v3": _qwen3("deepseek-v3", family="qwen3_moe", vocab_size=129280,
+                          hidden_size=7168, intermediate_size=18432, num_layers=61,
+                          num_heads=128, num_kv_heads=8, num_experts=256,
+                          moe_intermediate_size=2048, num_experts_per_tok=8,
+                          num_shared_experts=1, first_k_dense=3, rope_theta=10_000.0),
     # Demo/benchmark-sized (58M parameters, 117 MB in bf16): big enough that a CPU
     # refit measures bandwidth, small enough for 8 processes on 2 cores.
     "small": _qwen3("small", vocab_size=32768, hidden_size=512, intermediate_size=1536,
@@ -126,6 +174,13 @@ PRESETS: dict[str, ModelConfig] = {
                             num_kv_heads=2, head_dim=16, qk_norm=True, num_experts=4,
                             moe_intermediate_size=32, num_experts_per_tok=2,
                             rope_theta=10_000.0, name="tiny-moe"),
+    # Shared expert and a leading dense layer (the kimi-k2-1t preset's extras) in a few KB.
+    "tiny-moe-shared": ModelConfig(family="qwen3_moe", vocab_size=256, hidden_size=64,
+                                   intermediate_size=128, num_layers=3, num_heads=4,
+                                   num_kv_heads=2, head_dim=16, qk_norm=True, num_experts=4,
+                                   moe_intermediate_size=32, num_experts_per_tok=2,
+                                   num_shared_experts=1, first_k_dense=1,
+                                   rope_theta=10_000.0, name="tiny-moe-shared"),
     "tiny-qwen2": ModelConfig(family="qwen2", vocab_size=256, hidden_size=64,
                               intermediate_size=128, num_layers=2, num_heads=4,
                               num_kv_heads=2, head_dim=16, qkv_bias=True,

@@ -36,7 +36,7 @@ def param_specs(config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> dic
         if c.qk_norm:
             specs[p + "self_attn.q_norm.weight"] = ((c.head_dim,), dtype)
             specs[p + "self_attn.k_norm.weight"] = ((c.head_dim,), dtype)
-        if c.is_moe:
+        if c.layer_is_moe(i):
             m = c.moe_intermediate_size
             specs[p + "mlp.gate.weight"] = ((c.num_experts, h), dtype)
             for e in range(c.num_experts):
@@ -44,6 +44,11 @@ def param_specs(config: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> dic
                 specs[q + "gate_proj.weight"] = ((m, h), dtype)
                 specs[q + "up_proj.weight"] = ((m, h), dtype)
                 specs[q + "down_proj.weight"] = ((h, m), dtype)
+            if c.num_shared_experts:
+                sh, q = c.shared_intermediate_size, f"{p}mlp.shared_experts."
+                specs[q + "gate_proj.weight"] = ((sh, h), dtype)
+                specs[q + "up_proj.weight"] = ((sh, h), dtype)
+                specs[q + "down_proj.weight"] = ((h, sh), dtype)
         else:
             f = c.intermediate_size
             specs[p + "mlp.gate_proj.weight"] = ((f, h), dtype)

@@ -1,7 +1,8 @@
 """A small Llama/Qwen-architecture causal LM in plain torch, with Hugging Face names.
 
 RMSNorm, rotary embeddings, grouped-query attention (optional q/k biases and per-head
-q/k norms), SwiGLU MLP or a top-k mixture of SwiGLU experts. It exists to give the
+q/k norms), SwiGLU MLP or a top-k mixture of SwiGLU experts (optionally with a shared expert and
+leading dense layers). It exists to give the
 refit paths real parameter names and shapes and a forward pass whose logits prove
 that the weights arrived intact; it is not tuned for speed.
 """
@@ -88,6 +89,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(
             MLP(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts)
         )
+        if c.num_shared_experts:
+            self.shared_experts = MLP(c.hidden_size, c.shared_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -102,14 +105,16 @@ class MoE(nn.Module):
             if rows.numel():
                 w = weights[rows, slot].unsqueeze(-1).to(flat.dtype)
                 out.index_add_(0, rows, expert(flat[rows]) * w)
+        if self.c.num_shared_experts:
+            out = out + self.shared_experts(flat)
         return out.reshape(shape)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(c)
-        self.mlp = MoE(c) if c.is_moe else MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = MoE(c) if c.layer_is_moe(index) else MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -122,7 +127,7 @@ class Decoder(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 

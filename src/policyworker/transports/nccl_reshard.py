@@ -101,7 +101,7 @@ def _schedule(plan: ReshardPlan, ctx: TransportContext, bucket_bytes: int) -> li
         peer_of = lambda t: members[t.stage].index(t.src)  # noqa: E731
         group_of = lambda t: groups[t.stage]  # noqa: E731
     for t in transfers:
-        buckets = _buckets(plan, t.copies, bucket_bytes)
+        buckets = _buckets(plan, t.all_copies(), bucket_bytes)
         g, peer = group_of(t), peer_of(t)
         msgs.append(_Msg((-1, t.src, t.dst), g, peer, _TAG_HEADER, None, len(buckets)))
         for r, bucket in enumerate(buckets):

@@ -319,7 +319,7 @@ class ZmqIpcTransport(Transport):
     def _staged_buckets(self, ctx: TransportContext, rank: int, staged_names: set[str], bucket_bytes: int):
         plan = ctx.plan
         names = plan.body.tensor_names
-        copies = [c for t in plan.receives(rank) for c in t.copies if names[c.src_tensor] in staged_names]
+        copies = [c for t in plan.receives(rank) for c in t.all_copies() if names[c.src_tensor] in staged_names]
         return bucket_copies(plan, copies, bucket_bytes) if copies else []
 
     def _ring(self, ctx: TransportContext, slot_bytes: int) -> list[tuple[torch.Tensor, w.StorageHandle]]:
@@ -535,7 +535,7 @@ class ZmqIpcTransport(Transport):
                 views[name] = source_view(opened[ref.handle], ref, dev)
         pairs = []
         for t in plan.receives(ctx.rank):
-            for c in t.copies:
+            for c in t.all_copies():
                 src_name = names[c.src_tensor]
                 if src_name in staged:
                     continue

@@ -1,0 +1,331 @@
+"""A fabric model: what a plan's bytes cost on real links, next to other refit strategies.
+
+This is arithmetic, not a measurement. A `Fabric` says how many GPUs share a node
+and an NVLink domain, each GPU's NVLink and NIC bandwidth (GB/s = 1e9 bytes/s, one
+direction), and which GPU each training and generation rank runs on. A message from
+GPU ``a`` to GPU ``b`` leaves through ``a``'s port of its kind and enters through
+``b``'s: ``local`` when ``a == b`` (a device copy; not a link, so not in the bound),
+``nvlink`` inside one NVLink domain, ``nic`` across domains. Switches are taken as
+non-blocking: only the GPUs' own ports limit.
+
+Three strategies, for one plan's model and layouts:
+
+* ``plan`` — our `ReshardPlan`: each generation rank receives its shard's bytes,
+  each from one trainer. ``bound_s`` is the max over ports of bytes / bandwidth
+  (perfect overlap). ``ordered_s`` follows nccl_reshard's message order: every
+  transfer is cut into ``bucket_bytes`` buckets (``ceil(nbytes / bucket)``, the last
+  one short) and messages go in rounds of key ``(bucket index, src, dst)``; each round
+  takes the max over ports of its bytes / bandwidth and rounds do not overlap. The
+  plan's real schedule keeps up to ``in_flight`` messages outstanding, so rounds
+  overlap partly: expect between ``bound_s`` and ``ordered_s``.
+* ``broadcast`` — training rank 0 gathers the whole model and broadcasts it to every
+  generation rank, as NeMo RL's packed broadcast, checkpoint-engine's broadcast and
+  vLLM's stock nccl weight transfer do. Both phases are taken at their best: the
+  gather takes each box rank 0 lacks from a holder in its NVLink domain when there is
+  one, else across the fabric into the root's node through all of its NICs, then over
+  NVLink to the root; the broadcast is a pipelined multi-ring one (NCCL's, one ring per
+  NIC of a node): every receiver takes in the whole model at ``min(nvlink,
+  gpus_per_node * nic)`` across domains, ``nvlink`` inside one. ``bound_s`` lets the
+  two phases overlap bucket by bucket (max); ``sequential_s`` adds them.
+* ``full_tensor`` — every generation rank receives every parameter whole (vLLM's m2n
+  transfer): each source box's replicas share the receivers round robin (receiver g
+  from replica ``g % replicas``), so senders are as balanced as in the plan.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from policyworker.errors import ConfigError
+from policyworker.layout.plan import ReshardPlan, dtype_size
+
+__all__ = ["Fabric", "Placement", "fabric_report", "format_fabric_report", "load_fabric",
+           "ordered_time", "port_bound"]
+
+GB = 1e9
+KINDS = ("nvlink", "nic", "local")
+
+
+class Fabric(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A cluster's links and where the ranks run (JSON or TOML; see ``benchmarks/fabrics``).
+
+    GPUs are numbered globally, node ``n`` holding ``n * gpus_per_node ...``; an NVLink
+    domain is ``nvlink_domain_gpus`` consecutive GPUs (default: one node; 72 on a
+    GB200 NVL72). Trainers sit on ``train_gpus`` (default: consecutive from
+    ``train_first_gpu``), generation ranks on ``gen_gpus`` (default: consecutive from
+    ``gen_first_gpu``, itself by default the first node after the trainers). A GPU
+    may be on both lists (colocated). ``bucket_mb`` is nccl_reshard's bucket.
+    """
+
+    name: str = ""
+    gpus_per_node: int
+    nvlink_gbps: float
+    nic_gbps: float
+    nvlink_domain_gpus: int | None = None
+    train_gpus: list[int] | None = None
+    gen_gpus: list[int] | None = None
+    train_first_gpu: int = 0
+    gen_first_gpu: int | None = None
+    bucket_mb: float = 16.0
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1:
+            raise ConfigError(f"fabric gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        for key in ("nvlink_gbps", "nic_gbps", "bucket_mb"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"fabric {key} must be > 0, got {getattr(self, key)}")
+        dom = self.domain_gpus
+        if dom < 1 or dom % self.gpus_per_node:
+            raise ConfigError(f"fabric nvlink_domain_gpus={dom} must be a positive multiple "
+                              f"of gpus_per_node={self.gpus_per_node}")
+        for key in ("train_gpus", "gen_gpus"):
+            gpus = getattr(self, key)
+            if gpus is not None and (any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus)):
+                raise ConfigError(f"fabric {key} must be distinct GPU indices >= 0")
+        if self.train_first_gpu < 0 or (self.gen_first_gpu is not None and self.gen_first_gpu < 0):
+            raise ConfigError("fabric train_first_gpu / gen_first_gpu must be >= 0")
+
+    @property
+    def domain_gpus(self) -> int:
+        return self.nvlink_domain_gpus or self.gpus_per_node
+
+    def bandwidth(self, kind: str) -> float:
+        """Bytes per second of one GPU's port of ``kind`` (one direction)."""
+        return (self.nvlink_gbps if kind == "nvlink" else self.nic_gbps) * GB
+
+    def kind(self, a: int, b: int) -> str:
+        if a == b:
+            return "local"
+        return "nvlink" if a // self.domain_gpus == b // self.domain_gpus else "nic"
+
+    def place(self, train_world_size: int, gen_world_size: int) -> Placement:
+        """GPU of each rank; ConfigError when a list's length does not match a world."""
+        def side(gpus: list[int] | None, first: int, n: int, what: str) -> tuple[int, ...]:
+            if gpus is None:
+                return tuple(range(first, first + n))
+            if len(gpus) != n:
+                raise ConfigError(f"fabric {what}_gpus lists {len(gpus)} GPUs for {n} "
+                                  f"{what} ranks")
+            return tuple(gpus)
+
+        train = side(self.train_gpus, self.train_first_gpu, train_world_size, "train")
+        gen_first = self.gen_first_gpu
+        if gen_first is None:
+            end = self.train_first_gpu + train_world_size
+            gen_first = -(-end // self.gpus_per_node) * self.gpus_per_node
+        return Placement(train, side(self.gen_gpus, gen_first, gen_world_size, "gen"))
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    train: tuple[int, ...]
+    gen: tuple[int, ...]
+
+
+def load_fabric(path: str | Path) -> Fabric:
+    """A `Fabric` from a ``.json`` or ``.toml`` file; ConfigError naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read fabric file {path}: {exc}") from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"fabric file {path} is not valid "
+                          f"{'TOML' if path.suffix == '.toml' else 'JSON'}: {exc}") from None
+    try:
+        return msgspec.convert(data, Fabric)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"fabric file {path}: {exc}") from None
+
+
+# -- ports ---------------------------------------------------------------------------
+Port = tuple[int, str, str]   # (gpu, kind, "out" | "in")
+
+
+def _add(ports: dict[Port, float], fabric: Fabric, a: int, b: int, nbytes: float) -> str:
+    kind = fabric.kind(a, b)
+    if kind != "local":
+        ports[(a, kind, "out")] = ports.get((a, kind, "out"), 0) + nbytes
+        ports[(b, kind, "in")] = ports.get((b, kind, "in"), 0) + nbytes
+    return kind
+
+
+def port_bound(fabric: Fabric, ports: dict[Port, float]) -> tuple[float, Port | None]:
+    """Max over ports of bytes / bandwidth, and the port that sets it."""
+    best, where = 0.0, None
+    for port, nbytes in ports.items():
+        t = nbytes / fabric.bandwidth(port[1])
+        if t > best:
+            best, where = t, port
+    return best, where
+
+
+def _pairs_result(fabric: Fabric, place: Placement,
+                  pairs: Iterable[tuple[int, int, float]]) -> dict[str, Any]:
+    """Ports, per-kind totals and per-rank bytes of (train rank, gen rank, bytes) flows."""
+    ports: dict[Port, float] = {}
+    by_kind = dict.fromkeys(KINDS, 0.0)
+    sent = [dict.fromkeys(KINDS, 0.0) for _ in place.train]
+    got = [dict.fromkeys(KINDS, 0.0) for _ in place.gen]
+    for s, d, n in pairs:
+        kind = _add(ports, fabric, place.train[s], place.gen[d], n)
+        by_kind[kind] += n
+        sent[s][kind] += n
+        got[d][kind] += n
+    bound, port = port_bound(fabric, ports)
+    return {"bytes_by_kind": {k: int(v) for k, v in by_kind.items()},
+            "bound_s": bound, "bound_port": _port_name(port),
+            "sent_by_train_rank": [{k: int(v) for k, v in x.items()} for x in sent],
+            "received_by_gen_rank": [{k: int(v) for k, v in x.items()} for x in got],
+            "_ports": ports}
+
+
+def _port_name(port: Port | None) -> str | None:
+    return None if port is None else f"gpu {port[0]} {port[1]} {port[2]}"
+
+
+def ordered_time(fabric: Fabric, place: Placement, transfers: list[tuple[int, int, int]],
+                 bucket: int) -> float:
+    """Sum over message rounds of each round's port bound (see the module docstring)."""
+    rounds: dict[int, dict[Port, float]] = {}
+    for s, d, n in transfers:
+        a, b = place.train[s], place.gen[d]
+        kind = fabric.kind(a, b)
+        if kind == "local" or n <= 0:
+            continue
+        full, rest = divmod(n, bucket)
+        for r in range(full + (rest > 0)):
+            size = bucket if r < full else rest
+            ports = rounds.setdefault(r, {})
+            for port in ((a, kind, "out"), (b, kind, "in")):
+                ports[port] = ports.get(port, 0) + size
+    return sum(port_bound(fabric, ports)[0] for ports in rounds.values())
+
+
+# -- strategies ----------------------------------------------------------------------
+def _classes(plan: ReshardPlan) -> list[tuple[int, list[int]]]:
+    """(bytes, holder ranks) of every distinct source box of every parameter."""
+    boxes: dict[tuple[int, Any, Any], list[int]] = {}
+    for lt in plan.body.sources:
+        for p in lt.pieces:
+            boxes.setdefault((p.param, p.start, p.stop), []).append(lt.rank)
+    params = plan.params
+    return [(prod(b - a for a, b in zip(start, stop)) * dtype_size(params[pi].dtype),
+             sorted(ranks)) for (pi, start, stop), ranks in boxes.items()]
+
+
+def _full_tensor_pairs(plan: ReshardPlan, gen_world: int) -> list[tuple[int, int, float]]:
+    # Replica i of a box with R holders serves receivers g = i (mod R): aggregate per
+    # (sender, R, i) first so the cost is boxes + senders * receivers * distinct R.
+    acc: dict[int, dict[int, list[float]]] = {}
+    for nbytes, ranks in _classes(plan):
+        R = len(ranks)
+        for i, s in enumerate(ranks):
+            acc.setdefault(s, {}).setdefault(R, [0.0] * R)[i] += nbytes
+    out = []
+    for s, by_r in acc.items():
+        for g in range(gen_world):
+            n = sum(v[g % R] for R, v in by_r.items())
+            if n:
+                out.append((s, g, n))
+    return out
+
+
+def _broadcast(plan: ReshardPlan, fabric: Fabric, place: Placement) -> dict[str, Any]:
+    model = sum(prod(p.shape) * dtype_size(p.dtype) for p in plan.params)
+    root = place.train[0]
+    dom = fabric.domain_gpus
+    gather = dict.fromkeys(("nvlink", "nic"), 0.0)
+    for nbytes, ranks in _classes(plan):
+        if 0 in ranks:
+            continue
+        near = any(place.train[r] // dom == root // dom for r in ranks)
+        gather["nvlink" if near else "nic"] += nbytes
+    # Generous: the root's node takes the far bytes in through all its NICs and hands
+    # them (and the near ones) to the root over NVLink.
+    gather_s = max(gather["nic"] / (fabric.gpus_per_node * fabric.bandwidth("nic")),
+                   (gather["nic"] + gather["nvlink"]) / fabric.bandwidth("nvlink"))
+    one_domain = all(g // dom == root // dom for g in place.gen)
+    rate = fabric.bandwidth("nvlink") if one_domain else min(
+        fabric.bandwidth("nvlink"), fabric.gpus_per_node * fabric.bandwidth("nic"))
+    cast_s = model / rate
+    nodes = {g // fabric.gpus_per_node for g in place.gen if g // dom != root // dom}
+    nic = model * len(nodes)
+    total = model * len(place.gen)
+    return {"model_bytes": model, "gather_bytes_by_kind": {k: int(v) for k, v in gather.items()},
+            "gather_s": gather_s, "broadcast_s": cast_s, "bound_s": max(gather_s, cast_s),
+            "sequential_s": gather_s + cast_s,
+            "bytes_by_kind": {"nvlink": int(total - nic), "nic": int(nic), "local": 0},
+            "received_per_gen_rank": model}
+
+
+def fabric_report(plan: ReshardPlan, fabric: Fabric, *, bucket_bytes: int | None = None
+                  ) -> dict[str, Any]:
+    """The fabric model for ``plan`` (JSON-safe; see the module docstring)."""
+    place = fabric.place(plan.body.train_world_size, plan.body.gen_world_size)
+    bucket = int(bucket_bytes or fabric.bucket_mb * 2**20)
+    transfers = [(t.src, t.dst, t.nbytes) for t in plan.transfers]
+    ours = _pairs_result(fabric, place, transfers)
+    ours.pop("_ports")
+    ours["ordered_s"] = ordered_time(fabric, place, transfers, bucket)
+    full = _pairs_result(fabric, place, _full_tensor_pairs(plan, plan.body.gen_world_size))
+    full.pop("_ports")
+    return {
+        "fabric": msgspec.to_builtins(fabric),
+        "placement": {"train_gpus": list(place.train), "gen_gpus": list(place.gen)},
+        "bucket_bytes": bucket,
+        "model": "lower bounds from bytes / port bandwidth; not a measurement",
+        "plan": ours,
+        "broadcast": _broadcast(plan, fabric, place),
+        "full_tensor": full,
+    }
+
+
+def format_fabric_report(d: dict[str, Any], *, per_rank: bool = True) -> str:
+    """A human table of `fabric_report`'s dict."""
+    f = d["fabric"]
+
+    def gib(n: float) -> str:
+        return f"{n / 2**30:9.2f} GiB"
+
+    def kinds(x: dict[str, int]) -> str:
+        return "  ".join(f"{k} {gib(x[k]).strip()}" for k in KINDS)
+
+    p, b, m = d["plan"], d["broadcast"], d["full_tensor"]
+    lines = [
+        f"fabric {f['name'] or '(unnamed)'}: {f['gpus_per_node']} GPUs/node, NVLink domain "
+        f"{f['nvlink_domain_gpus'] or f['gpus_per_node']} GPUs, NVLink {f['nvlink_gbps']:g} GB/s, "
+        f"NIC {f['nic_gbps']:g} GB/s per GPU; bucket {d['bucket_bytes'] / 2**20:g} MiB",
+        "  MODEL (bytes / bandwidth lower bounds), not a measurement",
+        f"  {'strategy':<14}{'bound s':>10}{'ordered s':>11}   bytes by link kind",
+        f"  {'plan':<14}{p['bound_s']:>10.3f}{p['ordered_s']:>11.3f}   {kinds(p['bytes_by_kind'])}",
+        f"  {'broadcast':<14}{b['bound_s']:>10.3f}{'':>11}   {kinds(b['bytes_by_kind'])}"
+        f"  (gather {b['gather_s']:.3f} s, broadcast {b['broadcast_s']:.3f} s)",
+        f"  {'full_tensor':<14}{m['bound_s']:>10.3f}{'':>11}   {kinds(m['bytes_by_kind'])}",
+        f"  plan bound set by {p['bound_port']}; full_tensor by {m['bound_port']}",
+    ]
+    if per_rank:
+        lines.append("  plan, received per generation rank (nvlink / nic / local GiB):")
+        rows = p["received_by_gen_rank"]
+        for i in range(0, len(rows), 4):
+            lines.append("   " + "  ".join(
+                f"{i + j:>4}: {r['nvlink'] / 2**30:6.2f}/{r['nic'] / 2**30:6.2f}/"
+                f"{r['local'] / 2**30:5.2f}" for j, r in enumerate(rows[i:i + 4])))
+        lines.append("  plan, sent per training rank (nvlink / nic / local GiB):")
+        rows = p["sent_by_train_rank"]
+        for i in range(0, len(rows), 4):
+            lines.append("   " + "  ".join(
+                f"{i + j:>4}: {r['nvlink'] / 2**30:6.2f}/{r['nic'] / 2**30:6.2f}/"
+                f"{r['local'] / 2**30:5.2f}" for j, r in enumerate(rows[i:i + 4])))
+    return "\n".join(lines)
