@@ -342,3 +342,27 @@ async def test_bad_setup_is_refused_at_construction(tmp_path):
 
 def make_rollout_with_options(options):
     return RolloutWorker(params={"w": torch.zeros(2)}, device="cpu", transport_options=options)
+
+
+async def test_a_writer_rank_outside_the_world_is_refused(tmp_path):
+    trainer = make_trainer()
+    try:
+        with pytest.raises(ConfigError):
+            await trainer.attach_transport("files", directory=str(tmp_path / "refit"), writer_rank=1)
+    finally:
+        await trainer.shutdown()
+
+
+async def test_connect_cleans_only_its_own_rank_leftovers(tmp_path):
+    d = tmp_path / "refit"
+    for name in (".v00000001.tmp-r0-00aa11bb", ".v00000001.tmp-r1-22cc33dd", ".v00000004.old-44ee55ff"):
+        (d / name).mkdir(parents=True)
+        (d / name / "part-00000.safetensors").write_bytes(b"partial")
+    (d / ".signature.json.tmp-66aa77bb").write_bytes(b"{")
+    trainer = make_trainer()
+    try:
+        await trainer.attach_transport("files", directory=str(d))
+        # rank 0's temporary, the unfinished prune and the half signature are gone; rank 1's stays
+        assert listing(str(d)) == [".v00000001.tmp-r1-22cc33dd", "signature.json"]
+    finally:
+        await trainer.shutdown()

@@ -47,6 +47,7 @@ SIGNATURE = "signature.json"
 MANIFEST = "manifest.json"
 _COMMITTED = re.compile(r"v(\d{8,})\Z")
 _OLD = re.compile(r"\.v\d{8,}\.old-[0-9a-f]+\Z")
+_SIGNATURE_TMP = re.compile(r"\.signature\.json\.tmp-[0-9a-f]+\Z")
 
 
 def version_name(version: int) -> str:
@@ -145,15 +146,20 @@ def prune(directory: str, keep: int) -> list[int]:
     return removed
 
 
-def clean_stale(directory: str, rank: int) -> list[str]:
-    """Delete temporary directories ``rank`` left behind (a crash mid-write) and unfinished
-    prunes; return their names. Other ranks' temporaries may still be in use: left alone."""
+def clean_stale(directory: str, rank: int, *, writer: bool) -> list[str]:
+    """Delete what ``rank`` left behind (a crash mid-write): its temporary version
+    directories, unfinished prunes and (the writer) a half-written signature; return
+    their names. Other ranks' temporaries may still be in use: left alone."""
     own = _own_tmp(rank)
-    stale = []
+    stale, files = [], []
     with os.scandir(directory) as entries:
         for entry in entries:
             if (own.match(entry.name) or _OLD.match(entry.name)) and entry.is_dir(follow_symlinks=False):
                 stale.append(entry.name)
+            elif writer and _SIGNATURE_TMP.match(entry.name):
+                files.append(entry.name)
     for name in stale:
         remove_tree(os.path.join(directory, name))
-    return stale
+    for name in files:
+        _remove_file(os.path.join(directory, name))
+    return stale + files

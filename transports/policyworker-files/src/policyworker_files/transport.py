@@ -198,6 +198,9 @@ class FilesTransport(Transport):
         self._cancel.clear()
         _check_tensors(ctx.params, ctx.role)
         ctx.state["directory"] = self.directory
+        if ctx.role == "send" and self.setup.writer_rank >= ctx.world_size:
+            raise ConfigError(f"writer_rank {self.setup.writer_rank} is outside this trainer world of "
+                              f"{ctx.world_size}: no rank would write", transport=self.name, rank=ctx.rank)
         if ctx.role == "send":
             newest = await self._io(ctx, self._connect_sender, ctx, what="connect")
             # Continue the numbering: v <= newest would overwrite what rollouts may hold.
@@ -210,10 +213,11 @@ class FilesTransport(Transport):
 
     def _connect_sender(self, ctx: TransportContext) -> int:
         os.makedirs(self.directory, exist_ok=True)
-        for name in dirs.clean_stale(self.directory, ctx.rank):
+        writer = ctx.rank == self.setup.writer_rank
+        for name in dirs.clean_stale(self.directory, ctx.rank, writer=writer):
             _log.info("files transport: removed %s, left by an earlier writer of rank %d", name, ctx.rank)
         versions = dirs.committed_versions(self.directory)
-        if ctx.rank == self.setup.writer_rank:
+        if writer:
             mine = Signature(format=FORMAT, writer_rank=ctx.rank, params=param_specs(ctx.params))
             path = os.path.join(self.directory, dirs.SIGNATURE)
             if versions and os.path.exists(path):
