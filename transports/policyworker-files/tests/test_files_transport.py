@@ -28,6 +28,7 @@ from policyworker.models import build_model, get_preset
 from policyworker.registry import default_registry
 from policyworker.testing import TransportPair, check_transport
 from policyworker.transports.base import TransportContext
+from policyworker.watchdog import process_watchdog
 from policyworker_files import FilesTransport
 from policyworker_files.reader import OpenVersion
 
@@ -152,6 +153,32 @@ async def test_setup_timeout_bounds_a_refit_without_deadline(tmp_path):
         with pytest.raises(RefitTimeout):
             await rollout.refit("files")
         assert rollout.weight_version == 0 and not rollout.torn
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
+async def test_after_a_stand_down_the_setup_timeout_bounds_the_wait(tmp_path):
+    d = str(tmp_path / "refit")
+    trainer, rollout = await _attached(d, timeout_s=60.0)
+    deadline_s = 1.0
+    outcome = {}
+
+    async def receive():
+        outcome["report"] = await rollout.refit("files", refit_timeout_s=deadline_s)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive)
+            with anyio.fail_after(10):
+                while process_watchdog().armed_count(rollout) == 0:
+                    await anyio.sleep(0.005)
+            assert rollout.stand_down_refit_watchdog() == 1
+            await anyio.sleep(deadline_s * 1.5)  # past the stood-down deadline: the wait goes on
+            set_weights(trainer.model, 1)
+            await trainer.refit("files")
+        assert outcome["report"].version == rollout.weight_version == 1
+        assert exact(rollout.weights(), weights(1))
     finally:
         await trainer.shutdown()
         await rollout.shutdown()

@@ -19,8 +19,8 @@ Order of operations (the two sides never talk; the directory is the channel):
   ``>= v`` exists, then land the **newest** such version: a rollout that fell behind
   (its expected version already pruned) catches up instead of waiting forever, and
   its report says which version landed (the ledger commits that one). The wait is
-  bounded by the refit's deadline when one is armed, else by ``timeout_s``
-  (``RefitTimeout``). The whole version is verified first (``reader``); only then is
+  bounded by the refit's deadline while one is armed, else (none, or stood down by
+  the controller) by ``timeout_s`` (``RefitTimeout``). The whole version is verified first (``reader``); only then is
   ``ctx.touched`` set and are the destinations overwritten.
 
 ``abort()`` (any thread) ends the current wait or hash loop within one poll and the
@@ -165,21 +165,25 @@ class FilesTransport(Transport):
 
         return stop
 
-    def _until(self, ctx: TransportContext) -> float:
-        return ctx.deadline.at if ctx.deadline is not None else time.monotonic() + self.setup.timeout_s
+    def _wait(self, ctx: TransportContext, probe: Callable[[], T | None], *, what: str) -> T:
+        """Call ``probe`` every ``poll_s`` until it returns something; bounded and abortable.
 
-    def _wait(self, probe: Callable[[], T | None], *, until: float, stop: Callable[[], None], what: str,
-              rank: int) -> T:
-        """Call ``probe`` every ``poll_s`` until it returns something; bounded and abortable."""
+        The bound is the refit's deadline while it is armed; without one — or once the
+        controller stood it down — ``timeout_s`` from the start of the wait.
+        """
+        stop = self._stopper(ctx)
+        fallback = time.monotonic() + self.setup.timeout_s
         while True:
             stop()
             found = probe()
             if found is not None:
                 return found
+            deadline = ctx.deadline
+            until = deadline.at if deadline is not None and deadline.armed else fallback
             remaining = until - time.monotonic()
             if remaining <= 0:
                 raise RefitTimeout(f"files transport: {what} did not appear in {self.directory} in time",
-                                   transport=self.name, rank=rank)
+                                   transport=self.name, rank=ctx.rank)
             self._cancel.wait(min(self.setup.poll_s, remaining))
 
     async def _io(self, ctx: TransportContext, fn: Callable[..., T], *args: Any, what: str) -> T:
@@ -237,8 +241,7 @@ class FilesTransport(Transport):
             except FileNotFoundError:
                 return None
 
-        data = self._wait(probe, until=self._until(ctx), stop=self._stopper(ctx),
-                          what=f"{dirs.SIGNATURE} (no trainer has connected yet)", rank=ctx.rank)
+        data = self._wait(ctx, probe, what=f"{dirs.SIGNATURE} (no trainer has connected yet)")
         return decode(data, Signature, what=path)
 
     async def send(self, ctx: TransportContext, version: int) -> RefitReport:
@@ -292,8 +295,7 @@ class FilesTransport(Transport):
             except FileNotFoundError:
                 return None  # pruned between the listing and the open: look again
 
-        opened = self._wait(probe, until=self._until(ctx), stop=stop, what=f"version {version} (or newer)",
-                            rank=ctx.rank)
+        opened = self._wait(ctx, probe, what=f"version {version} (or newer)")
         try:
             opened.verify(ctx.params, stop)
             ctx.touched = True  # everything checked; from here on the live bytes change
