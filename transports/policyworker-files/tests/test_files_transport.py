@@ -266,6 +266,36 @@ async def test_a_rollout_that_fell_behind_catches_up(tmp_path):
         await rollout.shutdown()
 
 
+async def test_reading_while_the_writer_commits_and_prunes(tmp_path):
+    """keep=1 and a writer going flat out: versions vanish while the rollout lists,
+    opens and hashes them. Whatever lands must be one whole version, bit for bit."""
+    d = str(tmp_path / "refit")
+    trainer, rollout = await _attached(d, keep=1, fsync=False, file_bytes=60_000)
+    last = 8
+    landed = []
+
+    async def write_all():
+        for v in range(1, last + 1):
+            set_weights(trainer.model, v)
+            await trainer.refit("files")
+
+    async def read_until_last():
+        while rollout.weight_version < last:
+            got = await rollout.refit("files", refit_timeout_s=30.0)
+            assert exact(rollout.weights(), weights(got.version)), got.version
+            landed.append(got.version)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write_all)
+            tg.start_soon(read_until_last)
+        assert landed == sorted(set(landed)) and landed[-1] == last
+        assert committed(d) == [f"v{last:08d}"]
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
 async def test_mismatched_rollout_fails_at_connect(tmp_path):
     d = str(tmp_path / "refit")
     trainer = make_trainer()
