@@ -5,6 +5,8 @@ mismatched peers. Every weight check is bit for bit."""
 from __future__ import annotations
 
 import asyncio
+import inspect
+import itertools
 import os
 import threading
 import time
@@ -35,14 +37,20 @@ from policyworker_files.reader import OpenVersion
 pytestmark = pytest.mark.anyio
 
 
-def _pair_factory(directory, params, **setup):
-    """A conformance factory: the class comes from the entry point, as a user gets it."""
+def _pair_factory(root, params, dst_params=None, **setup):
+    """A conformance factory: the class comes from the entry point, as a user gets it.
+
+    Each call gets a directory of its own: the suite asks for fresh pairs (a never-sent
+    version must not find the versions an earlier pair committed).
+    """
     cls = default_registry().load("files")
+    count = itertools.count()
 
     async def factory() -> TransportPair:
+        directory = os.path.join(root, f"pair-{next(count)}")
         facts = device_facts("cpu")
         src = {k: v.clone() for k, v in params.items()}
-        dst = {k: torch.zeros_like(v) for k, v in params.items()}
+        dst = {k: torch.zeros_like(v) for k, v in (dst_params or params).items()}
         s_ctx = TransportContext(worker=None, role="send", rank=0, device=facts, state={}, params=src)
         r_ctx = TransportContext(worker=None, role="receive", rank=0, device=facts, state={}, params=dst)
         return TransportPair(cls(directory=directory, **setup), s_ctx, cls(directory=directory, **setup), r_ctx)
@@ -57,14 +65,19 @@ MIXED = {
     "d.index": torch.zeros(6, dtype=torch.int64),
     "e.empty": torch.zeros(0, 4),
 }
+MISMATCHED = {**MIXED, "a.weight": torch.zeros(7, 6)}
 
 
 @pytest.mark.parametrize("checksum", ["sha256", "crc32"])
 async def test_check_transport(tmp_path, checksum):
-    factory = _pair_factory(str(tmp_path / "refit"), MIXED, checksum=checksum, file_bytes=64, timeout_s=10.0)
-    reports = await check_transport(factory, refits=3)
+    factory = _pair_factory(str(tmp_path), MIXED, checksum=checksum, file_bytes=64, timeout_s=10.0)
+    extra = {}
+    if "mismatched_factory" in inspect.signature(check_transport).parameters:  # the upgraded suite
+        extra["mismatched_factory"] = _pair_factory(str(tmp_path / "mismatched"), MIXED, MISMATCHED, timeout_s=10.0)
+    result = await check_transport(factory, refits=3, **extra)
+    reports = getattr(result, "reports", result)
     assert [r.version for r in reports] == [1, 1, 2, 2, 3, 3]
-    assert committed(str(tmp_path / "refit")) == ["v00000002", "v00000003"]  # keep=2
+    assert committed(str(tmp_path / "pair-0")) == ["v00000002", "v00000003"]  # keep=2
 
 
 async def test_entry_point_is_the_plugin():
