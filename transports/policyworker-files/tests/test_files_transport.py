@@ -5,7 +5,6 @@ mismatched peers. Every weight check is bit for bit."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import os
 import threading
@@ -71,13 +70,31 @@ MISMATCHED = {**MIXED, "a.weight": torch.zeros(7, 6)}
 @pytest.mark.parametrize("checksum", ["sha256", "crc32"])
 async def test_check_transport(tmp_path, checksum):
     factory = _pair_factory(str(tmp_path), MIXED, checksum=checksum, file_bytes=64, timeout_s=10.0)
-    extra = {}
-    if "mismatched_factory" in inspect.signature(check_transport).parameters:  # the upgraded suite
-        extra["mismatched_factory"] = _pair_factory(str(tmp_path / "mismatched"), MIXED, MISMATCHED, timeout_s=10.0)
-    result = await check_transport(factory, refits=3, **extra)
-    reports = getattr(result, "reports", result)
-    assert [r.version for r in reports] == [1, 1, 2, 2, 3, 3]
+    mismatched = _pair_factory(str(tmp_path / "mismatched"), MIXED, MISMATCHED, timeout_s=10.0)
+    result = await check_transport(factory, refits=3, mismatched_factory=mismatched)
+    assert [r.version for r in result.reports] == [1, 1, 2, 2, 3, 3]
     assert committed(str(tmp_path / "pair-0")) == ["v00000002", "v00000003"]  # keep=2
+
+
+async def test_check_transport_cut_short_mid_copy_is_torn(tmp_path, monkeypatch):
+    """The suite's cut-short step, made deterministic: the copy lands one tensor, then
+    holds (as a large copy would) until the suite's abort arrives — or 3 s pass, in
+    the suite's plain refit, where no abort comes."""
+    real = OpenVersion.copy_into
+
+    def copy_one_then_hold(self, dests, stop):
+        first = dict(list(dests.items())[:1])
+        real(self, first, stop)
+        until = time.monotonic() + 3.0
+        while time.monotonic() < until:
+            stop()  # raises RefitAborted once the suite aborts
+            time.sleep(0.001)
+        return real(self, dests, stop)
+
+    monkeypatch.setattr(OpenVersion, "copy_into", copy_one_then_hold)
+    many = {f"layer{i}.weight": torch.zeros(16, 16) for i in range(4)}
+    result = await check_transport(_pair_factory(str(tmp_path), many, timeout_s=10.0), refits=1)
+    assert result.torn_checked
 
 
 async def test_entry_point_is_the_plugin():
