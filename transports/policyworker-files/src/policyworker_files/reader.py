@@ -137,11 +137,13 @@ class OpenVersion:
         return copied
 
     def close(self) -> None:
+        """Unmap the files. Called on the thread that verified and copied, after both:
+        ``torch.frombuffer`` views hold no buffer export, so nothing may read them after."""
         for mm in self._maps.values():
             try:
                 mm.close()
             except BufferError:
-                continue  # a tensor view is still alive (an error mid-copy): the map goes with it
+                continue  # a memoryview still exports it: it is unmapped when that goes
         self._maps = {}
 
 
