@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Make .venv (once) and install policyworker into it with its test extras.
+# Make .venv (once) and install policyworker into it with its test extras, and the
+# out-of-tree transport plugin transports/policyworker-files.
 # torch: keep one that is already importable; otherwise pin the CPU build 2.13.0
 # (an unpinned torch would pull a multi-GB CUDA build).
 set -euo pipefail
@@ -15,4 +16,7 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     "$VPY" -m pip install -q torch==2.13.0
 fi
 "$VPY" -m pip install -q -e ".[test]"
-echo "setup: ok ($("$VPY" -c 'import torch, policyworker; print("torch", torch.__version__, "policyworker", policyworker.__version__)'))"
+# The out-of-tree plugin, installed from its own directory as a user installs one;
+# its tests (in the testpaths) drive it by its entry-point name.
+"$VPY" -m pip install -q -e transports/policyworker-files
+echo "setup: ok ($("$VPY" -c 'import torch, policyworker; import policyworker_files; print("torch", torch.__version__, "policyworker", policyworker.__version__, "policyworker-files", policyworker_files.__version__)'))"

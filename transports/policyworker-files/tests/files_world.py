@@ -1,0 +1,99 @@
+"""Process bodies of the plugin's multi-process tests (spawned by ``policyworker.procs``).
+
+``refit_pair``: rank 0 is a ``TorchPolicyWorker`` over the tiny model, rank 1 a
+``RolloutWorker``; they share only ``directory``. Each refit the trainer takes new
+weights (seed = version) and writes them; the rollout lands them and checks every
+tensor bit for bit against weights it computes itself. A barrier keeps them in step,
+so each version is received before the next one is written.
+
+``crash_mid_write``: a trainer that dies (``os._exit``, no cleanup of any kind) after
+writing ``files_before_death`` safetensors files of its first version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from typing import Any
+
+import torch
+
+from files_helpers import exact, make_rollout, make_trainer, set_weights, weights
+
+CRASH_EXIT_CODE = 17
+
+
+def _digest(params) -> str:
+    h = hashlib.sha256()
+    for name in sorted(params):
+        h.update(name.encode())
+        h.update(params[name].detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def refit_pair(rank: int, directory: str, refits: int, barrier: Any, timeout_s: float, setup: dict) -> dict:
+    torch.set_num_threads(1)
+
+    async def in_step() -> None:
+        await asyncio.to_thread(barrier.wait, timeout_s)
+
+    async def trainer() -> dict:
+        w = make_trainer()
+        out: dict[str, Any] = {"reports": [], "digests": []}
+        try:
+            await w.attach_transport("files", directory=directory, **setup)
+            out["resumed_from"] = w.transport_version("files")
+            for _ in range(refits):
+                version = w.transport_version("files") + 1
+                set_weights(w.model, version)
+                rep = await w.refit("files")
+                out["reports"].append({"version": rep.version, "bytes": rep.bytes, "files": rep.buckets})
+                out["digests"].append(_digest(dict(w.model.named_parameters())))
+                await in_step()
+        finally:
+            await w.shutdown()
+        return out
+
+    async def rollout() -> dict:
+        w = make_rollout()
+        out: dict[str, Any] = {"reports": [], "exact": [], "digests": []}
+        try:
+            await w.attach_transport("files", directory=directory, timeout_s=timeout_s)
+            for _ in range(refits):
+                rep = await w.refit("files", refit_timeout_s=timeout_s)
+                have = w.weights()
+                out["reports"].append({"version": rep.version, "bytes": rep.bytes, "committed": w.weight_version})
+                out["exact"].append(exact(have, weights(rep.version)))
+                out["digests"].append(_digest(have))
+                await in_step()
+        finally:
+            await w.shutdown()
+        return out
+
+    return asyncio.run(trainer() if rank == 0 else rollout())
+
+
+def crash_mid_write(rank: int, directory: str, files_before_death: int, setup: dict) -> str:
+    torch.set_num_threads(1)
+    import policyworker_files.writer as writer
+
+    real = writer._write_file
+    written: list[str] = []
+
+    def write_then_die(path: str, tensors) -> None:
+        real(path, tensors)
+        written.append(path)
+        if len(written) == files_before_death:
+            os._exit(CRASH_EXIT_CODE)  # a crash: no exception, no finally, no cleanup
+
+    writer._write_file = write_then_die
+
+    async def main() -> str:
+        w = make_trainer()
+        await w.attach_transport("files", directory=directory, **setup)
+        set_weights(w.model, 1)
+        await w.refit("files")
+        return "the trainer survived its own crash"
+
+    return asyncio.run(main())
