@@ -211,7 +211,8 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         return {name: p for name, p in self._params}
 
     def _refit_model_source(self) -> Any:
-        """The plan's source: ``refit_source``, else the model's ModelConfig, else its shapes."""
+        """The plan's source: ``refit_source``, else the model's ModelConfig (or one read from its
+        Hugging Face config), else its shapes."""
         if self._refit_source is not None:
             return self._refit_source
         from .models import ModelConfig
@@ -219,6 +220,10 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         config = getattr(self.model, "config", None)
         if isinstance(config, ModelConfig):
             return config
+        from .integrations.hf import is_hf_config
+
+        if is_hf_config(config):  # a Hugging Face model: its heads decide how k/v split
+            return ModelConfig.from_hf(config)
         return {name: (tuple(p.shape), p.dtype) for name, p in self._params}
 
     def _refit_dtype(self) -> Any:
