@@ -233,6 +233,29 @@ class PolicyworkerUpdateInfo(WeightTransferUpdateInfo):
             raise ConfigError(f"update_info.version must be an int >= 1, got {self.version!r}")
 
 
+def _reprocess_tied_layers(model: torch.nn.Module) -> None:
+    """Re-run post-processing of layers that only borrow another layer's parameter.
+
+    With tied embeddings ``lm_head`` holds ``embed_tokens.weight`` but loads nothing
+    itself, so vLLM's layerwise reload processes only the embedding; on CPU the head
+    keeps a GEMM prepacked from the *old* weight (measured: wrong tokens without this).
+    Processing it again from the new, shared weight is what a fresh load would do.
+    """
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    done: set[int] = set()
+    for mods in owners.values():
+        for module in mods[1:]:
+            method = getattr(module, "quant_method", None)
+            weight = getattr(module, "weight", None)
+            if id(module) in done or method is None or weight is None or weight.numel() == 0:
+                continue
+            done.add(id(module))
+            method.process_weights_after_loading(module)
+
+
 class _Loop:
     """A private asyncio loop on a daemon thread: vLLM's calls are synchronous, ours async."""
 
@@ -334,7 +357,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self._received = None
 
     def _load_plan(self) -> None:
-        worker, info = self._worker, self._info
+        worker = self._worker
         try:
             data = worker.model_update_group.store.get(PLAN_KEY)
         except Exception as exc:  # the store raises DistStoreError/RuntimeError on timeouts
@@ -342,7 +365,6 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         plan = ReshardPlan.from_wire(bytes(data))
         mine = plan.local_tensors("dst", worker.rank)
         want = {n.name: n for n in self.needs.needs}
-        names = plan.body.tensor_names
         got = {}
         for local in mine.values():
             for p in local.pieces:
@@ -350,7 +372,6 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         if set(got) != set(want) or any(got[k] != (want[k].start, want[k].stop) for k in want):
             raise PlanMismatch(f"the trainers' plan does not deliver what vLLM rank {worker.rank} loads",
                                rank=worker.rank)
-        del names, info
         worker.load_refit_plan(plan)
         self._plan_loaded = True
 
@@ -420,6 +441,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         try:
             reload_weights(self.vllm_config, self.model, weights_iterator=self._checkpoint_tensors(),
                            weights_path=None, is_checkpoint_format=True)
+            _reprocess_tied_layers(self.model)
         except BaseException:
             self.torn = True
             raise
