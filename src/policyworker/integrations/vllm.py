@@ -39,6 +39,7 @@ commits nothing. Should vLLM's loader fail halfway, the engine is *torn*: every 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -256,6 +257,22 @@ def _reprocess_tied_layers(model: torch.nn.Module) -> None:
             method.process_weights_after_loading(module)
 
 
+def _typed(method: Any) -> Any:
+    """vLLM hands the controller only ``str(error)`` of a worker's error: put the type in it."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except PolicyWorkerError as exc:
+            name = type(exc).__name__
+            if not str(exc).startswith(name):
+                exc.args = (f"{name}: {exc}",)
+            raise
+
+    return wrapper
+
+
 class _Loop:
     """A private asyncio loop on a daemon thread: vLLM's calls are synchronous, ours async."""
 
@@ -323,6 +340,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         # The worker's own deadlines bound every wait; this outer bound only catches a bug.
         return self._loop.call(coro, timeout_s + 30.0)
 
+    @_typed
     def init_transfer_engine(self, init_info: PolicyworkerInitInfo) -> None:
         from ..rollout import RolloutWorker
 
@@ -381,12 +399,14 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             raise ConfigError("call init_weight_transfer_engine before a weight update")
         return self._worker
 
+    @_typed
     def start_weight_update(self) -> None:
         self._require_worker()
         if not self._plan_loaded:
             self._load_plan()
         self._received = None
 
+    @_typed
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on a
         # CPU-only host; our receive has completed (or raised) when it returns.
@@ -429,6 +449,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             _region(carrier, need.start, need.start, need.stop).copy_(local)
             yield need.name, carrier
 
+    @_typed
     def finish_weight_update(self) -> None:
         if self._received is None:
             state = "torn" if self.torn else f"version {self.committed_version}"
