@@ -116,7 +116,16 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                 await w.init_nccl_reshard_comm_group(["127.0.0.1"], [cmd["stage_port"]], 1, 0,
                                                      spec.n_train + cmd["gen_world_size"], rank)
                 info = await prepare_vllm_refit(w, spec.train, cmd["gen_world_size"])
-                replies.put({"ok": True, "hash": info["hash"]})
+                plan = w._refit_transport_state("nccl_reshard")["plan"]
+                replies.put({"ok": True, "hash": info["hash"], "total_bytes": plan.total_bytes,
+                             "send_bytes": {t.dst: t.nbytes for t in plan.sends(rank)}})
+            elif kind == "ceiling":
+                seconds = await w._run(_ceiling_sends, w, rank, cmd)
+                replies.put({"ok": True, "seconds": seconds})
+            elif kind == "save":
+                t0 = time.perf_counter()
+                await w._run(model.save_pretrained, cmd["path"], safe_serialization=True)
+                replies.put({"ok": True, "seconds": time.perf_counter() - t0})
             elif kind == "refit":
                 fresh = hf_model(spec, cmd["version"])
                 with torch.no_grad():
@@ -133,6 +142,29 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                 replies.put({"ok": False, "error": "ValueError", "message": f"unknown command {kind!r}"})
         except PolicyWorkerError as exc:
             replies.put({"ok": False, "error": type(exc).__name__, "message": str(exc)[:500]})
+
+
+def _ceiling_sends(w: Any, rank: int, cmd: dict[str, Any]) -> list[float]:
+    """Plain gloo sends of this trainer's plan bytes to each vLLM rank's stand-in, per round."""
+    import torch
+
+    from ..comm import new_group
+
+    plan = w._refit_transport_state("nccl_reshard")["plan"]
+    sends = [(t.dst, torch.ones(t.nbytes, dtype=torch.uint8)) for t in plan.sends(rank)]
+    group = new_group(host="127.0.0.1", port=cmd["port"], rank=rank, world_size=cmd["world_size"],
+                      name="ceiling", timeout_s=w.timeout_s)
+    try:
+        out = []
+        for _ in range(cmd["rounds"]):
+            group.barrier()
+            t0 = time.perf_counter()
+            works = [group.isend(buf, cmd["n_train"] + dst) for dst, buf in sends]
+            group.wait_all(works)
+            out.append(time.perf_counter() - t0)
+        return out
+    finally:
+        group.close()
 
 
 class TrainerPool:
