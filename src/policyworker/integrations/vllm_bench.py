@@ -87,8 +87,16 @@ class _Engine:
             raise RuntimeError(f"trainers failed to connect: {bad}")
         return replies
 
+    def load(self, version: int, ranks: list[int] | None = None) -> None:
+        """Trainers take version ``version``'s weights (outside every timed span)."""
+        self.pool.send({"cmd": "load", "version": version}, ranks)
+        bad = [r for r in self.pool.replies(self.spec.timeout_s, ranks) if not r["ok"]]
+        if bad:
+            raise RuntimeError(f"trainers failed to load version {version}: {bad}")
+
     def refit(self, version: int) -> dict[str, Any]:
-        self.pool.send({"cmd": "refit", "version": version})
+        self.load(version)
+        self.pool.send({"cmd": "refit", "version": version, "load": False})
         t0 = time.perf_counter()
         self.llm.start_weight_update()
         t1 = time.perf_counter()
@@ -138,6 +146,7 @@ class _Engine:
     def checkpoint_round(self, version: int) -> dict[str, float]:
         """Trainer 0 saves a safetensors checkpoint of ``version``; vLLM reloads it from disk."""
         path = os.path.join(self.dir, f"ckpt-{version}")
+        self.load(version, [0])
         self.pool.send({"cmd": "save", "path": path}, [0])
         save = self.pool.reply(0, self.spec.timeout_s)
         t0 = time.perf_counter()

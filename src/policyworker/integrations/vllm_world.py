@@ -126,12 +126,12 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                 t0 = time.perf_counter()
                 await w._run(model.save_pretrained, cmd["path"], safe_serialization=True)
                 replies.put({"ok": True, "seconds": time.perf_counter() - t0})
+            elif kind == "load":  # the stand-in for a training step: version v's weights
+                _load(model, hf_model(spec, cmd["version"]), torch)
+                replies.put({"ok": True})
             elif kind == "refit":
-                fresh = hf_model(spec, cmd["version"])
-                with torch.no_grad():
-                    for (_, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
-                        p.copy_(q)
-                del fresh
+                if cmd.get("load", True):
+                    _load(model, hf_model(spec, cmd["version"]), torch)
                 if cmd.get("die_after_waits"):
                     die_after_waits(cmd["die_after_waits"])
                 t0 = time.perf_counter()
@@ -142,6 +142,12 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                 replies.put({"ok": False, "error": "ValueError", "message": f"unknown command {kind!r}"})
         except PolicyWorkerError as exc:
             replies.put({"ok": False, "error": type(exc).__name__, "message": str(exc)[:500]})
+
+
+def _load(model: Any, fresh: Any, torch: Any) -> None:
+    with torch.no_grad():
+        for (_, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
+            p.copy_(q)
 
 
 def _ceiling_sends(w: Any, rank: int, cmd: dict[str, Any]) -> list[float]:
