@@ -314,6 +314,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self._worker: Any = None
         self._info: PolicyworkerInitInfo | None = None
         self._plan_loaded = False
+        self._plan: ReshardPlan | None = None
         self._received: int | None = None
         #: The version of the last refit this engine committed into vLLM (None: none yet).
         self.committed_version: int | None = None
@@ -391,6 +392,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             raise PlanMismatch(f"the trainers' plan does not deliver what vLLM rank {worker.rank} loads",
                                rank=worker.rank)
         worker.load_refit_plan(plan)
+        self._plan = plan
         self._plan_loaded = True
 
     # -- one update -------------------------------------------------------------------
@@ -436,7 +438,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         outside the box are never touched, and the layerwise reload frees each layer's
         tensors once that layer is processed.
         """
-        plan = self._worker._refit_transport_state("nccl_reshard")["plan"]
+        plan = self._plan
         params = self._worker.weights()
         shapes = {p.name: p.shape for p in plan.params}
         for need in self.needs.needs:

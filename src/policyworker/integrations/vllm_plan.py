@@ -26,6 +26,7 @@ import msgspec
 
 from ..errors import ConfigError, PlanError, translate_comm_error
 from ..layout.boxes import Layout, LocalSpec, Piece
+from ..layout.local import is_dtensor
 from ..layout.parallelism import Parallelism
 from ..layout.plan import ReshardPlan
 from ..layout.planner import as_parallelism, plan_from_layouts
@@ -110,19 +111,13 @@ def needs_layout(specs: Mapping[str, tuple[tuple[int, ...], Any]], needs_by_rank
     return Layout(world_size=world, stage_of_rank=(0,) * world, pieces=pieces, tensors=tensors)
 
 
-def _is_dtensor(t: Any) -> bool:
-    from ..reshard_worker import _is_dtensor as check
-
-    return check(t)
-
-
 def source_layout(source: Any, train: Parallelism, train_world_size: int, *, dtype: Any = "bfloat16"):
     """``(specs, layout)`` of the trainers: from a ModelConfig or specs (rules) or DTensors."""
     from ..models.config import ModelConfig
     from ..models.params import param_specs
 
     train.check_world_size(train_world_size, side="train")
-    if isinstance(source, Mapping) and source and all(_is_dtensor(t) for t in source.values()):
+    if isinstance(source, Mapping) and source and all(is_dtensor(t) for t in source.values()):
         from ..layout.dtensor import dtensor_layout, dtensor_specs
 
         return dtensor_specs(source), dtensor_layout(source, world_size=train_world_size)
@@ -171,8 +166,6 @@ async def prepare_vllm_refit(worker: Any, train_parallelism: Any, gen_world_size
     group's store, computes the plan from this trainer's refit source, and (rank 0)
     publishes it for the vLLM workers. Then ``nccl_reshard_refit`` sends into vLLM.
     """
-    from ..reshard_worker import check_local_tensors
-
     group = worker.model_update_group
     if group is None or worker.pp_comm_group is None:
         raise ConfigError("join the update group and the stage group before prepare_vllm_refit", rank=worker.rank)
@@ -192,9 +185,8 @@ async def prepare_vllm_refit(worker: Any, train_parallelism: Any, gen_world_size
         return plan
 
     plan = await worker._run(build)
-    local = worker._local_tensors(plan)
-    await worker._run(check_local_tensors, plan, "src", worker.rank, local)
-    state = worker._refit_transport_state("nccl_reshard")
-    state["plan"] = plan
-    state.pop("connected_hash", None)
+    # As prepare_nccl_reshard_refit_info does: check this rank's tensors against the plan
+    # (ConfigError now, not mid-refit) and make it the plan of nccl_reshard_refit.
+    plan = worker._adopt_plan("nccl_reshard", plan)
+    worker._refit_transport_state("nccl_reshard")["seed_plan"] = plan
     return plan.refit_info()

@@ -116,7 +116,7 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                 await w.init_nccl_reshard_comm_group(["127.0.0.1"], [cmd["stage_port"]], 1, 0,
                                                      spec.n_train + cmd["gen_world_size"], rank)
                 info = await prepare_vllm_refit(w, spec.train, cmd["gen_world_size"])
-                plan = w._refit_transport_state("nccl_reshard")["plan"]
+                plan = w._refit_transport_state("nccl_reshard")["seed_plan"]
                 replies.put({"ok": True, "hash": info["hash"], "total_bytes": plan.total_bytes,
                              "send_bytes": {t.dst: t.nbytes for t in plan.sends(rank)}})
             elif kind == "ceiling":
@@ -156,7 +156,7 @@ def _ceiling_sends(w: Any, rank: int, cmd: dict[str, Any]) -> list[float]:
 
     from ..comm import new_group
 
-    plan = w._refit_transport_state("nccl_reshard")["plan"]
+    plan = w._refit_transport_state("nccl_reshard")["seed_plan"]
     sends = [(t.dst, torch.ones(t.nbytes, dtype=torch.uint8)) for t in plan.sends(rank)]
     group = new_group(host="127.0.0.1", port=cmd["port"], rank=rank, world_size=cmd["world_size"],
                       name="ceiling", timeout_s=w.timeout_s)
