@@ -39,6 +39,12 @@ def get(url: str, timeout: float = 30.0) -> dict:
         return json.loads(r.read())
 
 
+def _check(replies: list[dict]) -> None:
+    bad = [r for r in replies if not r["ok"]]
+    if bad:
+        raise RuntimeError(f"trainers failed: {bad}")
+
+
 def main() -> int:
     spec = WorldSpec(config=CONFIG)
     path = os.path.join(tempfile.mkdtemp(prefix="policyworker-serve-"), "model")
@@ -64,7 +70,7 @@ def main() -> int:
         # 1. init: the trainers join their groups while the engine joins them too.
         init_info = pool.connect(gen_world_size=1, version=0)
         post(base + "/init_weight_transfer_engine", {"init_info": init_info})
-        assert all(r["ok"] for r in pool.replies(60))
+        _check(pool.replies(60))
         # 2.-4. one refit of version 1, the trainers sending concurrently.
         version = 1
         pool.send({"cmd": "refit", "version": version})
@@ -72,7 +78,7 @@ def main() -> int:
         post(base + "/update_weights", {"update_info": {"version": version}})
         post(base + "/finish_weight_update", {"weight_version": str(version)})
         post(base + "/reset_prefix_cache")
-        assert all(r["ok"] for r in pool.replies(60))
+        _check(pool.replies(60))
         served = get(base + "/weight_info")["weight_version"]
         out = post(base + "/v1/completions", {"model": path, "prompt": [1, 2, 3, 4], "max_tokens": 8,
                                                "temperature": 0, "ignore_eos": True, "return_token_ids": True})
