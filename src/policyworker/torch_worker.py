@@ -35,6 +35,7 @@ from torch import nn
 from ._aio import run_in_executor
 from .checkpoint import AsyncCheckpointWriter, read_checkpoint
 from .errors import CheckpointError, ConfigError, PolicyWorkerError
+from .layout.local import is_dtensor
 from .worker import AbstractPolicyWorker
 
 __all__ = ["TorchPolicyWorker"]
@@ -63,6 +64,28 @@ def _unique_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], di
     return unique, names
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view of its storage, as FSDP2 keeps it); others as they are."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def _check_sharding(unique: list[tuple[str, nn.Parameter]]) -> bool:
+    """True for a DTensor (FSDP2 / TP) model; ConfigError for what the worker cannot serve."""
+    sharded = [name for name, p in unique if is_dtensor(p)]
+    if not sharded:
+        return False
+    plain = [name for name, p in unique if not is_dtensor(p)]
+    if plain:
+        raise ConfigError(f"the model mixes DTensor parameters ({sharded[0]!r}, ...) with plain ones ({plain[0]!r}, "
+                          "...): shard every parameter (fully_shard the root module too)", param=plain[0])
+    for name, p in unique:
+        bad = [pl for pl in p.placements if pl.is_partial()]
+        if bad:
+            raise ConfigError(f"parameter {name!r} has a Partial placement ({bad[0]}): not a weight the worker "
+                              "can copy or refit", param=name)
+    return True
+
+
 def _reference_sources(
     model: nn.Module, unique: list[tuple[str, nn.Parameter]], names: dict[str, int], state: Any
 ) -> list[torch.Tensor]:
@@ -82,6 +105,10 @@ def _reference_sources(
         param = unique[names[key]][1]
         if not isinstance(value, torch.Tensor):
             raise ConfigError(f"reference_state_dict[{key!r}] is a {type(value).__name__}, not a tensor", param=key)
+        if is_dtensor(param) and not is_dtensor(value):
+            raise ConfigError(f"reference_state_dict[{key!r}] is a plain tensor but the model's parameter is a "
+                              "DTensor (FSDP2): pass DTensors sharded like the model's, e.g. its state_dict()",
+                              param=key)
         if value.shape != param.shape:
             raise ConfigError(
                 f"reference_state_dict[{key!r}] has shape {tuple(value.shape)}, the model's {tuple(param.shape)}",
@@ -100,8 +127,9 @@ def _cpu_copies(sources: list[torch.Tensor], like: list[tuple[str, nn.Parameter]
     out = []
     with torch.no_grad():
         for src, (_, param) in zip(sources, like):
-            dst = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=pin)
-            dst.copy_(src.detach())
+            local = _local(param)  # FSDP2: each rank keeps its own shard of the reference
+            dst = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+            dst.copy_(_local(src).detach())
             out.append(dst)
     return out
 
@@ -179,6 +207,7 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         # Validate and copy before the core starts its executor thread: a bad argument
         # leaves nothing behind.
         self._pin = torch.cuda.is_available()
+        self._sharded = _check_sharding(unique)
         sources = _reference_sources(model, unique, names, reference_state_dict)
         self._reference = _cpu_copies(sources, unique, self._pin)
         options = dict(transport_options or {})
@@ -212,15 +241,26 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         return {name: p for name, p in self._params}
 
     def _refit_model_source(self) -> Any:
-        """The plan's source: ``refit_source``, else the model's ModelConfig, else its shapes."""
+        """The plan's source: ``refit_source``, else the model's DTensors (FSDP2: their placements
+        are the layout), else its ModelConfig (or one read from its Hugging Face config), else its shapes."""
         if self._refit_source is not None:
             return self._refit_source
+        if self._sharded:
+            return dict(self._params)
+        return self._refit_gen_config() or {name: (tuple(p.shape), p.dtype) for name, p in self._params}
+
+    def _refit_gen_config(self) -> Any:
+        """The model's ModelConfig (its own, or read from its Hugging Face config), or None."""
         from .models import ModelConfig
 
         config = getattr(self.model, "config", None)
         if isinstance(config, ModelConfig):
             return config
-        return {name: (tuple(p.shape), p.dtype) for name, p in self._params}
+        from .integrations.hf import is_hf_config
+
+        if is_hf_config(config):  # a Hugging Face model: its heads decide how k/v split
+            return ModelConfig.from_hf(config)
+        return None
 
     def _refit_dtype(self) -> Any:
         dtypes = {p.dtype for _, p in self._params if p.is_floating_point()}
@@ -230,6 +270,8 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         """``refit_params`` if given, else this rank's shard as views of the full model."""
         if self._refit_params is not None:
             return self._refit_params
+        if self._sharded:  # DTensors: the core sends their local shards
+            return self._named_tensors()
         return super()._plan_tensors(plan)
 
     # -- reference policy ----------------------------------------------------------
@@ -286,7 +328,7 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         out = torch.zeros(batch, seq, dtype=torch.float32)
         if batch == 0 or seq < 2 or int(lengths.max()) < 2:
             return out  # no position has a token before it
-        params = [p for _, p in self._params]
+        params = [_local(p) for _, p in self._params]  # FSDP2: swap each rank's shard
         if self._backup is None:
             self._backup = [torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=self._pin) for p in params]
         # Per module: a trainer may keep parts (a frozen tower) in eval on purpose.
@@ -344,7 +386,9 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         await self._run(self._snapshot, target)
 
     def _snapshot(self, path: str) -> None:
-        future = self._checkpointer.snapshot_and_submit(self.model.state_dict(), path)
+        # FSDP2: each rank saves its own shards (a sharded checkpoint, one file per rank).
+        state = {k: _local(v) for k, v in self.model.state_dict().items()}
+        future = self._checkpointer.snapshot_and_submit(state, path)
         with self._saves_lock:
             self._pending_saves.append(future)
 
@@ -383,7 +427,7 @@ class TorchPolicyWorker(AbstractPolicyWorker):
 
     def _load(self, path: str) -> None:
         stored = read_checkpoint(path)
-        live = self.model.state_dict()
+        live = {k: _local(v) for k, v in self.model.state_dict().items()}
         if set(stored) != set(live):
             missing, extra = sorted(set(live) - set(stored)), sorted(set(stored) - set(live))
             raise CheckpointError(f"{path!r} does not fit the model: missing {missing[:5]}, unexpected {extra[:5]}", path=path)

@@ -106,6 +106,10 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
         """What plans are built from: a ModelConfig, ``{name: (shape, dtype)}`` or DTensors."""
         raise NotImplementedError(f"{type(self).__name__} must implement _refit_model_source()")
 
+    def _refit_gen_config(self) -> Any:
+        """A ModelConfig placing a DTensor source's generation side by heads (default: none)."""
+        return None
+
     def _refit_dtype(self) -> Any:
         """dtype of a ModelConfig's parameters in the plan (default bf16)."""
         return torch.bfloat16
@@ -221,7 +225,7 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
         self._ensure_open()
         plan = await self._run(
             plan_for_source, self._refit_model_source(), train_parallelism, gen_parallelism,
-            train_world_size, gen_world_size, dtype=self._refit_dtype(),
+            train_world_size, gen_world_size, dtype=self._refit_dtype(), config=self._refit_gen_config(),
         )
         plan = self._adopt_plan("nccl_reshard", plan)
         state = self._refit_transport_state("nccl_reshard")

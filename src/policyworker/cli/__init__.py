@@ -39,12 +39,38 @@ def _cmd_transports(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from .integrations.vllm_bench import run_vllm_demo
+
+        result = run_vllm_demo(refits=args.refits)
+        _write_json(args.json, result)
+        return 0 if result["passed"] else 1
     from .demo import main as demo_main
 
     return demo_main(args)
 
 
+def _write_json(path, result) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from .integrations.vllm_bench import run_vllm_bench
+
+        result = run_vllm_bench(preset=args.preset, train=args.vllm_train, tp=args.vllm_tp, refits=args.refits,
+                                dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20), timeout_s=args.timeout,
+                                log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        print(json.dumps(result, indent=2))
+        _write_json(args.json, result)
+        # Greedy tokens are exact only in float32 (bf16 kernels round differently from HF).
+        return 0 if result["tokens_match_hf"] or args.dtype != "float32" else 1
+    if args.transport is None:
+        from .errors import ConfigError
+
+        raise ConfigError("bench needs --transport nccl_reshard|zmq or --engine vllm")
     if args.transport == "zmq":
         return _bench_zmq(args)
     from .refit_bench import RefitBenchSpec, run_refit_bench
@@ -142,10 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen", default="tp=2,dp=2", help="generation layout (default tp=2,dp=2)")
     p.add_argument("--refits", type=int, default=6, help="refits (the first is cold and reported apart)")
     p.add_argument("--timeout", type=float, default=120.0, help="bound on each step of the world (s)")
+    p.add_argument("--engine", choices=["rollout", "vllm"], default="rollout",
+                   help="vllm: refit a real vLLM engine (needs policyworker[vllm]) and compare its tokens with HF's")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("bench", help="measure a transport against its same-run ceiling; prints JSON")
-    p.add_argument("--transport", required=True, choices=["nccl_reshard", "zmq"])
+    p.add_argument("--transport", choices=["nccl_reshard", "zmq"])
+    p.add_argument("--engine", choices=["vllm"], help="vllm: refit a real vLLM engine (nccl_reshard) vs its "
+                   "same-run gloo ceiling and a safetensors checkpoint + vLLM reload_weights")
+    p.add_argument("--vllm-train", default="tp=2", help="--engine vllm: trainer layout")
+    p.add_argument("--vllm-tp", type=int, default=1, help="--engine vllm: vLLM tensor_parallel_size")
     p.add_argument("--device", choices=["cpu", "cuda"], help="zmq: where the pair runs (default: cuda if present)")
     p.add_argument("--preset", default="small")
     p.add_argument("--train", default="tp=2,pp=2")

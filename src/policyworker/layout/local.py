@@ -57,10 +57,12 @@ def plan_for_source(
     *,
     gen_fused: bool = True,
     dtype: Any = "bfloat16",
+    config: Any = None,
 ) -> ReshardPlan:
     """The reshard plan from a ModelConfig / specs (rules) or a DTensor state dict.
 
     ``dtype`` applies to a ModelConfig's parameters (specs and DTensors carry their own).
+    ``config`` (a ModelConfig) places a DTensor source's generation side by heads.
     """
     if isinstance(source, Mapping) and source and all(is_dtensor(t) for t in source.values()):
         from .dtensor import dtensor_layout, dtensor_specs
@@ -70,7 +72,7 @@ def plan_for_source(
         gen.check_world_size(gen_world_size, side="gen")
         specs = dtensor_specs(source)
         src = dtensor_layout(source, world_size=train_world_size)
-        dst = rule_layout(specs, gen, fused=gen_fused)
+        dst = rule_layout(specs, gen, config=config, fused=gen_fused)
         train = as_parallelism(train_parallelism, "train") if train_parallelism is not None else None
         return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=gen_fused)
     return build_plan(source, train_parallelism, gen_parallelism, train_world_size, gen_world_size,

