@@ -117,7 +117,7 @@ class _Engine:
         import torch
 
         from ..comm import new_group
-        from ..procs import free_port
+        from ..cli.procs import free_port
 
         n_train = self.spec.n_train
         port, world = free_port(), n_train + self.tp

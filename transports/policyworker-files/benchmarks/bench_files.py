@@ -26,8 +26,9 @@ import time
 import torch
 
 from policyworker import RolloutWorker, TorchPolicyWorker
-from policyworker.models import build_model, get_preset, seeded_state_dict
-from policyworker.procs import run_world
+from policyworker.models import get_preset, seeded_state_dict
+from policyworker.testing.toy_model import build_model
+from policyworker.cli.procs import run_world
 
 DTYPE = torch.bfloat16
 

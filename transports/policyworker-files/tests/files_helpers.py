@@ -8,7 +8,8 @@ from collections.abc import Mapping
 import torch
 
 from policyworker import RolloutWorker, TorchPolicyWorker
-from policyworker.models import build_model, get_preset, seeded_state_dict
+from policyworker.models import get_preset, seeded_state_dict
+from policyworker.testing.toy_model import build_model
 
 PRESET = "tiny"
 

@@ -25,7 +25,8 @@ from policyworker.errors import (
     RefitTimeout,
     TornWeights,
 )
-from policyworker.models import build_model, get_preset
+from policyworker.models import get_preset
+from policyworker.testing.toy_model import build_model
 from policyworker.registry import default_registry
 from policyworker.testing import TransportPair, check_transport
 from policyworker.transports.base import TransportContext
