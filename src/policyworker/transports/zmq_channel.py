@@ -5,6 +5,20 @@ can cut it short through :meth:`Channel.abort`, and gives up at its deadline;
 every send is bounded by the socket's SNDTIMEO. zmq errors never escape: ``Again``
 becomes ``RefitTimeout``, a closed context ``TransportError``. The socket is used
 from one thread only (the worker's refit executor): zmq sockets are not thread-safe.
+
+Recovery without a rebuild:
+
+* Aborts are per refit: :meth:`Channel.begin` installs the refit's own abort event
+  (made when the refit was *called*, before it reached the executor), so an abort
+  between the call and the executor is kept, and a late abort of a finished refit
+  never poisons the next one (nothing is ever cleared).
+* Attempts fence stale messages: a message whose ``attempt`` is not the current one
+  is dropped (counted in ``stale``); a Ready or Hello arriving while the trainer is
+  mid-refit means the rollout started over: it is kept for the next refit and this
+  one fails (``TransportError``).
+* A peer that goes away mid-wait (its process died: the kernel closes the IPC
+  connection) raises ``PeerLost`` at once, from the socket monitor's DISCONNECTED
+  event; disconnects seen before a refit began are not this refit's.
 """
 
 from __future__ import annotations
@@ -13,9 +27,10 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import zmq
 
-from ..errors import ProtocolError, RefitAborted, RefitTimeout, TransportError
+from ..errors import PeerLost, ProtocolError, RefitAborted, RefitTimeout, TransportError
 from . import zmq_wire as w
 
 __all__ = ["Channel", "open_socket"]
@@ -51,10 +66,34 @@ class Channel:
         self.poll_ms = max(1, int(poll_s * 1000))
         self.aborted = threading.Event()
         self.deadline_obj: Any = None
+        #: The current refit attempt (None: none open; only a Ready may open one).
+        self.attempt: str | None = None
+        self.stale = 0
+        self._stash: list[Any] = []
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor.setsockopt(zmq.LINGER, 0)
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def begin(self, aborted: threading.Event, deadline_obj: Any, attempt: str | None) -> None:
+        """A refit (or connect) starts: its own abort event, deadline and attempt token."""
+        self.aborted, self.deadline_obj, self.attempt = aborted, deadline_obj, attempt
+        while self._monitor.poll(0):  # a disconnect before this refit is not this refit's
+            self._monitor.recv_multipart(zmq.NOBLOCK)
 
     def abort(self) -> None:
-        """Make the current (and next) wait raise ``RefitAborted``; safe from any thread."""
+        """Make the current wait raise ``RefitAborted``; safe from any thread."""
         self.aborted.set()
+
+    def close(self) -> None:
+        """Close the monitor (before the socket's context terminates). Idempotent."""
+        if not self._monitor.closed:
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass  # the socket is closed already: its monitor stopped with it
+            self._monitor.close(0)
 
     def _check_abort(self, what: str) -> None:
         if self.aborted.is_set():
@@ -64,6 +103,8 @@ class Channel:
 
     def send(self, msg: w.Message, what: str = "send") -> None:
         self._check_abort(what)
+        if self.attempt and getattr(msg, "attempt", None) == "":
+            msg = msgspec.structs.replace(msg, attempt=self.attempt)
         try:
             self.sock.send(w.encode(msg), copy=False)
         except zmq.Again as exc:
@@ -80,8 +121,12 @@ class Channel:
             if remaining <= 0:
                 raise RefitTimeout(f"{what}: nothing arrived before the deadline", rank=self.rank, transport="zmq")
             try:
-                ready = self.sock.poll(min(self.poll_ms, max(1, int(remaining * 1000))), zmq.POLLIN)
-                if not ready:
+                ready = dict(self._poller.poll(min(self.poll_ms, max(1, int(remaining * 1000)))))
+                if self._monitor in ready:
+                    self._monitor.recv_multipart(zmq.NOBLOCK)
+                    raise PeerLost(f"{what}: the colocated peer closed its connection (process gone?)",
+                                   rank=self.rank, transport="zmq")
+                if self.sock not in ready:
                     continue
                 frame = self.sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -91,8 +136,33 @@ class Channel:
             return w.decoder.decode(frame.buffer)
 
     def expect(self, deadline: float, what: str, *types: type) -> w.ZmqMessage:
-        msg = self.recv(deadline, what)
-        if not isinstance(msg, types):
-            raise ProtocolError(f"{what}: got {type(msg).__name__}, expected "
-                                f"{' or '.join(t.__name__ for t in types)}", rank=self.rank, transport="zmq")
-        return msg
+        """The next message of ``types`` in the current attempt; stale ones are dropped.
+
+        A Ready opens an attempt (its token becomes current). An unexpected Ready or
+        Hello is kept for the next wait that expects it, and this one raises
+        ``TransportError`` (the rollout started over).
+        """
+        while True:
+            msg = self._stash.pop(0) if self._stash else self.recv(deadline, what)
+            if isinstance(msg, w.Ready) and w.Hello in types and w.Ready not in types:
+                self.stale += 1  # waiting for a (new) session's Hello: an old session's Ready
+                continue
+            if isinstance(msg, (w.Ready, w.Hello)):
+                if isinstance(msg, types):
+                    if isinstance(msg, w.Ready):
+                        self.attempt = msg.attempt or None
+                    return msg
+                self._stash.append(msg)
+                raise TransportError(f"{what}: the rollout started over ({type(msg).__name__} mid-refit)",
+                                     rank=self.rank, transport="zmq")
+            token = getattr(msg, "attempt", None)
+            if token is not None and token != (self.attempt or ""):
+                self.stale += 1  # a message of an older attempt (it failed): not ours
+                continue
+            if isinstance(msg, w.Welcome) and not isinstance(msg, types):
+                self.stale += 1  # an older session's Welcome
+                continue
+            if not isinstance(msg, types):
+                raise ProtocolError(f"{what}: got {type(msg).__name__}, expected "
+                                    f"{' or '.join(t.__name__ for t in types)}", rank=self.rank, transport="zmq")
+            return msg

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,9 +51,22 @@ from .zmq_channel import Channel, open_socket
 __all__ = ["ZmqIpcTransport", "coalesce"]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _sync(device: torch.device, chan: Channel | None = None, deadline: float | None = None) -> None:
+    """Wait for this thread's work on ``device``: an event on the current (the transport's)
+    stream, polled so that an abort or the deadline cuts it short. Never a device-wide
+    synchronize, which would also wait on other streams' (possibly hung) kernels."""
+    if device.type != "cuda":
+        return
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    while not event.query():
+        if chan is not None:
+            chan._check_abort("waiting for the GPU")
+        if deadline is not None and time.monotonic() > deadline:
+            from ..errors import RefitTimeout
+
+            raise RefitTimeout("the GPU did not finish the refit's copies before the deadline", transport="zmq")
+        time.sleep(0.0002)
 
 
 def _u8(storage: torch.UntypedStorage, begin: int, n: int, device: torch.device) -> torch.Tensor:
@@ -159,12 +173,21 @@ class ZmqIpcTransport(Transport):
         self._executor: Any = None
         self._state: dict[str, Any] | None = None
         self._closed = False
+        # The abort event of the refit (or connect) called last: made on the event loop
+        # when it is called, installed on the channel when it reaches the executor.
+        self._abort_ev = threading.Event()
 
     # -- plumbing ------------------------------------------------------------------
     def abort(self) -> None:
-        """Cut the current wait short (RefitAborted / RefitTimeout); any thread."""
-        if self._chan is not None:
-            self._chan.abort()
+        """Cut the current wait short (RefitAborted / RefitTimeout); any thread.
+
+        Aborts the refit called last, also when it has not reached the executor yet;
+        the next refit gets a fresh token (:meth:`_arm`), so nothing is ever cleared."""
+        self._abort_ev.set()
+
+    def _arm(self) -> None:
+        """A refit/connect was called: a fresh abort token for it (runs on the event loop)."""
+        self._abort_ev = threading.Event()
 
     def _channel(self, ctx: TransportContext) -> Channel:
         self._state = ctx.state
@@ -180,6 +203,8 @@ class ZmqIpcTransport(Transport):
                 self._own = open_socket(endpoint, bind=bind, timeout_s=self.timeout_s)
             sock = self._own[1]
         if self._chan is None or self._chan.sock is not sock:
+            if self._chan is not None:
+                self._chan.close()
             self._chan = Channel(sock, rank=ctx.rank, poll_s=self.poll_s)
         return self._chan
 
@@ -193,8 +218,8 @@ class ZmqIpcTransport(Transport):
                               transport=self.name)
         chan = self._channel(ctx)
         self._executor = ctx.executor
-        chan.aborted.clear()
-        chan.deadline_obj = ctx.deadline
+        # The rollout draws a fresh attempt per refit (its Ready opens it on the trainer).
+        chan.begin(self._abort_ev, ctx.deadline, secrets.token_hex(6) if ctx.role == "receive" else None)
         deadline = ctx.deadline.at if ctx.deadline is not None else time.monotonic() + self.timeout_s
         return chan, deadline
 
@@ -209,6 +234,7 @@ class ZmqIpcTransport(Transport):
         """Trainer: prepare sources, wait for Hello. Rollout: Hello, wait for Welcome."""
         if self._closed:
             raise TransportError("transport is closed", transport=self.name)
+        self._arm()
         await ctx.blocking(self._connect_send if ctx.role == "send" else self._connect_receive, ctx)
 
     def _connect_send(self, ctx: TransportContext) -> None:
@@ -340,6 +366,7 @@ class ZmqIpcTransport(Transport):
     async def send(self, ctx: TransportContext, version: int) -> RefitReport:
         """Offer refit ``version`` to the colocated rollout and wait for its Commit-able Done."""
         self._check_connected(ctx)
+        self._arm()
         return await ctx.blocking(self._send, ctx, version)
 
     def _send(self, ctx: TransportContext, version: int) -> RefitReport:
@@ -357,7 +384,7 @@ class ZmqIpcTransport(Transport):
             st["epoch"] = st.get("epoch", 0) + 1
             cache = st["cache"] = {"fp": self._fingerprint(ctx, names), "refs": refs, "rank": None}
         refs = cache["refs"]
-        _sync(dev)  # the trainer's last writes must be visible before the rollout reads
+        _sync(dev, chan, deadline)  # the trainer's last writes must be visible before the rollout reads
         msg = chan.expect(deadline, "waiting for the rollout's Ready", w.Ready, w.Hello)
         while isinstance(msg, w.Hello):  # the rollout reconnected (new session): welcome it again
             self._welcome(ctx, chan, msg)
@@ -394,7 +421,7 @@ class ZmqIpcTransport(Transport):
                 break
             slot = free.pop(0)
             pack(plan, bucket, ctx.params, ring[slot][0])
-            _sync(dev)
+            _sync(dev, chan, deadline)
             out[seq] = slot
             chan.send(w.BucketReady(version=version, seq=seq, slot=slot), "BucketReady")
         while done is None:
@@ -431,6 +458,7 @@ class ZmqIpcTransport(Transport):
         scales that rode along.
         """
         self._check_connected(ctx)
+        self._arm()
         return await ctx.blocking(self._receive, ctx, version)
 
     def _receive(self, ctx: TransportContext, expect_version: int | None) -> RefitReport:
@@ -503,9 +531,9 @@ class ZmqIpcTransport(Transport):
             if msg.version != offer.version or msg.seq != seq or not 0 <= msg.slot < len(ring):
                 raise ProtocolError(f"unexpected BucketReady {msg}", rank=ctx.rank, transport=self.name)
             nbytes += unpack(plan, bucket, ring[msg.slot], ctx.params)
-            _sync(dev)  # the slot is reused once acked: finish reading it first
+            _sync(dev, chan, deadline)  # the slot is reused once acked: finish reading it first
             chan.send(w.BucketDone(version=offer.version, seq=seq), "BucketDone")
-        _sync(dev)
+        _sync(dev, chan, deadline)
         want = plan.recv_bytes_per_dst_rank()[ctx.rank]
         if nbytes != want:
             raise ProtocolError(f"refit {offer.version}: pulled {nbytes} of {want} bytes", rank=ctx.rank,
@@ -558,14 +586,19 @@ class ZmqIpcTransport(Transport):
         self._closed = True
         self.abort()
         own, self._own = self._own, None
+        chan, self._chan = self._chan, None
         # The worker's socket (maybe_init_zmq) was handed to this transport: close it too.
         shared = None
         if self._state is not None and self._state.get("socket") is not None:
             shared = (self._state.pop("zmq_context", None), self._state.pop("socket"))
         if own is None and shared is None:
+            if chan is not None:
+                chan.close()
             return
 
         def close() -> None:
+            if chan is not None:
+                chan.close()  # the monitor first: a context with an open socket never terminates
             for pair in (own, shared):
                 if pair is None:
                     continue

@@ -10,12 +10,17 @@ Order of one connection and of one refit (``R`` = rollout, ``T`` = trainer)::
     R → T  Hello(rank, plan_hash, session)          connect: plan check
     T → R  Welcome(plan_hash, session, ok, reason)  ok=False → both raise PlanMismatch
     --- per refit ---
-    R → T  Ready(session, committed)                the rollout is waiting for a refit
+    R → T  Ready(session, committed, attempt)       the rollout is waiting for a refit
     T → R  Offer(version, handles, release, sources, staged_buckets, ring)
     T → R  BucketReady(version, seq, slot)          } staged sources only: at most
     R → T  BucketDone(version, seq)                 } ``len(ring)`` buckets outstanding
     R → T  Done(version, nbytes, ok, error)         every byte landed (or why not)
     T → R  Commit(version) | Abort(version, reason)  the rollout commits only on Commit
+
+Every per-refit message carries the ``attempt`` token the rollout drew for that
+refit (its Ready opens the attempt; the channel stamps and checks it): a message of
+an older, failed attempt — a late BucketDone or Done after a timeout — is dropped as
+stale instead of derailing the next refit, so the pair recovers without a rebuild.
 """
 
 from __future__ import annotations
@@ -92,6 +97,8 @@ class Welcome(Message, frozen=True, kw_only=True):
 class Ready(Message, frozen=True, kw_only=True):
     session: str
     committed: int
+    #: Fresh per refit attempt; every later message of the attempt carries it.
+    attempt: str = ""
 
 
 class Offer(Message, frozen=True, kw_only=True):
@@ -112,17 +119,20 @@ class Offer(Message, frozen=True, kw_only=True):
     #: Bumped whenever ``sources``/``ring`` change; ``sources`` is empty when the
     #: rollout already holds this epoch's table (this session).
     epoch: int = 0
+    attempt: str = ""
 
 
 class BucketReady(Message, frozen=True, kw_only=True):
     version: int
     seq: int
     slot: int
+    attempt: str = ""
 
 
 class BucketDone(Message, frozen=True, kw_only=True):
     version: int
     seq: int
+    attempt: str = ""
 
 
 class Done(Message, frozen=True, kw_only=True):
@@ -130,15 +140,18 @@ class Done(Message, frozen=True, kw_only=True):
     nbytes: int
     ok: bool
     error: str = ""
+    attempt: str = ""
 
 
 class Commit(Message, frozen=True, kw_only=True):
     version: int
+    attempt: str = ""
 
 
 class Abort(Message, frozen=True, kw_only=True):
     version: int
     reason: str
+    attempt: str = ""
 
 
 ZmqMessage = Union[Hello, Welcome, Ready, Offer, BucketReady, BucketDone, Done, Commit, Abort]
