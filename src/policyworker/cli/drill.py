@@ -39,11 +39,12 @@ _COMM = ("PeerLost", "RefitAborted", "RefitTimeout")
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    fault: str  # kill_mid | stop_mid | standdown | kill_between | flip | bad_plan
-    victim: int  # global rank: 0, 1 trainers; 2, 3 rollouts
+    fault: str  # kill_mid | stop_mid | standdown | kill_between | flip | bad_plan | cancel | refuse | engine_stall
+    victim: int  # global rank: nccl_reshard 0, 1 trainers, 2, 3 rollouts; zmq 0 trainer, 1 rollout
     expect: tuple[str, ...]  # error types acceptable on the survivors
     refit_timeout_s: float = 6.0
     checksum: bool = False
+    transport: str = "nccl_reshard"
 
 
 SCENARIOS = {
@@ -56,6 +57,16 @@ SCENARIOS = {
         Scenario("corrupt-bucket", "flip", 0, ("ProtocolError", "TransportError"), checksum=True),
         Scenario("plan-hash-mismatch", "bad_plan", 3, ("PlanMismatch",)),
         Scenario("restart-and-recover", "kill_between", 2, _COMM),
+        # A controller cancels the rollout's awaiting refit (asyncio.wait_for): the rollout is
+        # torn or intact at its old version; everyone rebuilds and commits.
+        Scenario("cancel-awaiting-refit", "cancel", 3, (*_COMM, "Cancelled", "TransportError")),
+        Scenario("zmq-kill-rollout-mid-refit", "kill_mid", 1, _COMM, transport="zmq"),
+        Scenario("zmq-kill-trainer-mid-refit", "kill_mid", 0, _COMM, transport="zmq"),
+        Scenario("zmq-stall-rollout-past-deadline", "stop_mid", 1, ("RefitTimeout", "RefitAborted"),
+                 refit_timeout_s=3.0, transport="zmq"),
+        Scenario("zmq-restart-and-recover", "kill_between", 1, _COMM, transport="zmq"),
+        Scenario("zmq-cancel-awaiting-refit", "cancel", 1, (*_COMM, "Cancelled", "TransportError"),
+                 transport="zmq"),
     )
 }
 
@@ -142,6 +153,10 @@ def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: 
                     refit = asyncio.ensure_future(w.nccl_reshard_refit(refit_timeout_s=sc.refit_timeout_s))
                 else:
                     refit = asyncio.ensure_future(w.receive_nccl_reshard_refit(refit_timeout_s=sc.refit_timeout_s))
+                if faulty and sc.fault == "cancel":
+                    from ..comm import CommGroup
+
+                    faults.after_calls(CommGroup, "wait", 6, faults.cancel_task(asyncio.get_running_loop(), refit))
                 if sc.fault == "standdown" and version == FAULT_VERSION and not out["failures"]:
                     done, _ = await asyncio.wait({refit}, timeout=1.5)
                     if not done:
@@ -161,8 +176,10 @@ def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: 
                     want, have = expected(rep.version), w.weights()
                     if not all(torch.equal(have[k], want[k]) for k in want):
                         out["mixed"] = True
-            except PolicyWorkerError as exc:
-                kind = type(exc).__name__
+            except (PolicyWorkerError, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and not (faulty and sc.fault == "cancel"):
+                    raise
+                kind = "Cancelled" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__
                 row = {"version": version, "error": kind, "detect_seconds": time.monotonic() - t0,
                        "epoch": epoch}
                 if not trainer:
@@ -181,7 +198,7 @@ def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: 
                 events.put(("failed", rank))
                 if victim and sc.fault == "bad_plan" and kind == "PlanMismatch":
                     w.load_refit_plan(plan.refit_info())  # the controller hands out the right plan
-                if kind in _COMM and not rebuilt:
+                if (kind in _COMM or kind == "Cancelled") and not rebuilt:
                     epoch += 1
                     await join(w, epoch)
                 if len(out["failures"]) > 4:
@@ -207,6 +224,15 @@ def _replacement(_index: int, rank: int, sc: Scenario, ports: list[dict], events
 def run_scenario(sc: Scenario, *, timeout_s: float = 150.0) -> dict[str, Any]:
     """Run one scenario in real processes; return its row (see ``run_drill``)."""
     from .procs import free_port, start_world
+
+    if sc.transport == "zmq":
+        from .drill_zmq import run_zmq_scenario
+
+        return _judge(sc, run_zmq_scenario(sc, timeout_s=min(timeout_s, 120.0)))
+    if sc.transport == "sglang_ipc":
+        from .drill_sglang import run_sglang_scenario
+
+        return _judge(sc, run_sglang_scenario(sc, timeout_s=min(timeout_s, 120.0)))
 
     ports = [{"update": free_port(), "stage": free_port()} for _ in range(3)]
     events = mp.get_context("spawn").Queue()
@@ -257,6 +283,7 @@ def _judge(sc: Scenario, results: dict[int, dict]) -> dict[str, Any]:
         checks["prompt"] = detect < sc.refit_timeout_s  # the transport told before the deadline
     return {
         "name": sc.name,
+        "transport": sc.transport,
         "passed": all(checks.values()),
         "detect_seconds": detect,
         "served_torn": served_torn,
@@ -274,7 +301,7 @@ def run_drill(names: list[str] | None = None, *, on_row=None) -> dict[str, Any]:
         try:
             row = run_scenario(sc)
         except Exception as exc:  # a scenario that crashed is a failed row, the drill goes on
-            row = {"name": name, "passed": False, "detect_seconds": None, "served_torn": False,
+            row = {"name": name, "transport": sc.transport, "passed": False, "detect_seconds": None, "served_torn": False,
                    "recovered": False, "errors": [f"{type(exc).__name__}: {str(exc)[:2000]}"]}
         rows.append(row)
         if on_row is not None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..comm import CommGroup
 
-__all__ = ["FlippingGroup", "MutedGroup", "die_after_waits"]
+__all__ = ["FlippingGroup", "MutedGroup", "StallingEngine", "after_calls", "cancel_task", "die_after_waits", "signal_self"]
 
 
 class MutedGroup:
@@ -66,3 +66,65 @@ def die_after_waits(k: int, sig: int = signal.SIGKILL) -> None:
         return real_wait(self, work, **kw)
 
     CommGroup.wait = wait  # type: ignore[method-assign]
+
+
+def after_calls(cls: type, attr: str, k: int, action) -> None:
+    """Run ``action()`` at this process's ``k``-th call of ``cls.attr`` from now, then the call.
+
+    The patch removes itself once it fired. Used for zmq channel waits
+    (``Channel.expect``) and engine calls, where ``die_after_waits`` counts group waits.
+    """
+    real = getattr(cls, attr)
+    count = 0
+
+    def patched(self, *args: Any, **kw: Any):
+        nonlocal count
+        count += 1
+        if count == k:
+            setattr(cls, attr, real)
+            action()
+        return real(self, *args, **kw)
+
+    setattr(cls, attr, patched)
+
+
+def signal_self(sig: int):
+    """An ``action`` for :func:`after_calls`: this process sends itself ``sig``."""
+    return lambda: os.kill(os.getpid(), sig)
+
+
+def cancel_task(loop, task):
+    """An ``action`` for :func:`after_calls` (any thread): cancel ``task`` on ``loop``,
+    as a controller's ``asyncio.wait_for`` would."""
+    return lambda: loop.call_soon_threadsafe(task.cancel)
+
+
+class StallingEngine:
+    """Wraps an in-process engine; refit ``version``'s bucket ``bucket`` never gets an answer.
+
+    It waits out the ``timeout_s`` the transport granted (as an HTTP engine's client
+    would), then raises ``RefitTimeout``; the bucket is not applied.
+    """
+
+    def __init__(self, engine, *, version: int, bucket: int) -> None:
+        self.engine, self.version, self.bucket = engine, version, bucket
+        self.wants_serialized = engine.wants_serialized
+        self.refit = 0
+
+    def update_weights_from_tensor(self, request, *, timeout_s=None):
+        import time
+
+        from ..errors import RefitTimeout
+
+        if request.bucket == 0:
+            self.refit += 1
+        if self.refit == self.version and request.bucket == self.bucket:
+            time.sleep(max(0.0, timeout_s or 0.0))
+            for worker in self.engine.workers:
+                if worker.ledger.in_flight:  # earlier buckets of this refit landed
+                    worker.ledger.fail(True)
+            raise RefitTimeout(f"the engine did not answer bucket {request.bucket} within {timeout_s:.1f} s")
+        return self.engine.update_weights_from_tensor(request, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        self.engine.close()
