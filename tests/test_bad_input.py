@@ -260,3 +260,77 @@ def test_state_snapshot_helper_detects_changes():
     assert _same(a, b)
     b["params"]["w"][0] = 1
     assert not _same(a, b)
+
+
+# -- resource limits are errors, not crashes (issue 14) --------------------------------
+def test_shm_too_small_is_a_config_error_with_needed_and_available(monkeypatch):
+    import os as _os
+
+    from policyworker.transports import ipc_handles
+
+    real = _os.statvfs
+
+    def tiny_mount(path):
+        st = real(path)
+        # a 64 MB container mount with 1 MiB left
+        return _os.statvfs_result((st.f_bsize, 4096, 16384, 256, 256, *tuple(st)[5:]))
+
+    monkeypatch.setattr(_os, "statvfs", tiny_mount)  # ipc_handles reads os.statvfs at call time
+    t = torch.zeros(1 << 20)  # 4 MiB of float32
+    before = t.untyped_storage().data_ptr()
+    with pytest.raises(ConfigError) as info:
+        ipc_handles.share_cpu(t)
+    msg = str(info.value)
+    assert f"needs {4 << 20} bytes" in msg and f"only {256 * 4096} are free" in msg
+    assert t.untyped_storage().data_ptr() == before and not t.untyped_storage().is_shared()
+    with pytest.raises(ConfigError, match="needs .* bytes"):
+        ipc_handles.flatten_into([torch.zeros(1 << 20), torch.zeros(10)], device=torch.device("cpu"),
+                                 shared_cpu=True)
+
+
+def test_shm_space_check_passes_when_it_fits():
+    from policyworker.transports import ipc_handles
+
+    t = torch.arange(16, dtype=torch.float32)
+    assert ipc_handles.share_cpu(t) in (True, False)
+    assert t.untyped_storage().is_shared() and torch.equal(t, torch.arange(16, dtype=torch.float32))
+
+
+def test_ipc_socket_path_over_the_platform_limit_is_refused_at_maybe_init_zmq(tmp_path):
+    from policyworker.transports.zmq_channel import IPC_PATH_MAX
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True, mode=0o700)
+    w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", runtime_dir=deep)
+    assert len(w.get_zmq_address()) - len("ipc://") > IPC_PATH_MAX
+    before = _state(w)
+    with pytest.raises(ConfigError, match=f"platform limit is {IPC_PATH_MAX}"):
+        w.maybe_init_zmq()
+    assert w.zmq_socket is None
+    assert _state(w)["transport_state"].get("zmq", {}).get("socket") is None
+    assert before["alive"] and w.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_store_connect_timeout_names_the_address_and_prints_no_cpp_frames():
+    import subprocess
+    import sys
+
+    from policyworker.cli.procs import free_port
+
+    port = free_port()
+    code = (
+        "from policyworker.comm import new_group\n"
+        "from policyworker.errors import RefitTimeout, PeerLost\n"
+        f"try:\n    new_group(host='127.0.0.1', port={port}, rank=1, world_size=2, name='model_update', timeout_s=1)\n"
+        "except (RefitTimeout, PeerLost) as e:\n    print('TYPED', type(e).__name__, e)\n"
+        f"try:\n    new_group(host='127.0.0.1', port={port}, rank=0, world_size=2, name='model_update', timeout_s=1)\n"
+        "except (RefitTimeout, PeerLost) as e:\n    print('TYPED', type(e).__name__, e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    out = proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TYPED")]
+    assert len(lines) == 2, out
+    assert f"127.0.0.1:{port}" in lines[0] and "rank 0 (the store's host) is missing" in lines[0]
+    assert "rank(s) [1] of 2 did not join" in lines[1]
+    assert "frame #" not in out and "Exception raised from" not in out, out

@@ -21,18 +21,22 @@ their deadline.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import os
+import queue
 import secrets
+import sys
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
-import queue
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, RefitAborted, RefitTimeout, translate_comm_error
+from .errors import ConfigError, PeerLost, RefitAborted, RefitTimeout, translate_comm_error
 
 __all__ = ["DEFAULT_TIMEOUT_S", "CommGroup", "group_on_store", "new_group", "share_token"]
 
@@ -327,14 +331,17 @@ def new_group(
     timeout = _dt.timedelta(seconds=timeout_s)
     is_master = rank == 0
     try:
-        store = dist.TCPStore(
-            host, port, world_size, is_master, timeout=timeout, wait_for_workers=False
-        )
+        with _quiet_cpp_stderr():
+            store = dist.TCPStore(
+                host, port, world_size, is_master, timeout=timeout, wait_for_workers=False
+            )
     except Exception as exc:  # torch raises DistNetworkError / RuntimeError with errno text
-        text = str(exc)
+        text = _first_line(exc)
         if is_master and ("in use" in text or "EADDRINUSE" in text or "errno: 98" in text):
-            raise ConfigError(f"port {port} on {host} is already in use (group {name!r})", rank=rank) from exc
-        raise translate_comm_error(exc, rank=rank, what=f"store connect for group {name!r}") from exc
+            raise ConfigError(f"port {port} on {host} is already in use (group {name!r})", rank=rank) from None
+        cls = RefitTimeout if any(m in text for m in ("timed out", "Timeout", "timeout")) else PeerLost
+        raise cls(f"rank {rank} of group {name!r} could not reach its store at {host}:{port} within "
+                  f"{timeout_s:g} s: rank 0 (the store's host) is missing ({text})", rank=rank) from None
     prefixed = dist.PrefixStore(f"policyworker/{name}", store)
     return group_on_store(prefixed, rank=rank, world_size=world_size, name=name, backend=backend,
                           timeout_s=timeout_s, owner_store=store, verify=verify)
@@ -358,6 +365,7 @@ def group_on_store(
     (e.g. the update group's, under a prefix of their own) use it directly.
     """
     timeout = _dt.timedelta(seconds=timeout_s)
+    _rendezvous(store, rank=rank, world_size=world_size, name=name, timeout_s=timeout_s, transport=transport)
     try:
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
@@ -376,6 +384,62 @@ def group_on_store(
             group.close()
             raise
     return group
+
+
+def _first_line(exc: BaseException) -> str:
+    """The message of a c10d error without its C++ frames."""
+    text = str(exc).strip()
+    return text.split("\nException raised from", 1)[0].splitlines()[0] if text else type(exc).__name__
+
+
+_CPP_NOISE = ("frame #", "Exception raised from", "<omitting python frames>", "[c10d]")
+
+
+@contextlib.contextmanager
+def _quiet_cpp_stderr() -> Iterator[None]:
+    """Hold back c10d's own stderr log (C++ frames) during a store call; other lines pass.
+
+    c10d logs a failed connect with a full C++ stack before it raises; the typed error
+    we raise says what matters (address, missing rank). Lines from other code written
+    meanwhile are re-emitted afterwards.
+    """
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # no real stderr (captured): nothing to hold back
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().decode(errors="replace").splitlines()
+                    if line.strip() and not any(m in line for m in _CPP_NOISE)]
+            if kept:
+                sys.stderr.write("\n".join(kept) + "\n")
+
+
+def _rendezvous(store: dist.Store, *, rank: int, world_size: int, name: str, timeout_s: float,
+                transport: str | None) -> None:
+    """Every rank checks in on the store; on timeout, name the ranks that never did."""
+    keys = [f"joined/{r}" for r in range(world_size)]
+    try:
+        with _quiet_cpp_stderr():
+            store.set(keys[rank], "1")
+            store.wait(keys, _dt.timedelta(seconds=timeout_s))
+    except Exception as exc:  # DistStoreError / RuntimeError: a timeout, or the store went away
+        try:
+            with _quiet_cpp_stderr():
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        except Exception:  # noqa: BLE001 - the store itself is gone: the host (rank 0) is missing
+            missing = [0]
+        raise RefitTimeout(f"group {name!r}: rank(s) {missing} of {world_size} did not join within "
+                           f"{timeout_s:g} s ({_first_line(exc)})", rank=rank, transport=transport) from None
 
 
 _MAGIC = 0x50574B31  # "PWK1"

@@ -155,6 +155,10 @@ class WorkerCore(DeviceQueries):
         self.profile_dir = os.path.join(self.runtime_dir, "profiles")
         self.last_profile_path = None
         self.ledger: WeightLedger | None = None
+        #: Aborted groups the executor did not leave in time: never closed under it.
+        self._leaked: list[CommGroup] = []
+        #: False when shutdown could not wait the executor out (see ``shutdown``).
+        self.shutdown_clean: bool | None = None
         #: Closers of resources the seed shims opened outside any transport (run at shutdown).
         self._closers: list[Callable[[], None]] = []
         #: Setup the seed shims attach each transport with (``transport_options``).
@@ -182,12 +186,21 @@ class WorkerCore(DeviceQueries):
         return await self._attach(name, setup)
 
     async def _new_update_group(self, ip: str, port: int, world_size: int, group_rank: int) -> None:
-        """Replace the update group (recovery). Every transport group belongs to the old world:
-        abort them (a refit blocked in one returns), then build the new group."""
-        for state in list(self._transport_state.values()):
-            for group in _groups_in(state):
-                group.abort()
-        self._set_update_group(None)
+        """Replace the update group (recovery). Every group belongs to the old world: abort
+        them (a refit blocked in one returns), let the executor leave (bounded), close the
+        old update group only then, and build the new one. The transport groups are closed
+        when their transport reconnects (it replaces them) or at shutdown."""
+        old = self.model_update_group
+        for group in self._groups():
+            group.abort()
+        drained = await _drain(self._executor, self.timeout_s)
+        self.model_update_group = None
+        for att in self._attachments.values():
+            att.connected = False
+        if old is not None and drained:
+            old.close()
+        elif old is not None:  # the executor is still inside it: leave it aborted, never close under it
+            self._leaked.append(old)
         group = await self._run(new_group, host=ip, port=port, rank=group_rank, world_size=world_size,
                                 name="model_update", timeout_s=self.timeout_s)
         self._set_update_group(group)
@@ -204,9 +217,11 @@ class WorkerCore(DeviceQueries):
             return
         for group in old:
             group.abort()
-        await _drain(self._executor, self.timeout_s)
-        for group in old:
-            group.close()
+        if await _drain(self._executor, self.timeout_s):
+            for group in old:
+                group.close()
+        else:  # the executor is still inside one: aborted, never closed under it
+            self._leaked += old
 
     # -- plumbing ------------------------------------------------------------------
     def _ensure_open(self) -> None:
@@ -470,6 +485,9 @@ class WorkerCore(DeviceQueries):
         Safe to call twice. Order matters: a group is never closed while the executor
         thread may be inside it — abort first (a blocked refit returns), wait for the
         executor (bounded by ``timeout_s``), then close transports, groups, sockets.
+        When the executor does not leave in time (a backend call no abort reaches), the
+        wait still ends: nothing it may be inside is closed (groups stay aborted),
+        ``shutdown_clean`` is False, and the process should exit soon.
         """
         if self._closed:
             return True
@@ -478,18 +496,29 @@ class WorkerCore(DeviceQueries):
             group.abort()
         for att in list(self._attachments.values()):
             att.transport.abort()
-        await _drain(self._executor, self.timeout_s)
-        await run_in_executor(None, self._executor.shutdown, True)  # idle now: returns at once
-        for name in list(self._attachments):
-            await self.detach_transport(name)
-        for state in list(self._transport_state.values()):
-            for group in _groups_in(state):
-                group.close()
-        self._close_resources()
-        for close in reversed(self._closers):
-            close()
+        drained = await _drain(self._executor, self.timeout_s)
+        self.shutdown_clean = drained
+        if drained:
+            await run_in_executor(None, self._executor.shutdown, True)  # idle now: returns at once
+        else:
+            # Bounded: the executor thread is stuck in a backend call no abort reaches. Drop
+            # queued work, do not wait, and close nothing it may be inside (groups stay aborted).
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._leaked += self._groups()
+        if drained:
+            for name in list(self._attachments):
+                await self.detach_transport(name)
+            for state in list(self._transport_state.values()):
+                for group in _groups_in(state):
+                    group.close()
+            self._close_resources()
+            for close in reversed(self._closers):
+                close()
+            self._replace_group("model_update_group", None)
+        else:  # transports, sockets and groups may be in use by the stuck thread: only forget them
+            self._attachments.clear()
+            self.model_update_group = None
         self._closers.clear()
-        self._replace_group("model_update_group", None)
         if self._control is not None:
             self._control.close()
             self._control = None

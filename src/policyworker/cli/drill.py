@@ -65,6 +65,11 @@ SCENARIOS = {
         Scenario("zmq-stall-rollout-past-deadline", "stop_mid", 1, ("RefitTimeout", "RefitAborted"),
                  refit_timeout_s=3.0, transport="zmq"),
         Scenario("zmq-restart-and-recover", "kill_between", 1, _COMM, transport="zmq"),
+        Scenario("sglang-engine-refuses-bucket", "refuse", 0, ("TransportError",), transport="sglang_ipc"),
+        Scenario("sglang-engine-times-out", "engine_stall", 0, ("RefitTimeout",), refit_timeout_s=3.0,
+                 transport="sglang_ipc"),
+        Scenario("sglang-cancel-awaiting-refit", "cancel", 0, (*_COMM, "Cancelled", "TransportError"),
+                 transport="sglang_ipc"),
         Scenario("zmq-cancel-awaiting-refit", "cancel", 1, (*_COMM, "Cancelled", "TransportError"),
                  transport="zmq"),
     )

@@ -44,14 +44,42 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+#: Where torch's file_system sharing puts its files on Linux (containers often mount 64 MB).
+SHM_DIR = "/dev/shm"
+
+
+def check_shm_space(nbytes: int, *, what: str = "shared memory", path: str = SHM_DIR) -> None:
+    """``ConfigError`` naming needed and available bytes when ``path`` cannot take ``nbytes``.
+
+    Checked before moving storages there: past the mount's size the kernel answers a
+    write into a shm file with SIGBUS, which kills the process with no Python error.
+    No such mount (not Linux): nothing to check.
+    """
+    import os
+
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise ConfigError(f"{what} needs {nbytes} bytes in {path}, only {free} are free "
+                          f"(the mount is {st.f_blocks * st.f_frsize} bytes; containers default to 64 MB: "
+                          f"raise --shm-size, or pass staged=True to move bytes through a small ring)")
+
+
 def share_cpu(t: torch.Tensor) -> bool:
     """Move ``t``'s CPU storage into file_system shared memory; True if it moved.
 
     Idempotent: a storage already there stays put. Every tensor on that storage
     (views, the Parameter itself) follows, since the storage object is re-pointed.
+    Raises ``ConfigError`` (needed and available bytes) when the shm mount is too small.
     """
-    before = t.untyped_storage().data_ptr()
-    t.untyped_storage()._share_filename_cpu_()
+    s = t.untyped_storage()
+    if not s.is_shared():
+        check_shm_space(s.nbytes(), what=f"sharing a {s.nbytes()}-byte CPU storage")
+    before = s.data_ptr()
+    s._share_filename_cpu_()
     return t.untyped_storage().data_ptr() != before
 
 
@@ -115,6 +143,8 @@ def flatten_into(tensors: Sequence[torch.Tensor], *, device: torch.device, share
         end = -(-end // item) * item  # align to the item size only: no other padding
         offsets.append(end)
         end += t.numel() * item
+    if shared_cpu:
+        check_shm_space(end, what=f"flattening {len(tensors)} tensors into one shared buffer")
     flat = torch.empty(end, dtype=torch.uint8, device=device)
     if shared_cpu:
         share_cpu(flat)

@@ -23,6 +23,8 @@ Recovery without a rebuild:
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from typing import Any
@@ -30,14 +32,32 @@ from typing import Any
 import msgspec
 import zmq
 
-from ..errors import PeerLost, ProtocolError, RefitAborted, RefitTimeout, TransportError
+from ..errors import ConfigError, PeerLost, ProtocolError, RefitAborted, RefitTimeout, TransportError
 from . import zmq_wire as w
 
-__all__ = ["Channel", "open_socket"]
+__all__ = ["IPC_PATH_MAX", "Channel", "check_endpoint", "open_socket"]
+
+#: Longest ``ipc://`` path the platform takes: ``sockaddr_un.sun_path`` less its NUL
+#: (108 - 1 on Linux, 104 - 1 on macOS/BSD).
+IPC_PATH_MAX = 103 if sys.platform == "darwin" or "bsd" in sys.platform else 107
+
+
+def check_endpoint(endpoint: str) -> None:
+    """``ConfigError`` for an ``ipc://`` path longer than the platform's socket path limit
+    (zmq would fail on it, or on some versions bind a truncated path the peer never finds)."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        n = len(os.fsencode(path))
+        if n > IPC_PATH_MAX:
+            raise ConfigError(f"IPC socket path is {n} bytes, the platform limit is {IPC_PATH_MAX}: {path!r}; "
+                              f"use a shorter runtime_dir (or POLICYWORKER_RUNTIME_DIR)", transport="zmq")
 
 
 def open_socket(endpoint: str, *, bind: bool, timeout_s: float) -> tuple[zmq.Context, zmq.Socket]:
-    """A DEALER socket on ``endpoint`` with SNDTIMEO/RCVTIMEO = ``timeout_s`` and linger 0."""
+    """A DEALER socket on ``endpoint`` with SNDTIMEO/RCVTIMEO = ``timeout_s`` and linger 0.
+
+    ``ConfigError`` for an IPC path over the platform limit (:func:`check_endpoint`)."""
+    check_endpoint(endpoint)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     ms = max(1, int(timeout_s * 1000))
