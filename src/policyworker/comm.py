@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .errors import ConfigError, PeerLost, RefitAborted, RefitTimeout, translate_comm_error
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CommGroup", "group_on_store", "new_group", "share_token"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CommGroup", "group_on_store", "nccl_device", "new_group", "share_token"]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -113,6 +113,7 @@ class CommGroup:
         name: str,
         timeout_s: float,
         owner_store: dist.TCPStore | None,
+        device: torch.device | None = None,
     ) -> None:
         self.pg = pg
         self.store = store
@@ -126,7 +127,12 @@ class CommGroup:
         self._cond = threading.Condition()
         self._waiter: _Waiter | None = None
         self._closed = False
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        # NCCL: the worker's own device, fixed at construction — never the current device of
+        # whichever thread happens to issue an operation.
+        if backend == "nccl":
+            self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
 
     # -- state ---------------------------------------------------------------------
     @property
@@ -234,7 +240,11 @@ class CommGroup:
                     raise RefitAborted(f"{what} on group {self.name!r} was aborted", rank=self.rank) from exc
                 raise translate_comm_error(exc, rank=self.rank, what=f"{what} on group {self.name!r}") from exc
             if time.monotonic() >= deadline:
-                raise RefitTimeout(f"{what} on group {self.name!r} did not finish in time", rank=self.rank)
+                # Abort the communicator itself: the kernel stuck on a dead peer returns, and
+                # NCCL's own watchdog never gets to tear the process down.
+                self.abort()
+                raise RefitTimeout(f"{what} on group {self.name!r} did not finish in time; its communicator "
+                                   f"was aborted", rank=self.rank)
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
 
@@ -278,10 +288,36 @@ class CommGroup:
         """Start a point-to-point receive; complete it with :meth:`wait`."""
         return self._track(self._issue(self.pg.recv, [tensor], src, tag, what="recv"))
 
+    def batch_isend_irecv(self, ops: Sequence[tuple[str, torch.Tensor, int]], tag: int = 0) -> list:
+        """Start several point-to-point ops at once: ``("send" | "recv", tensor, peer)``.
+
+        NCCL: one coalesced group call on the group's own (eagerly initialized)
+        communicator — no lazy 2-rank communicator per pair created inside an issue
+        call that an abort cannot reach. gloo: the ops one by one. Complete the
+        returned works with :meth:`wait_all`.
+        """
+        if self.backend != "nccl":
+            return [self.isend(t, peer, tag) if kind == "send" else self.irecv(t, peer, tag) for kind, t, peer in ops]
+        self._guard()
+        torch.cuda.set_device(self.device)
+        pg = self.pg
+        try:
+            pg._start_coalescing(self.device)
+            for kind, t, peer in ops:
+                (pg.send if kind == "send" else pg.recv)([t], peer, tag)
+            work = pg._end_coalescing(self.device)
+        except Exception as exc:  # torch raises RuntimeError/DistBackendError subclasses
+            if self._aborted.is_set():
+                raise RefitAborted(f"batch p2p on group {self.name!r} was aborted", rank=self.rank) from exc
+            raise translate_comm_error(exc, rank=self.rank, what=f"batch p2p on group {self.name!r}") from exc
+        return [] if work is None else [work]
+
     def _issue(self, op, *args, what: str):
         """Start ``op``; a backend error at issue time (gloo raises there when a pair is
         already closed) is translated like one at wait time."""
         self._guard()
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device)  # the executor thread's current device is not ours
         try:
             return op(*args)
         except Exception as exc:  # torch raises RuntimeError/DistBackendError subclasses
@@ -309,8 +345,11 @@ def new_group(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     verify: bool = True,
+    device: torch.device | int | str | None = None,
 ) -> CommGroup:
     """Build an independent group; rank 0 hosts the store at ``(host, port)``.
+
+    ``device`` (NCCL): the worker's own GPU; default the calling thread's current one.
 
     ``backend`` defaults to nccl when CUDA is available, else gloo. With ``verify`` a
     warm-up runs: rank 0 broadcasts (magic, world_size, nonce); every rank checks the
@@ -344,7 +383,7 @@ def new_group(
                   f"{timeout_s:g} s: rank 0 (the store's host) is missing ({text})", rank=rank) from None
     prefixed = dist.PrefixStore(f"policyworker/{name}", store)
     return group_on_store(prefixed, rank=rank, world_size=world_size, name=name, backend=backend,
-                          timeout_s=timeout_s, owner_store=store, verify=verify)
+                          timeout_s=timeout_s, owner_store=store, verify=verify, device=device)
 
 
 def group_on_store(
@@ -358,6 +397,7 @@ def group_on_store(
     owner_store: dist.TCPStore | None = None,
     verify: bool = True,
     transport: str | None = None,
+    device: torch.device | int | str | None = None,
 ) -> CommGroup:
     """A group whose ranks meet on ``store`` (already prefixed for it), warmed up if ``verify``.
 
@@ -370,13 +410,23 @@ def group_on_store(
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         else:
+            dev = nccl_device(device)
+            torch.cuda.set_device(dev)
+            # A stuck collective is ours to end (deadline → abort → RefitTimeout): NCCL's
+            # watchdog only cleans up (2 = CleanUpOnly), never tears the process down, and
+            # its own timeout lies past every deadline of ours.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
+            opts._timeout = _dt.timedelta(seconds=2 * timeout_s + 60)
             pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+            eager = getattr(pg, "eager_connect_single_device", None)
+            if eager is not None:
+                eager(dev)  # the communicator now, bound to our device; not lazily inside a send
     except Exception as exc:  # torch raises RuntimeError / DistError with backend text
         raise translate_comm_error(exc, rank=rank, transport=transport, what=f"creating group {name!r}") from exc
     group = CommGroup(pg, store, rank=rank, world_size=world_size, backend=backend, name=name,
-                      timeout_s=timeout_s, owner_store=owner_store)
+                      timeout_s=timeout_s, owner_store=owner_store,
+                      device=nccl_device(device) if backend == "nccl" else None)
     if verify:
         try:
             _warm_up(group, deadline=time.monotonic() + timeout_s)
@@ -384,6 +434,25 @@ def group_on_store(
             group.close()
             raise
     return group
+
+
+def nccl_device(device: torch.device | int | str | None) -> torch.device:
+    """The CUDA device an NCCL group of this worker uses: ``device`` (an index, ``"cuda:1"``,
+    a torch device), else the calling thread's current device. ``ConfigError`` otherwise."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        dev = torch.device("cuda", device) if isinstance(device, int) and not isinstance(device, bool) \
+            else torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"not a CUDA device: {device!r}") from exc
+    if dev.type != "cuda":
+        raise ConfigError(f"an NCCL group needs a CUDA device, got {dev}")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if not 0 <= dev.index < torch.cuda.device_count():
+        raise ConfigError(f"{dev} is not visible here ({torch.cuda.device_count()} visible CUDA devices)")
+    return dev
 
 
 def _first_line(exc: BaseException) -> str:

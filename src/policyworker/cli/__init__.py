@@ -116,8 +116,9 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 
         raise ConfigError(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
     console = Console()
-    console.print(f"[bold]policyworker drill[/]: {len(names)} fault scenarios, 2 trainers (tp=2) -> 2 rollouts "
-                  "(tp=2), nccl_reshard over gloo; the fault hits refit v2 of 3")
+    console.print(f"[bold]policyworker drill[/]: {len(names)} fault scenarios over nccl_reshard (2 trainers tp=2 "
+                  "-> 2 rollouts tp=2, gloo), zmq (a colocated pair) and sglang_ipc (2 trainers -> an in-process "
+                  f"engine); the fault hits refit v2 of 3; {args.jobs} at a time")
 
     def on_row(row) -> None:
         mark = "[green]pass[/]" if row["passed"] else "[red]FAIL[/]"
@@ -125,13 +126,14 @@ def _cmd_drill(args: argparse.Namespace) -> int:
                       + (f" after {row['detect_seconds']:.2f}s" if row["detect_seconds"] is not None else ""))
 
     with console.status("running scenarios in real processes…"):
-        result = run_drill(names, on_row=on_row)
+        result = run_drill(names, on_row=on_row, jobs=args.jobs)
     table = Table(title="fault drill")
     table.add_column("scenario", no_wrap=True)
+    table.add_column("transport", no_wrap=True)
     for col in ("passed", "detect s", "served torn", "recovered", "errors"):
         table.add_column(col)
     for row in result["scenarios"]:
-        table.add_row(row["name"], "yes" if row["passed"] else "NO",
+        table.add_row(row["name"], row.get("transport", "?"), "yes" if row["passed"] else "NO",
                       "-" if row["detect_seconds"] is None else f"{row['detect_seconds']:.3f}",
                       str(row["served_torn"]).lower(), str(row["recovered"]).lower(), ", ".join(row["errors"]))
     console.print(table)
@@ -203,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("drill", help="run fault scenarios (kill, stall, corrupt, ...) and check recovery")
     p.add_argument("--scenario", action="append", help="run only this scenario (repeatable)")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--jobs", type=int, default=2, help="scenarios run at the same time (default 2; each "
+                   "mostly waits on deadlines and process starts)")
     p.set_defaults(func=_cmd_drill)
 
     p = sub.add_parser("plan", help="print the reshard plan's byte counts for a preset and layouts")

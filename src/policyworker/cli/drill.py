@@ -1,6 +1,12 @@
 """``policyworker drill``: fault scenarios on the embedded CPU default, one row each.
 
-World: 2 trainers (tp=2) → 2 rollouts (tp=2), nccl_reshard over gloo, the "tiny"
+Every built-in transport is drilled: the ``nccl_reshard`` rows are here; the ``zmq``
+rows (:mod:`.drill_zmq`) and the ``sglang_ipc`` rows (:mod:`.drill_sglang`) run their
+own worlds and are judged the same way. Each transport has a *cancel* row: the
+controller cancels an awaiting refit (as ``asyncio.wait_for`` would); the rollout must
+then be torn (refusing) or at its old version with intact bytes, never mixed.
+
+nccl_reshard world: 2 trainers (tp=2) → 2 rollouts (tp=2), nccl_reshard over gloo, the "tiny"
 preset in small buckets (many messages, so "mid-refit" is real), three refits. In
 each scenario one fault hits refit v2; then the survivors recover the way a
 controller would, and the scenario passes only if
@@ -59,7 +65,8 @@ SCENARIOS = {
         Scenario("restart-and-recover", "kill_between", 2, _COMM),
         # A controller cancels the rollout's awaiting refit (asyncio.wait_for): the rollout is
         # torn or intact at its old version; everyone rebuilds and commits.
-        Scenario("cancel-awaiting-refit", "cancel", 3, (*_COMM, "Cancelled", "TransportError")),
+        Scenario("cancel-awaiting-refit", "cancel", 3, (*_COMM, "Cancelled", "TransportError"),
+                 refit_timeout_s=3.0),
         Scenario("zmq-kill-rollout-mid-refit", "kill_mid", 1, _COMM, transport="zmq"),
         Scenario("zmq-kill-trainer-mid-refit", "kill_mid", 0, _COMM, transport="zmq"),
         Scenario("zmq-stall-rollout-past-deadline", "stop_mid", 1, ("RefitTimeout", "RefitAborted"),
@@ -69,7 +76,7 @@ SCENARIOS = {
         Scenario("sglang-engine-times-out", "engine_stall", 0, ("RefitTimeout",), refit_timeout_s=3.0,
                  transport="sglang_ipc"),
         Scenario("sglang-cancel-awaiting-refit", "cancel", 0, (*_COMM, "Cancelled", "TransportError"),
-                 transport="sglang_ipc"),
+                 refit_timeout_s=3.0, transport="sglang_ipc"),
         Scenario("zmq-cancel-awaiting-refit", "cancel", 1, (*_COMM, "Cancelled", "TransportError"),
                  transport="zmq"),
     )
@@ -299,16 +306,34 @@ def _judge(sc: Scenario, results: dict[int, dict]) -> dict[str, Any]:
     }
 
 
-def run_drill(names: list[str] | None = None, *, on_row=None) -> dict[str, Any]:
-    rows = []
-    for name in names or list(SCENARIOS):
+def run_drill(names: list[str] | None = None, *, on_row=None, jobs: int = 1) -> dict[str, Any]:
+    """Run scenarios (all by default), ``jobs`` at a time; rows come back in the given order.
+
+    Scenarios share nothing (fresh ports, private runtime dirs), so they may overlap.
+    """
+    import concurrent.futures as cf
+
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"jobs must be an int >= 1, got {jobs!r}")
+    order = names or list(SCENARIOS)
+
+    def one(name: str) -> dict[str, Any]:
         sc = SCENARIOS[name]
         try:
-            row = run_scenario(sc)
+            return run_scenario(sc)
         except Exception as exc:  # a scenario that crashed is a failed row, the drill goes on
-            row = {"name": name, "transport": sc.transport, "passed": False, "detect_seconds": None, "served_torn": False,
-                   "recovered": False, "errors": [f"{type(exc).__name__}: {str(exc)[:2000]}"]}
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
-    return {"scenarios": rows, "passed": all(r["passed"] for r in rows)}
+            return {"name": name, "transport": sc.transport, "passed": False, "detect_seconds": None,
+                    "served_torn": False, "recovered": False, "errors": [f"{type(exc).__name__}: {str(exc)[:2000]}"]}
+
+    rows: dict[str, dict[str, Any]] = {}
+    with cf.ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="drill") as pool:
+        futures = {pool.submit(one, name): name for name in order}
+        for fut in cf.as_completed(futures):
+            row = fut.result()
+            rows[futures[fut]] = row
+            if on_row is not None:
+                on_row(row)
+    out = [rows[n] for n in order]
+    return {"scenarios": out, "passed": all(r["passed"] for r in out)}
