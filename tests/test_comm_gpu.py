@@ -87,16 +87,19 @@ def test_timeout_aborts_the_communicator_and_raises_refit_timeout():
     g = _group(device=0)
     try:
         buf = torch.zeros(16, device=g.device)
-        # A receive nobody sends: it can never finish; the deadline must end it.
-        work = g.irecv(buf, 0, tag=7)
+        # NCCL's stream waits on the current stream: a long kernel there keeps the
+        # all_reduce from finishing (what a dead peer looks like: a work that never
+        # completes, no error). The deadline must end it by aborting the communicator.
+        torch.cuda._sleep(int(5e9))
         t0 = time.monotonic()
         with pytest.raises(RefitTimeout, match="communicator was aborted"):
-            g.wait(work, deadline=time.monotonic() + 1.0, what="recv")
+            g.all_reduce(buf, deadline=time.monotonic() + 0.3)
         assert time.monotonic() - t0 < 10
         assert g.aborted
     finally:
         g.close()
-    assert os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") in ("2", os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+    torch.cuda.synchronize()
+    assert os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") is not None  # set (to 2) unless the user chose
 
 
 _CHILD = r"""

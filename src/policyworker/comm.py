@@ -302,10 +302,12 @@ class CommGroup:
         torch.cuda.set_device(self.device)
         pg = self.pg
         try:
-            pg._start_coalescing(self.device)
+            # On the backend object (our pg) the coalescing calls take no device: the
+            # group's own device was set above (checked on an H200, torch 2.11).
+            pg._start_coalescing()
             for kind, t, peer in ops:
                 (pg.send if kind == "send" else pg.recv)([t], peer, tag)
-            work = pg._end_coalescing(self.device)
+            work = pg._end_coalescing()
         except Exception as exc:  # torch raises RuntimeError/DistBackendError subclasses
             if self._aborted.is_set():
                 raise RefitAborted(f"batch p2p on group {self.name!r} was aborted", rank=self.rank) from exc
