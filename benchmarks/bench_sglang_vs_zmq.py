@@ -113,7 +113,7 @@ def _gpu_rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
             super().__init__(torch.nn.Linear(1, 1), **kw)  # no model to build: only the refit is measured
             self._bench_params = params
 
-        def _sglang_named_tensors(self) -> dict[str, torch.Tensor]:
+        def _named_tensors(self) -> dict[str, torch.Tensor]:
             return self._bench_params
 
     dev = torch.device("cuda", 0)
