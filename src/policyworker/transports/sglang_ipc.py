@@ -390,6 +390,9 @@ class SglangIpcTransport(Transport):
             for layout in buckets:
                 buf = bufs[layout.index % len(bufs)]
                 payload, failure, done = b"", None, None
+                if len(bufs) == 1 and layout.index > 0:
+                    # One buffer: the engine must have answered for bucket k-1 before it is repacked.
+                    pending = self._settle(ctx, version, layout.index - 1, pending, deadline)
                 try:
                     if cuda:
                         with torch.cuda.stream(stream):
@@ -400,7 +403,9 @@ class SglangIpcTransport(Transport):
                         pack_bucket(layout, ctx.params, buf)
                 except (RuntimeError, ValueError, PolicyWorkerError) as exc:
                     failure = exc
-                if layout.index > 0:
+                if len(bufs) > 1 and layout.index > 0:
+                    # Bucket k's slot was bucket k-2's, settled a round ago; k-1 is settled now,
+                    # after k was packed, so the pack overlapped the engine's load of k-1.
                     pending = self._settle(ctx, version, layout.index - 1, pending, deadline)
                 try:
                     if done is not None:
