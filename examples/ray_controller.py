@@ -232,20 +232,32 @@ class Controller:
     def step(self) -> None:
         self._get([t.train_step.remote(self.version + 1) for t in self.trainers])
 
-    def refit(self, *, hold: tuple[int, int] | None = None) -> dict[str, Any]:
-        """Refit every side at once; with ``hold=(rollout, k)`` that rollout is held after k waits."""
-        t0 = time.perf_counter()
+    def launch(self, *, hold: tuple[int, int] | None = None) -> dict[str, Any]:
+        """Start a refit on every side at once; ``hold=(rollout, k)`` holds that rollout after k waits."""
         sends = [t.refit.remote(self.refit_timeout_s) for t in self.trainers]
         recvs = [r.refit.remote(self.refit_timeout_s, hold[1] if hold and hold[0] == g else None)
                  for g, r in enumerate(self.rollouts)]
-        if hold is not None:
-            return {"sends": sends, "recvs": recvs, "t0": t0}
-        reports = self._get(sends + recvs)
-        wall = time.perf_counter() - t0
+        return {"sends": sends, "recvs": recvs, "t0": time.perf_counter()}
+
+    def finish(self, inflight: dict[str, Any]) -> dict[str, Any]:
+        """Wait for a launched refit; its row (version, seconds, bytes, GB/s)."""
+        sends = inflight["sends"]
+        reports = self._get(sends + inflight["recvs"])
+        wall = time.perf_counter() - inflight["t0"]
         received = sum(r["bytes"] for r in reports[len(sends):])
         self.version = reports[0]["version"]
         return {"version": self.version, "wall_s": wall, "slowest_side_s": max(r["seconds"] for r in reports),
                 "bytes": received, "gbps": received / wall / 1e9, "epoch": self.epoch}
+
+    def refit(self) -> dict[str, Any]:
+        return self.finish(self.launch())
+
+    def wait_held(self, rollout: int) -> None:
+        deadline = time.monotonic() + self.call_timeout_s
+        while not self._get(self.rollouts[rollout].held.remote()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout {rollout} never reached its hold point")
+            time.sleep(0.01)
 
     def verify(self) -> bool:
         """Every rollout tensor equals its shard of the trainers' state, bit for bit."""
@@ -275,14 +287,23 @@ class Controller:
             out["stand_down"].append({"count": count, "call_s": call, "rtt_s": time.perf_counter() - t0})
         return out
 
+    def probe_mid_refit(self, rollout: int, *, hold_after_waits: int = 6) -> dict[str, Any]:
+        """A refit with ``rollout`` held mid-transfer: probe every actor (:meth:`probe`), release, finish.
+
+        The stand-down disarms the trainers' deadlines without aborting: the refit still commits.
+        """
+        inflight = self.launch(hold=(rollout, hold_after_waits))
+        self.wait_held(rollout)
+        probe = self.probe()
+        self._get(self.rollouts[rollout].release.remote())
+        row = self.finish(inflight)
+        row["probe"], row["held"] = probe, True  # its seconds include the hold
+        return row
+
     def kill_and_recover(self, victim: int, *, hold_after_waits: int = 6) -> dict[str, Any]:
         """The fault recipe around one refit: a rollout dies mid-refit; rebuild; refit again."""
-        inflight = self.refit(hold=(victim, hold_after_waits))
-        deadline = time.monotonic() + self.call_timeout_s
-        while not self._get(self.rollouts[victim].held.remote()):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rollout {victim} never reached its hold point")
-            time.sleep(0.01)
+        inflight = self.launch(hold=(victim, hold_after_waits))
+        self.wait_held(victim)
         # Mid-refit: the survivors still answer at once.
         alive = [self._get(a.is_alive.remote()) for a in self.trainers]
         ray.kill(self.rollouts[victim], no_restart=True)
@@ -324,6 +345,17 @@ class Controller:
                 ray.kill(a, no_restart=True)
 
 
+def _probe_line(probe: dict[str, Any], held: int) -> str:
+    def ms(rows: list[dict], key: str) -> str:
+        return f"{max(r[key] for r in rows) * 1e3:.3f}"
+
+    counts = ", ".join(str(r["count"]) for r in probe["stand_down"])
+    return (f"  mid-refit (rollout {held} held): is_alive() max {ms(probe['is_alive'], 'call_s')} ms in the actor, "
+            f"{ms(probe['is_alive'], 'rtt_s')} ms round trip; stand_down_refit_watchdog() max "
+            f"{ms(probe['stand_down'], 'call_s')} ms in the actor, {ms(probe['stand_down'], 'rtt_s')} ms round trip "
+            f"(disarmed {counts})")
+
+
 def run(args: argparse.Namespace, *, console: Any = None) -> dict[str, Any]:
     """The controller loop; returns one row per refit (and the recovery), for tests and ``--json``."""
     say = console.print if console is not None else print
@@ -344,12 +376,16 @@ def run(args: argparse.Namespace, *, console: Any = None) -> dict[str, Any]:
                     f"survivors: {', '.join(rec['survivor_errors'])}; stood down {sd}; "
                     f"replacement wired, epoch {rec['epoch']}")
                 continue
-            row = ctl.refit()
+            probing = args.probe_at == ctl.version + 1
+            row = ctl.probe_mid_refit(args.victim) if probing else ctl.refit()
             row["bit_exact"] = ctl.verify()
             rows.append(row)
             mark = "[green]bit-exact[/]" if row["bit_exact"] else "[red]MISMATCH[/]"
             say(f"refit [bold]v{row['version']}[/]  {row['wall_s']:.3f} s  {row['gbps']:.3f} GB/s  "
-                f"{row['bytes'] / 1e6:.2f} MB to {len(ctl.rollouts)} rollouts  epoch {row['epoch']}  {mark}")
+                f"{row['bytes'] / 1e6:.2f} MB to {len(ctl.rollouts)} rollouts  epoch {row['epoch']}  {mark}"
+                f"{'  (held for the probe)' if probing else ''}")
+            if probing:
+                say(_probe_line(row["probe"], args.victim))
     finally:
         ctl.shutdown()
     return {"refits": rows, "recoveries": recoveries, "bit_exact": all(r["bit_exact"] for r in rows) and bool(rows)}
@@ -360,7 +396,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--refits", type=int, default=3)
     p.add_argument("--kill-rollout-at", type=int, default=None, metavar="N",
                    help="kill a rollout actor in the middle of refit N, then recover")
-    p.add_argument("--victim", type=int, default=1, help="which rollout rank --kill-rollout-at kills")
+    p.add_argument("--probe-at", type=int, default=None, metavar="N",
+                   help="during refit N, hold a rollout mid-transfer and time is_alive() / "
+                        "stand_down_refit_watchdog() on the actors, then let the refit finish")
+    p.add_argument("--victim", type=int, default=1, help="the rollout rank --kill-rollout-at / --probe-at picks")
     p.add_argument("--train", default="tp=2")
     p.add_argument("--gen", default="tp=2")
     p.add_argument("--preset", default="tiny")
