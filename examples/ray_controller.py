@@ -358,7 +358,11 @@ def _probe_line(probe: dict[str, Any], held: int) -> str:
 
 def run(args: argparse.Namespace, *, console: Any = None) -> dict[str, Any]:
     """The controller loop; returns one row per refit (and the recovery), for tests and ``--json``."""
-    say = console.print if console is not None else print
+    if console is None:
+        from rich.console import Console
+
+        console = Console()
+    say = console.print
     ctl = Controller(train=args.train, gen=args.gen, preset=args.preset)
     t0 = time.perf_counter()
     ctl.start()
@@ -412,14 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import tempfile
 
-    from rich.console import Console
-
     args = parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     with tempfile.TemporaryDirectory(prefix="pwray") as tmp:
         ray.init(num_cpus=args.num_cpus, _temp_dir=tmp, include_dashboard=False, log_to_driver=False)
         try:
-            result = run(args, console=Console())
+            result = run(args)
         finally:
             ray.shutdown()
     if args.json:
