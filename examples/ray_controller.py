@@ -154,6 +154,10 @@ class Rollout:
     def is_alive(self) -> tuple[bool, float]:
         return _timed(self.worker.is_alive)
 
+    def status(self) -> dict[str, Any]:
+        """The committed version and the torn mark (a torn rollout refuses to serve)."""
+        return {"version": self.worker.weight_version, "torn": self.worker.torn}
+
     async def shutdown(self) -> bool:
         return await self.worker.shutdown()
 
@@ -331,10 +335,11 @@ class Controller:
                 failed.append("committed")
             except ray.exceptions.RayTaskError as exc:
                 failed.append(_cause(exc))
+        survivors = [self._get(r.status.remote()) for g, r in enumerate(self.rollouts) if g != victim]
         # (4) every trainer announces the survivors' count (a replacement trainer would need it).
         self._get([t.refit_version.remote(self.version) for t in self.trainers])
         return {"death": death, "alive_mid_refit": alive, "stood_down": stood, "survivor_errors": failed,
-                "epoch": self.epoch}
+                "survivors": survivors, "epoch": self.epoch}
 
     def shutdown(self) -> None:
         refs = [a.shutdown.remote() for a in self.trainers + self.rollouts]
@@ -343,6 +348,10 @@ class Controller:
         finally:
             for a in self.trainers + self.rollouts:
                 ray.kill(a, no_restart=True)
+
+
+def _states(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(f"v{r['version']}{' torn' if r['torn'] else ''}" for r in rows)
 
 
 def _probe_line(probe: dict[str, Any], held: int) -> str:
@@ -378,7 +387,7 @@ def run(args: argparse.Namespace, *, console: Any = None) -> dict[str, Any]:
                 sd = ", ".join(f"{n} in {s * 1e3:.2f} ms" for n, s in rec["stood_down"])
                 say(f"[red]refit v{ctl.version + 1}: rollout {args.victim} killed mid-refit[/] ({rec['death']}); "
                     f"survivors: {', '.join(rec['survivor_errors'])}; stood down {sd}; "
-                    f"replacement wired, epoch {rec['epoch']}")
+                    f"surviving rollouts {_states(rec['survivors'])}; replacement wired, epoch {rec['epoch']}")
                 continue
             probing = args.probe_at == ctl.version + 1
             row = ctl.probe_mid_refit(args.victim) if probing else ctl.refit()

@@ -83,6 +83,8 @@ def test_killed_rollout_is_replaced_and_the_next_refit_commits(example):
     # The survivors' refit v2 failed (the dead peer, or the rebuild's abort); none committed.
     assert len(rec["survivor_errors"]) == 3 and "committed" not in rec["survivor_errors"]
     assert set(rec["survivor_errors"]) <= {"PeerLost", "RefitAborted", "RefitTimeout"}
+    # The surviving rollout still holds v1 (torn if bytes of v2 had landed), never v2.
+    assert [s["version"] for s in rec["survivors"]] == [1]
     rows = result["refits"]
     assert [r["version"] for r in rows] == [1, 2, 3]
     assert [r["epoch"] for r in rows] == [1, 2, 2]
