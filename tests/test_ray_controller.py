@@ -89,3 +89,16 @@ def test_killed_rollout_is_replaced_and_the_next_refit_commits(example):
     assert [r["version"] for r in rows] == [1, 2, 3]
     assert [r["epoch"] for r in rows] == [1, 2, 2]
     assert all(r["bit_exact"] for r in rows) and result["bit_exact"]
+
+
+@pytest.mark.timeout(60)
+def test_node_free_ports_are_distinct_and_bindable_on_this_node(example):
+    import socket
+
+    from policyworker.integrations.ray import node_free_ports
+
+    ip, ports = node_free_ports(3)
+    assert ip == ray.util.get_node_ip_address() and len(set(ports)) == 3
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, port))
