@@ -30,6 +30,7 @@ timeout, every refit its deadline.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 import threading
@@ -90,8 +91,14 @@ class Trainer:
         await self.worker.attach_transport(TRANSPORT, plan=info, group=self.worker.pp_comm_group, stage=self.stage,
                                            **RESHARD)
 
-    def train_step(self, step: int) -> None:
-        """Stand-in for a training step: a seeded update, identical on every trainer."""
+    async def train_step(self, step: int) -> None:
+        """Stand-in for a training step: a seeded update, identical on every trainer.
+
+        Off the loop (a thread), as a real step would be: the actor keeps answering.
+        """
+        await asyncio.to_thread(self._step, step)
+
+    def _step(self, step: int) -> None:
         gen = torch.Generator().manual_seed(1000 + step)
         with torch.no_grad():
             for _, p in self.model.named_parameters():
