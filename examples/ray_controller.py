@@ -211,7 +211,6 @@ class Controller:
     info: dict | None = None
     version: int = 0               # the last committed refit
     epoch: int = 0
-    log: Any = print
 
     def __post_init__(self) -> None:
         self.train_par, self.gen_par = Parallelism.parse(self.train), Parallelism.parse(self.gen)
@@ -245,10 +244,11 @@ class Controller:
 
     def launch(self, *, hold: tuple[int, int] | None = None) -> dict[str, Any]:
         """Start a refit on every side at once; ``hold=(rollout, k)`` holds that rollout after k waits."""
+        t0 = time.perf_counter()
         sends = [t.refit.remote(self.refit_timeout_s) for t in self.trainers]
         recvs = [r.refit.remote(self.refit_timeout_s, hold[1] if hold and hold[0] == g else None)
                  for g, r in enumerate(self.rollouts)]
-        return {"sends": sends, "recvs": recvs, "t0": time.perf_counter()}
+        return {"sends": sends, "recvs": recvs, "t0": t0}
 
     def finish(self, inflight: dict[str, Any]) -> dict[str, Any]:
         """Wait for a launched refit; its row (version, seconds, bytes, GB/s)."""
@@ -395,7 +395,7 @@ def run(args: argparse.Namespace, *, console: Any = None) -> dict[str, Any]:
                 say(f"[red]refit v{ctl.version + 1}: rollout {args.victim} killed mid-refit[/] ({rec['death']}); "
                     f"survivors: {', '.join(rec['survivor_errors'])}; stood down {sd}; "
                     f"surviving rollouts {_states(rec['survivors'])}; replacement wired, epoch {rec['epoch']}")
-                continue
+                # The training step is not run again: the same weights are refit once more.
             probing = args.probe_at == ctl.version + 1
             row = ctl.probe_mid_refit(args.victim) if probing else ctl.refit()
             row["bit_exact"] = ctl.verify()
@@ -425,7 +425,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--json", default=None, help="write the rows here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.refits < 1:
+        p.error("--refits must be >= 1")
+    for flag, n in (("--kill-rollout-at", args.kill_rollout_at), ("--probe-at", args.probe_at)):
+        if n is not None and not 1 <= n <= args.refits:
+            p.error(f"{flag} must name one of the refits 1..{args.refits}")
+    if args.kill_rollout_at is not None and args.kill_rollout_at == args.probe_at:
+        p.error("--kill-rollout-at and --probe-at must name different refits")
+    if not 0 <= args.victim < Parallelism.parse(args.gen).world_size:
+        p.error(f"--victim must be a rollout rank of {args.gen}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
