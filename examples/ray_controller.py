@@ -49,8 +49,10 @@ from policyworker.models import get_preset
 from policyworker.testing.toy_model import build_model
 
 TRANSPORT = "nccl_reshard"
-# Small buckets: many messages per refit, so "mid-refit" is a wide window.
-RESHARD = {"bucket_bytes": 4096, "in_flight": 4}
+# Default setup of nccl_reshard here: small buckets, many messages per refit, so that
+# "mid-refit" is a wide window for the fault paths; --bucket-bytes 16777216 (the
+# transport's default) for throughput on larger presets.
+BUCKET_BYTES, IN_FLIGHT = 4096, 4
 
 
 def _report(rep: Any) -> dict[str, Any]:
@@ -67,8 +69,10 @@ def _timed(fn) -> tuple[Any, float]:
 class Trainer:
     """One trainer rank: a ``TorchPolicyWorker`` over the toy model (the full model on each rank)."""
 
-    def __init__(self, rank: int, train: str, gen: str, preset: str, seed: int, timeout_s: float) -> None:
+    def __init__(self, rank: int, train: str, gen: str, preset: str, seed: int, timeout_s: float,
+                 reshard: dict[str, int]) -> None:
         torch.set_num_threads(1)
+        self.reshard = reshard
         self.rank, self.train, self.gen = rank, Parallelism.parse(train), Parallelism.parse(gen)
         self.model = build_model(get_preset(preset), seed=seed)
         self.worker = TorchPolicyWorker(self.model, rank=rank, world_size=self.train.world_size, device="cpu",
@@ -89,7 +93,7 @@ class Trainer:
 
     async def attach(self, info: dict) -> None:
         await self.worker.attach_transport(TRANSPORT, plan=info, group=self.worker.pp_comm_group, stage=self.stage,
-                                           **RESHARD)
+                                           **self.reshard)
 
     async def train_step(self, step: int) -> None:
         """Stand-in for a training step: a seeded update, identical on every trainer.
@@ -129,8 +133,9 @@ class Trainer:
 class Rollout:
     """One generation rank: a ``RolloutWorker`` whose tensors the plan allocates."""
 
-    def __init__(self, rank: int, gen_world_size: int, timeout_s: float) -> None:
+    def __init__(self, rank: int, gen_world_size: int, timeout_s: float, reshard: dict[str, int]) -> None:
         torch.set_num_threads(1)
+        self.reshard = reshard
         self.worker = RolloutWorker(rank=rank, gen_world_size=gen_world_size, device="cpu", timeout_s=timeout_s)
         self._held = threading.Event()
         self._release = threading.Event()
@@ -142,7 +147,8 @@ class Rollout:
         await join_rollout(self.worker, wiring.rollout())
 
     async def attach(self, info: dict) -> None:
-        await self.worker.attach_transport(TRANSPORT, plan=info, groups=self.worker.stage_groups, **RESHARD)
+        await self.worker.attach_transport(TRANSPORT, plan=info, groups=self.worker.stage_groups,
+                                           **self.reshard)
 
     async def refit(self, timeout_s: float, hold_after_waits: int | None = None) -> dict[str, Any]:
         if hold_after_waits is not None:
@@ -206,6 +212,7 @@ class Controller:
     timeout_s: float = 30.0        # every worker wait (group formation, point to point)
     refit_timeout_s: float = 30.0  # each refit's deadline
     call_timeout_s: float = 60.0   # every ray.get
+    bucket_bytes: int = BUCKET_BYTES
     trainers: list[Any] = field(default_factory=list)
     rollouts: list[Any] = field(default_factory=list)
     info: dict | None = None
@@ -214,18 +221,19 @@ class Controller:
 
     def __post_init__(self) -> None:
         self.train_par, self.gen_par = Parallelism.parse(self.train), Parallelism.parse(self.gen)
+        self.reshard = {"bucket_bytes": self.bucket_bytes, "in_flight": IN_FLIGHT}  # equal on every rank
 
     def _get(self, refs: Any, timeout_s: float | None = None) -> Any:
         return ray.get(refs, timeout=timeout_s or self.call_timeout_s)
 
     def start(self) -> None:
-        self.trainers = [Trainer.remote(r, self.train, self.gen, self.preset, 0, self.timeout_s)
+        self.trainers = [Trainer.remote(r, self.train, self.gen, self.preset, 0, self.timeout_s, self.reshard)
                          for r in range(self.train_par.world_size)]
         self.rollouts = [self._new_rollout(g) for g in range(self.gen_par.world_size)]
         self.wire()
 
     def _new_rollout(self, rank: int) -> Any:
-        return Rollout.remote(rank, self.gen_par.world_size, self.timeout_s)
+        return Rollout.remote(rank, self.gen_par.world_size, self.timeout_s, self.reshard)
 
     def wire(self) -> None:
         """One epoch: fresh ports on the hosts' nodes, every side joins, the plan, every side attaches."""
@@ -379,7 +387,8 @@ def run(args: argparse.Namespace, *, console: Any = None) -> dict[str, Any]:
 
         console = Console()
     say = console.print
-    ctl = Controller(train=args.train, gen=args.gen, preset=args.preset)
+    ctl = Controller(train=args.train, gen=args.gen, preset=args.preset, bucket_bytes=args.bucket_bytes,
+                     timeout_s=args.timeout, refit_timeout_s=args.timeout, call_timeout_s=2 * args.timeout)
     t0 = time.perf_counter()
     ctl.start()
     say(f"[bold]ray controller[/]: {len(ctl.trainers)} trainers ({args.train}) → {len(ctl.rollouts)} rollouts "
@@ -423,6 +432,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train", default="tp=2")
     p.add_argument("--gen", default="tp=2")
     p.add_argument("--preset", default="tiny")
+    p.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES,
+                   help="nccl_reshard bucket size (small: many messages; 16777216 for throughput)")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds: every worker wait and each refit's deadline (ray.get: twice that)")
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
