@@ -311,12 +311,13 @@ class Controller:
 
         The stand-down disarms the trainers' deadlines without aborting: the refit still commits.
         """
+        idle = self.probe()  # the baseline: the same calls between refits
         inflight = self.launch(hold=(rollout, hold_after_waits))
         self.wait_held(rollout)
         probe = self.probe()
         self._get(self.rollouts[rollout].release.remote())
         row = self.finish(inflight)
-        row["probe"], row["held"] = probe, True  # its seconds include the hold
+        row["probe"], row["probe_idle"], row["held"] = probe, idle, True  # its seconds include the hold
         return row
 
     def kill_and_recover(self, victim: int, *, hold_after_waits: int = 6) -> dict[str, Any]:
@@ -369,15 +370,16 @@ def _states(rows: list[dict[str, Any]]) -> str:
     return ", ".join(f"v{r['version']}{' torn' if r['torn'] else ''}" for r in rows)
 
 
-def _probe_line(probe: dict[str, Any], held: int) -> str:
-    def ms(rows: list[dict], key: str) -> str:
-        return f"{max(r[key] for r in rows) * 1e3:.3f}"
+def _probe_line(probe: dict[str, Any], idle: dict[str, Any], held: int) -> str:
+    def ms(p: dict[str, Any], call: str, key: str) -> str:
+        return f"{max(r[key] for r in p[call]) * 1e3:.3f}"
 
+    label = {"is_alive": "is_alive()", "stand_down": "stand_down_refit_watchdog()"}
+    parts = [f"{label[call]} max {ms(probe, call, 'call_s')} ms in the actor, {ms(probe, call, 'rtt_s')} ms round trip "
+             f"(between refits: {ms(idle, call, 'call_s')} / {ms(idle, call, 'rtt_s')} ms)"
+             for call in ("is_alive", "stand_down")]
     counts = ", ".join(str(r["count"]) for r in probe["stand_down"])
-    return (f"  mid-refit (rollout {held} held): is_alive() max {ms(probe['is_alive'], 'call_s')} ms in the actor, "
-            f"{ms(probe['is_alive'], 'rtt_s')} ms round trip; stand_down_refit_watchdog() max "
-            f"{ms(probe['stand_down'], 'call_s')} ms in the actor, {ms(probe['stand_down'], 'rtt_s')} ms round trip "
-            f"(disarmed {counts})")
+    return f"  mid-refit (rollout {held} held): " + "; ".join(parts) + f"; stand-down disarmed {counts}"
 
 
 def run(args: argparse.Namespace, *, console: Any = None) -> dict[str, Any]:
@@ -414,7 +416,7 @@ def run(args: argparse.Namespace, *, console: Any = None) -> dict[str, Any]:
                 f"{row['bytes'] / 1e6:.2f} MB to {len(ctl.rollouts)} rollouts  epoch {row['epoch']}  {mark}"
                 f"{'  (held for the probe)' if probing else ''}")
             if probing:
-                say(_probe_line(row["probe"], args.victim))
+                say(_probe_line(row["probe"], row["probe_idle"], args.victim))
     finally:
         ctl.shutdown()
     return {"refits": rows, "recoveries": recoveries, "bit_exact": all(r["bit_exact"] for r in rows) and bool(rows)}

@@ -75,8 +75,11 @@ def test_is_alive_and_stand_down_answer_during_a_refit(controller_run):
     # Loose bounds (a shared 2-core machine); the measured figures go to RESULTS.md.
     for p in probe["is_alive"] + probe["stand_down"]:
         assert p["call_s"] < 0.5 and p["rtt_s"] < 0.5, p
-    print("probe (ms in the actor, ms round trip)",
-          {k: [(round(p["call_s"] * 1e3, 4), round(p["rtt_s"] * 1e3, 3)) for p in v] for k, v in probe.items()})
+    # Between refits nothing was armed: the same call disarmed nothing.
+    assert [p["count"] for p in row["probe_idle"]["stand_down"]] == [0, 0]
+    for name, p in (("mid-refit", probe), ("between refits", row["probe_idle"])):
+        print(name, "(ms in the actor, ms round trip)",
+              {k: [(round(q["call_s"] * 1e3, 4), round(q["rtt_s"] * 1e3, 3)) for q in v] for k, v in p.items()})
 
 
 @pytest.mark.timeout(120)
