@@ -78,6 +78,7 @@ async def test_check_transport(tmp_path, checksum):
     assert committed(str(tmp_path / "pair-0")) == ["v00000002", "v00000003"]  # keep=2
 
 
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": False})], ids=["asyncio"])
 async def test_check_transport_cut_short_mid_copy_is_torn(tmp_path, monkeypatch):
     """The suite's cut-short step, made deterministic: the copy lands one tensor, then
     holds (as a large copy would) until the suite's abort arrives — or 3 s pass, in
