@@ -34,7 +34,7 @@ from policyworker.errors import PlanError
 from policyworker.layout import fp8
 from policyworker.layout.fp8 import FP8_MAX
 
-__all__ = ["dequantize", "pack_copy", "quantize_into", "quantize_reference", "reference_local",
+__all__ = ["QuantJobs", "dequantize", "pack_copy", "quant_job", "quantize_into", "quantize_reference", "reference_local",
            "scale_tensors", "unpack_copy"]
 
 F8 = torch.float8_e4m3fn
@@ -164,3 +164,45 @@ def reference_local(plan, rank: int, name: str, high: torch.Tensor) -> dict[str,
         s.narrow(0, row, ps.shape[0]).copy_(ps)
         row += ps.shape[0]
     return {name: q, fp8.scale_name(name): s}
+
+
+class QuantJobs:
+    """A fixed list of ``(src, q, s)`` quantizations, run together (the colocated
+    pull: source views straight into the rollout's fp8 tensors and scales). On CUDA
+    one Triton launch whose tables are built once; on CPU the band loop per job."""
+
+    def __init__(self, jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128) -> None:
+        self.jobs, self.block = list(jobs), block
+        self.nbytes = sum(q.numel() + 4 * s.numel() for _, q, s in self.jobs)
+        self._cuda = None
+        if self.jobs and self.jobs[0][0].device.type == "cuda":
+            from policyworker.ops.fp8_triton import QuantProgram
+
+            self._cuda = QuantProgram(self.jobs, block)
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def run(self) -> int:
+        """Quantize every job; returns the bytes written (fp8 + scales)."""
+        if self._cuda is not None:
+            self._cuda.run()
+        else:
+            for src, q, s in self.jobs:
+                quantize_into(src, q, s, self.block)
+        return self.nbytes
+
+
+def quant_job(plan, c, src_local: torch.Tensor, dst_tensors: Mapping[str, torch.Tensor]):
+    """``(src, q, s)`` views of quantized copy ``c``: its source box in ``src_local``
+    and its destination box and scale blocks in the receiver's tensors."""
+    block = fp8.block_of(plan)
+    name = plan.body.tensor_names[c.dst_tensor]
+    sname = fp8.scale_name(name)
+    if name not in dst_tensors or sname not in dst_tensors:
+        missing = name if name not in dst_tensors else sname
+        raise PlanError(f"receiver local tensors lack {missing!r}", param=missing)
+    br, bc = fp8.blocks(c.start, c.stop, block)
+    sr, sc = fp8.scale_at(plan, c)
+    return (_region(src_local, c.src_at, c.start, c.stop), _region(dst_tensors[name], c.dst_at, c.start, c.stop),
+            dst_tensors[sname].narrow(0, sr, br).narrow(1, sc, bc))

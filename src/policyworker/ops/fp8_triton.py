@@ -1,0 +1,140 @@
+"""Block-FP8 quantization on CUDA: one Triton kernel, one read of the source.
+
+Each program quantizes one ``block x block`` tile of one *job* (a 2-D source view,
+its fp8 destination view, its float32 scale view): it loads the tile once (bf16
+or float32), takes ``amax``, and writes the tile's fp8 values and its one scale.
+All jobs of a refit go in a single launch: a job table (addresses, row strides,
+sizes) and a tile table (job, block row, block column) built once per program and
+kept (:class:`QuantProgram`), so a refit of hundreds of tensors costs one launch,
+not hundreds. The arithmetic is that of :func:`policyworker.layout.fp8_pack.
+quantize_reference`, bit for bit: IEEE division (``div_rn``, not Triton's default
+approximate fp32 division), ``s = 1`` for an all-zero block, clamp to ±448, then
+round-to-nearest-even to e4m3.
+
+Launches go on a side stream per device (after it waits for the current stream,
+and the current stream then waits for it), so the quantization overlaps other
+copies of the refit while everything issued later on the current stream still
+sees its results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["QuantProgram", "quantize_jobs"]
+
+_JOB_COLS = 8  # src addr, src row stride, dst addr, dst row stride, scale addr, scale row stride, rows, cols
+
+
+@triton.jit
+def _fp8_block_kernel(tiles_ptr, jobs_ptr, BLOCK: tl.constexpr, SRC_BF16: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    job = tl.load(tiles_ptr + 3 * t).to(tl.int64)
+    bi = tl.load(tiles_ptr + 3 * t + 1).to(tl.int64)
+    bj = tl.load(tiles_ptr + 3 * t + 2).to(tl.int64)
+    row = jobs_ptr + job * 8
+    if SRC_BF16:
+        src = tl.load(row).to(tl.pointer_type(tl.bfloat16))
+    else:
+        src = tl.load(row).to(tl.pointer_type(tl.float32))
+    src_rs = tl.load(row + 1)
+    dst = tl.load(row + 2).to(tl.pointer_type(tl.float8e4nv))
+    dst_rs = tl.load(row + 3)
+    sc = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    sc_rs = tl.load(row + 5)
+    n = tl.load(row + 6)
+    k = tl.load(row + 7)
+    r = bi * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    c = bj * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    mask = (r[:, None] < n) & (c[None, :] < k)
+    x = tl.load(src + r[:, None] * src_rs + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    s = tl.math.div_rn(amax, amax * 0.0 + 448.0)
+    s = tl.where(amax == 0.0, 1.0, s)
+    y = tl.math.div_rn(x, tl.zeros_like(x) + s)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    tl.store(dst + r[:, None] * dst_rs + c[None, :], y.to(tl.float8e4nv), mask=mask)
+    tl.store(sc + bi * sc_rs + bj, s)
+
+
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    s = _STREAMS.get(index)
+    if s is None:
+        s = _STREAMS[index] = torch.cuda.Stream(device=index)
+    return s
+
+
+class QuantProgram:
+    """A fixed set of quantization jobs, tables built once; `run` launches them.
+
+    ``jobs``: ``(src, q, s)`` triples on one CUDA device; ``src`` 2-D bf16/float32,
+    ``q`` fp8 of the same shape, ``s`` float32 ``[ceil(n/B), ceil(k/B)]``, each with
+    unit stride in its last dim. The views must stay valid while the program lives.
+    """
+
+    def __init__(self, jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128) -> None:
+        self.block = block
+        self.nbytes = 0
+        self._launches: list[tuple[torch.Tensor, torch.Tensor, int, bool]] = []
+        self._keep = list(jobs)
+        groups: dict[bool, list] = {}
+        device = None
+        for src, q, s in jobs:
+            if src.dim() != 2 or q.shape != src.shape or q.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"bad fp8 job: src {tuple(src.shape)} q {tuple(q.shape)} {q.dtype}")
+            br, bc = -(-src.shape[0] // block), -(-src.shape[1] // block)
+            if tuple(s.shape) != (br, bc) or s.dtype != torch.float32:
+                raise ValueError(f"bad fp8 scale view {tuple(s.shape)} {s.dtype}, want {(br, bc)} float32")
+            if src.numel() and (src.stride(1) != 1 or q.stride(1) != 1 or s.stride(1) != 1):
+                raise ValueError("fp8 job views need unit stride in their last dim")
+            if src.dtype not in (torch.bfloat16, torch.float32):
+                raise ValueError(f"fp8 sources are bfloat16 or float32, got {src.dtype}")
+            device = src.device
+            if src.numel():
+                groups.setdefault(src.dtype == torch.bfloat16, []).append((src, q, s, br, bc))
+            self.nbytes += q.numel() + 4 * s.numel()
+        for is_bf16, items in groups.items():
+            table = torch.tensor([[src.data_ptr(), src.stride(0), q.data_ptr(), q.stride(0), s.data_ptr(),
+                                   s.stride(0), src.shape[0], src.shape[1]] for src, q, s, _, _ in items],
+                                 dtype=torch.int64)
+            counts = torch.tensor([br * bc for *_, br, bc in items], dtype=torch.int64)
+            cols = torch.tensor([bc for *_, bc in items], dtype=torch.int64)
+            job = torch.repeat_interleave(torch.arange(len(items)), counts)
+            first = torch.cumsum(counts, 0) - counts
+            local = torch.arange(int(counts.sum())) - first[job]
+            tiles = torch.stack([job, local // cols[job], local % cols[job]], 1).to(torch.int32).contiguous()
+            self._launches.append((tiles.to(device), table.to(device), tiles.shape[0], is_bf16))
+        self.device = device
+
+    def run(self) -> None:
+        """Launch every job on the device's side stream (ordered after, and before,
+        the current stream's work; see the module docstring)."""
+        if not self._launches:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        side = _side_stream(self.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for tiles, table, ntiles, is_bf16 in self._launches:
+                _fp8_block_kernel[(ntiles,)](tiles, table, BLOCK=self.block, SRC_BF16=is_bf16, num_warps=8)
+        cur.wait_stream(side)
+
+
+def quantize_jobs(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128) -> None:
+    """Quantize ``jobs`` now (a one-off `QuantProgram`)."""
+    prog = QuantProgram(jobs, block)
+    prog.run()
+    # The tables were made on the current stream and are used on the side one: keep
+    # them alive until that work is done.
+    side = _side_stream(prog.device) if prog.device is not None else None
+    for tiles, table, _, _ in prog._launches:
+        tiles.record_stream(side)
+        table.record_stream(side)
