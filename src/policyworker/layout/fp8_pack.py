@@ -193,10 +193,12 @@ class QuantJobs:
     def __len__(self) -> int:
         return len(self.jobs)
 
-    def run(self) -> int:
-        """Quantize every job; returns the bytes written (fp8 + scales)."""
+    def run(self, *, join: bool = True) -> int:
+        """Quantize every job; returns the bytes written (fp8 + scales). On CUDA the
+        launch goes on a side stream; ``join=False`` leaves the current stream free to
+        run other copies meanwhile (the caller synchronizes the device before use)."""
         if self._cuda is not None:
-            self._cuda.run()
+            self._cuda.run(join=join)
         else:
             for src, q, s in self.jobs:
                 quantize_into(src, q, s, self.block)

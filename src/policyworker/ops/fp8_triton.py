@@ -3,10 +3,10 @@
 Each program quantizes one ``block x block`` tile of one *job* (a 2-D source view,
 its fp8 destination view, its float32 scale view): it loads the tile once (bf16
 or float32), takes ``amax``, and writes the tile's fp8 values and its one scale.
-All jobs of a refit go in a single launch: a job table (addresses, row strides,
-sizes) and a tile table (job, block row, block column) built once per program and
-kept (:class:`QuantProgram`), so a refit of hundreds of tensors costs one launch,
-not hundreds. The arithmetic is that of :func:`policyworker.layout.fp8_pack.
+All jobs of a refit go in one launch (two when some views are not 16-byte aligned):
+a job table (offsets, row strides, sizes) and a tile table (job, block row, block
+column) built once per program and kept (:class:`QuantProgram`), so a refit of
+hundreds of tensors costs one launch, not hundreds. The arithmetic is that of :func:`policyworker.layout.fp8_pack.
 quantize_reference`, bit for bit: IEEE division (``div_rn``, not Triton's default
 approximate fp32 division), ``s = 1`` for an all-zero block, clamp to ±448, then
 round-to-nearest-even to e4m3.
@@ -27,38 +27,52 @@ import triton.language as tl
 
 __all__ = ["QuantProgram", "quantize_jobs"]
 
-_JOB_COLS = 8  # src addr, src row stride, dst addr, dst row stride, scale addr, scale row stride, rows, cols
+# Job table columns (int64): source offset and row stride (elements of the source
+# dtype, from the launch's source base), fp8 offset and row stride (bytes, from the
+# fp8 base), scale offset and row stride (float32 elements, from the scale base),
+# rows, columns. Offsets from one base pointer per kind (they may be negative) keep
+# real pointer arguments, whose 16-byte alignment Triton knows; with ``ALIGNED`` the
+# offsets and strides are promised to keep every row 16-byte aligned too, so each
+# thread loads and stores 16 bytes at a time.
+_JOB_COLS = 8
 
 
 @triton.jit
-def _fp8_block_kernel(tiles_ptr, jobs_ptr, BLOCK: tl.constexpr, SRC_BF16: tl.constexpr):
+def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.constexpr,
+                      SRC_BF16: tl.constexpr, ALIGNED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     job = tl.load(tiles_ptr + 3 * t).to(tl.int64)
     bi = tl.load(tiles_ptr + 3 * t + 1).to(tl.int64)
     bj = tl.load(tiles_ptr + 3 * t + 2).to(tl.int64)
     row = jobs_ptr + job * 8
-    if SRC_BF16:
-        src = tl.load(row).to(tl.pointer_type(tl.bfloat16))
-    else:
-        src = tl.load(row).to(tl.pointer_type(tl.float32))
+    src_off = tl.load(row)
     src_rs = tl.load(row + 1)
-    dst = tl.load(row + 2).to(tl.pointer_type(tl.float8e4nv))
+    dst_off = tl.load(row + 2)
     dst_rs = tl.load(row + 3)
-    sc = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    sc_off = tl.load(row + 4)
     sc_rs = tl.load(row + 5)
     n = tl.load(row + 6)
     k = tl.load(row + 7)
+    if ALIGNED:
+        if SRC_BF16:
+            src_off = tl.multiple_of(src_off, 8)
+            src_rs = tl.multiple_of(src_rs, 8)
+        else:
+            src_off = tl.multiple_of(src_off, 4)
+            src_rs = tl.multiple_of(src_rs, 4)
+        dst_off = tl.multiple_of(dst_off, 16)
+        dst_rs = tl.multiple_of(dst_rs, 16)
     r = bi * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     c = bj * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = (r[:, None] < n) & (c[None, :] < k)
-    x = tl.load(src + r[:, None] * src_rs + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(src_ptr + src_off + r[:, None] * src_rs + c[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     s = tl.math.div_rn(amax, amax * 0.0 + 448.0)
     s = tl.where(amax == 0.0, 1.0, s)
     y = tl.math.div_rn(x, tl.zeros_like(x) + s)
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    tl.store(dst + r[:, None] * dst_rs + c[None, :], y.to(tl.float8e4nv), mask=mask)
-    tl.store(sc + bi * sc_rs + bj, s)
+    tl.store(dst_ptr + dst_off + r[:, None] * dst_rs + c[None, :], y.to(tl.float8e4nv), mask=mask)
+    tl.store(sc_ptr + sc_off + bi * sc_rs + bj, s)
 
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -83,7 +97,7 @@ class QuantProgram:
     def __init__(self, jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128) -> None:
         self.block = block
         self.nbytes = 0
-        self._launches: list[tuple[torch.Tensor, torch.Tensor, int, bool]] = []
+        self._launches: list[tuple] = []
         self._keep = list(jobs)
         groups: dict[bool, list] = {}
         device = None
@@ -102,30 +116,44 @@ class QuantProgram:
                 groups.setdefault(src.dtype == torch.bfloat16, []).append((src, q, s, br, bc))
             self.nbytes += q.numel() + 4 * s.numel()
         for is_bf16, items in groups.items():
-            table = torch.tensor([[src.data_ptr(), src.stride(0), q.data_ptr(), q.stride(0), s.data_ptr(),
-                                   s.stride(0), src.shape[0], src.shape[1]] for src, q, s, _, _ in items],
-                                 dtype=torch.int64)
-            counts = torch.tensor([br * bc for *_, br, bc in items], dtype=torch.int64)
-            cols = torch.tensor([bc for *_, bc in items], dtype=torch.int64)
-            job = torch.repeat_interleave(torch.arange(len(items)), counts)
-            first = torch.cumsum(counts, 0) - counts
-            local = torch.arange(int(counts.sum())) - first[job]
-            tiles = torch.stack([job, local // cols[job], local % cols[job]], 1).to(torch.int32).contiguous()
-            self._launches.append((tiles.to(device), table.to(device), tiles.shape[0], is_bf16))
+            esize = 2 if is_bf16 else 4
+            src0, q0, s0 = items[0][0], items[0][1], items[0][2]
+            bases = (src0.data_ptr(), q0.data_ptr(), s0.data_ptr())
+            rows = [[(src.data_ptr() - bases[0]) // esize, src.stride(0), q.data_ptr() - bases[1], q.stride(0),
+                     (s.data_ptr() - bases[2]) // 4, s.stride(0), src.shape[0], src.shape[1]]
+                    for src, q, s, _, _ in items]
+            aligned = [all(x % 16 == 0 for x in (src.data_ptr(), src.stride(0) * esize, q.data_ptr(), q.stride(0)))
+                       and bases[0] % 16 == 0 and bases[1] % 16 == 0 for src, q, *_ in items]
+            for flag in (True, False):
+                pick = [i for i, a in enumerate(aligned) if a == flag]
+                if not pick:
+                    continue
+                table = torch.tensor([rows[i] for i in pick], dtype=torch.int64)
+                counts = torch.tensor([items[i][3] * items[i][4] for i in pick], dtype=torch.int64)
+                cols = torch.tensor([items[i][4] for i in pick], dtype=torch.int64)
+                job = torch.repeat_interleave(torch.arange(len(pick)), counts)
+                first = torch.cumsum(counts, 0) - counts
+                local = torch.arange(int(counts.sum())) - first[job]
+                tiles = torch.stack([job, local // cols[job], local % cols[job]], 1).to(torch.int32).contiguous()
+                self._launches.append((tiles.to(device), table.to(device), tiles.shape[0], is_bf16, flag,
+                                       (src0, q0, s0)))
         self.device = device
 
-    def run(self) -> None:
-        """Launch every job on the device's side stream (ordered after, and before,
-        the current stream's work; see the module docstring)."""
+    def run(self, *, join: bool = True) -> None:
+        """Launch every job on the device's side stream, after the current stream's
+        work so far; with ``join`` the current stream then waits for it (else the
+        caller synchronizes the device before using the results)."""
         if not self._launches:
             return
         cur = torch.cuda.current_stream(self.device)
         side = _side_stream(self.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            for tiles, table, ntiles, is_bf16 in self._launches:
-                _fp8_block_kernel[(ntiles,)](tiles, table, BLOCK=self.block, SRC_BF16=is_bf16, num_warps=8)
-        cur.wait_stream(side)
+            for tiles, table, ntiles, is_bf16, aligned, (src0, q0, s0) in self._launches:
+                _fp8_block_kernel[(ntiles,)](tiles, table, src0, q0, s0, BLOCK=self.block, SRC_BF16=is_bf16,
+                                             ALIGNED=aligned, num_warps=8)
+        if join:
+            cur.wait_stream(side)
 
 
 def quantize_jobs(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128) -> None:
@@ -135,6 +163,6 @@ def quantize_jobs(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     # The tables were made on the current stream and are used on the side one: keep
     # them alive until that work is done.
     side = _side_stream(prog.device) if prog.device is not None else None
-    for tiles, table, _, _ in prog._launches:
+    for tiles, table, *_ in prog._launches:
         tiles.record_stream(side)
         table.record_stream(side)
