@@ -13,6 +13,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+timeout 120 python3 benchmarks/bench_fp8_kernel.py --json "$OUT/fp8_kernel_h200.json" 2>&1 | tail -22
 timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_fp8_gpu.py 2>&1 | tee "$OUT/fp8_gpu_tests.log" | tail -25
 timeout 300 python3 benchmarks/bench_fp8_zmq.py --preset "${PRESET:-qwen3-8b}" --device cuda --refits "${REFITS:-7}" \
   --json "$OUT/fp8_zmq_h200.json" > "$OUT/fp8_zmq_h200.log" 2>&1

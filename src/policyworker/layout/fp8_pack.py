@@ -55,7 +55,8 @@ def quantize_reference(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor,
         for j in range(s.shape[1]):
             blk = w[i * block:(i + 1) * block, j * block:(j + 1) * block].to(torch.float32)
             amax = blk.abs().max()
-            scale = amax / FP8_MAX if amax.item() > 0 else torch.ones((), dtype=torch.float32, device=w.device)
+            # amax / 448 as a true division (a tensor divisor: see quantize_bands)
+            scale = amax / torch.full_like(amax, FP8_MAX) if amax.item() > 0 else torch.ones_like(amax)
             q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (blk / scale).clamp(-FP8_MAX, FP8_MAX).to(F8)
             s[i, j] = scale
     return q, s
@@ -100,7 +101,9 @@ def quantize_bands(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: i
         blocks4 = x.view(nbr, block, nbc, block)
         # max |x| as max(max, -min): two reads, no |x| temporary (the same value exactly)
         amax = torch.maximum(blocks4.amax(dim=(1, 3)), blocks4.amin(dim=(1, 3)).neg_())
-        scale = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+        # A tensor divisor: torch turns division by a Python scalar into multiplication
+        # by its reciprocal on CUDA, which is not the same float.
+        scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_MAX))
         blocks4.div_(scale.view(nbr, 1, nbc, 1))
         # No clamp pass: |x / s| <= 448 * (1 + 2**-23) here, which rounds to 448 exactly
         # as the oracle's clamped value does (e4m3's next step would be 480).

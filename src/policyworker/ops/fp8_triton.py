@@ -39,7 +39,7 @@ _JOB_COLS = 8
 
 @triton.jit
 def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.constexpr,
-                      SRC_BF16: tl.constexpr, ALIGNED: tl.constexpr):
+                      SRC_BF16: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     job = tl.load(tiles_ptr + 3 * t).to(tl.int64)
     bi = tl.load(tiles_ptr + 3 * t + 1).to(tl.int64)
@@ -53,27 +53,44 @@ def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.c
     sc_rs = tl.load(row + 5)
     n = tl.load(row + 6)
     k = tl.load(row + 7)
+    src_rs32 = src_rs.to(tl.int32)
+    dst_rs32 = dst_rs.to(tl.int32)
     if ALIGNED:
         if SRC_BF16:
             src_off = tl.multiple_of(src_off, 8)
             src_rs = tl.multiple_of(src_rs, 8)
+            src_rs32 = tl.multiple_of(src_rs32, 8)
         else:
             src_off = tl.multiple_of(src_off, 4)
             src_rs = tl.multiple_of(src_rs, 4)
+            src_rs32 = tl.multiple_of(src_rs32, 4)
         dst_off = tl.multiple_of(dst_off, 16)
         dst_rs = tl.multiple_of(dst_rs, 16)
-    r = bi * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    c = bj * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = (r[:, None] < n) & (c[None, :] < k)
-    x = tl.load(src_ptr + src_off + r[:, None] * src_rs + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        dst_rs32 = tl.multiple_of(dst_rs32, 16)
+    # One 64-bit base per tile; 32-bit offsets inside it (fewer registers per element).
+    src_t = src_ptr + src_off + bi * BLOCK * src_rs + bj * BLOCK
+    dst_t = dst_ptr + dst_off + bi * BLOCK * dst_rs + bj * BLOCK
+    rb = tl.arange(0, BLOCK)
+    offs_s = rb[:, None] * src_rs32 + rb[None, :]
+    offs_d = rb[:, None] * dst_rs32 + rb[None, :]
+    if EVEN:  # whole tiles: no masks, so loads and stores vectorize
+        x = tl.load(src_t + offs_s).to(tl.float32)
+    else:
+        mask = (rb[:, None] < n - bi * BLOCK) & (rb[None, :] < k - bj * BLOCK)
+        x = tl.load(src_t + offs_s, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     s = tl.math.div_rn(amax, amax * 0.0 + 448.0)
     s = tl.where(amax == 0.0, 1.0, s)
     y = tl.math.div_rn(x, tl.zeros_like(x) + s)
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    tl.store(dst_ptr + dst_off + r[:, None] * dst_rs + c[None, :], y.to(tl.float8e4nv), mask=mask)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+    if EVEN:
+        tl.store(dst_t + offs_d, y)
+    else:
+        tl.store(dst_t + offs_d, y, mask=mask)
     tl.store(sc_ptr + sc_off + bi * sc_rs + bj, s)
 
+
+NUM_WARPS = 8  # per 128x128 tile: 64 elements per thread
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -96,6 +113,7 @@ class QuantProgram:
 
     def __init__(self, jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128) -> None:
         self.block = block
+        self.num_warps = NUM_WARPS
         self.nbytes = 0
         self._launches: list[tuple] = []
         self._keep = list(jobs)
@@ -117,20 +135,24 @@ class QuantProgram:
             self.nbytes += q.numel() + 4 * s.numel()
         for is_bf16, items in groups.items():
             esize = 2 if is_bf16 else 4
-            src0, q0, s0 = items[0][0], items[0][1], items[0][2]
-            bases = (src0.data_ptr(), q0.data_ptr(), s0.data_ptr())
-            rows = [[(src.data_ptr() - bases[0]) // esize, src.stride(0), q.data_ptr() - bases[1], q.stride(0),
-                     (s.data_ptr() - bases[2]) // 4, s.stride(0), src.shape[0], src.shape[1]]
-                    for src, q, s, _, _ in items]
+            for src, q, *_ in items:
+                if max(src.stride(0), q.stride(0)) * (block + 1) >= 2**31:
+                    raise ValueError("fp8 job rows too far apart for 32-bit offsets inside a tile")
             aligned = [all(x % 16 == 0 for x in (src.data_ptr(), src.stride(0) * esize, q.data_ptr(), q.stride(0)))
-                       and bases[0] % 16 == 0 and bases[1] % 16 == 0 for src, q, *_ in items]
-            for flag in (True, False):
-                pick = [i for i, a in enumerate(aligned) if a == flag]
+                       for src, q, *_ in items]
+            even = [src.shape[0] % block == 0 and src.shape[1] % block == 0 for src, *_ in items]
+            for flag in ((True, True), (True, False), (False, False), (False, True)):
+                pick = [items[i] for i in range(len(items)) if (aligned[i], even[i]) == flag]
                 if not pick:
                     continue
-                table = torch.tensor([rows[i] for i in pick], dtype=torch.int64)
-                counts = torch.tensor([items[i][3] * items[i][4] for i in pick], dtype=torch.int64)
-                cols = torch.tensor([items[i][4] for i in pick], dtype=torch.int64)
+                # Offsets from the first job's own tensors (aligned ones when flag says so).
+                src0, q0, s0 = pick[0][0], pick[0][1], pick[0][2]
+                bases = (src0.data_ptr(), q0.data_ptr(), s0.data_ptr())
+                table = torch.tensor([[(src.data_ptr() - bases[0]) // esize, src.stride(0), q.data_ptr() - bases[1],
+                                       q.stride(0), (s.data_ptr() - bases[2]) // 4, s.stride(0), src.shape[0],
+                                       src.shape[1]] for src, q, s, _, _ in pick], dtype=torch.int64)
+                counts = torch.tensor([br * bc for *_, br, bc in pick], dtype=torch.int64)
+                cols = torch.tensor([bc for *_, bc in pick], dtype=torch.int64)
                 job = torch.repeat_interleave(torch.arange(len(pick)), counts)
                 first = torch.cumsum(counts, 0) - counts
                 local = torch.arange(int(counts.sum())) - first[job]
@@ -149,9 +171,9 @@ class QuantProgram:
         side = _side_stream(self.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            for tiles, table, ntiles, is_bf16, aligned, (src0, q0, s0) in self._launches:
+            for tiles, table, ntiles, is_bf16, (aligned, even), (src0, q0, s0) in self._launches:
                 _fp8_block_kernel[(ntiles,)](tiles, table, src0, q0, s0, BLOCK=self.block, SRC_BF16=is_bf16,
-                                             ALIGNED=aligned, num_warps=8)
+                                             ALIGNED=aligned, EVEN=even, num_warps=self.num_warps)
         if join:
             cur.wait_stream(side)
 

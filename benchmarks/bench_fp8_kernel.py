@@ -1,0 +1,92 @@
+"""The fused FP8 kernel alone on one GPU: qwen3-8b's linear weights (13.9 GB bf16) ->
+fp8 + scales, against a flat device copy of the same bf16 bytes, same run.
+
+``PYTHONPATH=src python benchmarks/bench_fp8_kernel.py --json out.json``
+
+Times with CUDA events, median of ``--reps`` after a warm-up; GB/s count bytes read
+plus bytes written. One variant's output is checked bit for bit against the
+plain-torch band quantizer on a few layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from policyworker.layout.fp8_pack import quantize_bands  # noqa: E402
+from policyworker.models import get_preset, param_specs  # noqa: E402
+from policyworker.ops import fp8_triton  # noqa: E402
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen3-8b")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--json", default=None)
+    ns = p.parse_args(argv)
+    dev = torch.device("cuda:0")
+    from policyworker.layout.fp8 import Fp8Target
+
+    target = Fp8Target()
+    shapes = [s for n, (s, _) in param_specs(get_preset(ns.preset), torch.bfloat16).items() if target.targets(n)]
+    numel = sum(a * b for a, b in shapes)
+    src = torch.empty(numel, dtype=torch.bfloat16, device=dev).normal_()
+    dst = torch.empty(numel, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
+    jobs, off, scales = [], 0, []
+    for a, b in shapes:
+        s = torch.empty((-(-a // 128), -(-b // 128)), dtype=torch.float32, device=dev)
+        jobs.append((src[off:off + a * b].view(a, b), dst[off:off + a * b].view(a, b), s))
+        off += a * b
+    prog = fp8_triton.QuantProgram(jobs)
+    copy_dst = torch.empty_like(src)
+    res = {"preset": ns.preset, "tensors": len(jobs), "bf16_bytes": 2 * numel,
+           "fp8_plus_scale_bytes": prog.nbytes, "launches": len(prog._launches)}
+    res["flat_copy_s"] = _time(lambda: copy_dst.copy_(src), ns.reps)
+    del copy_dst
+    for warps in (4, 8, 16):
+        prog.num_warps = warps
+        res[f"quantize_s_warps{warps}"] = _time(lambda: prog.run(), ns.reps)
+    prog.num_warps = fp8_triton.NUM_WARPS
+    prog.run()
+    torch.cuda.synchronize()
+    exact = True
+    for w, q, s in jobs[:7] + jobs[-7:]:
+        rq, rs = torch.empty_like(q), torch.empty_like(s)
+        quantize_bands(w, rq, rs)
+        exact &= torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    res["bit_exact_vs_band_quantizer"] = bool(exact)
+    rw = 2 * numel + prog.nbytes
+    res["flat_copy_gbps"] = 2 * 2 * numel / res["flat_copy_s"] / 1e9
+    for warps in (4, 8, 16):
+        res[f"quantize_gbps_warps{warps}"] = rw / res[f"quantize_s_warps{warps}"] / 1e9
+    res["best_quantize_over_flat_copy"] = min(res[f"quantize_s_warps{w}"] for w in (4, 8, 16)) / res["flat_copy_s"]
+    text = json.dumps(res, indent=2)
+    print(text)
+    if ns.json:
+        Path(ns.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
