@@ -13,7 +13,9 @@ colocated rollout), one run, the same processes for every mode:
   the trainer's bf16 storage; fp8 + scales written in place).
 
 Times are the rollout's wall clock per refit (from the barrier to its weights being
-usable, quantization included), median of ``--refits`` after one warm-up; the
+usable, quantization included), median of ``--refits`` after one warm-up; both
+processes meet at a barrier after every refit too, so the trainer's next "training
+step" (reseeding its weights) never overlaps the rollout's work; the
 trainer's ``stream_weights_via_ipc_zmq`` times ride along. Same run: ``ceiling_s`` is one
 flat device copy of the bf16 byte count. Every mode's last refit is checked bit for
 bit against weights regenerated on the rollout (fp8: against the band-loop quantizer
@@ -104,6 +106,12 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
     dev = torch.device(a["device"])
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+        if a["kernel"]:
+            from policyworker.ops import fp8_triton
+
+            kw = dict(x.split("=") for x in a["kernel"].split(","))
+            fp8_triton.configure(num_warps=int(kw["warps"]), narrow_amax=kw["narrow_amax"] == "1",
+                                 stream=kw["stream"] == "1", fast_div=kw.get("fast_div") == "1")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     config = get_preset(a["preset"])
     dtype = torch.bfloat16
@@ -149,6 +157,7 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
                 if rank == 0:
                     rep = await w.stream_weights_via_ipc_zmq(refit_timeout_s=a["timeout_s"])
                     rows.append({"seconds": time.perf_counter() - t0, "bytes": rep.bytes})
+                    await wait()  # the rollout is done (its quantization too) before the next step
                     continue
                 rep = await w.update_weights_via_ipc_zmq(refit_timeout_s=a["timeout_s"])
                 _sync(dev)
@@ -164,6 +173,7 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
                         row["quantized_bit_exact"] = await asyncio.to_thread(
                             _check, fp8_plan, fp8_params, version, dev, True)
                 rows.append(row)
+                await wait()
             out["modes"][mode] = rows
             if rank == 1 and mode == "bf16":
                 del fp8_params, quant
@@ -189,12 +199,13 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
     return asyncio.run(main())
 
 
-def run(preset: str, device: str, refits: int, timeout_s: float) -> dict[str, Any]:
+def run(preset: str, device: str, refits: int, timeout_s: float, kernel: str = "") -> dict[str, Any]:
     import multiprocessing as mp
 
     from policyworker.procs import start_world
 
-    args = dict(preset=preset, device="cuda:0" if device == "cuda" else device, refits=refits, timeout_s=timeout_s)
+    args = dict(preset=preset, device="cuda:0" if device == "cuda" else device, refits=refits, timeout_s=timeout_s,
+                kernel=kernel)
     barrier = mp.get_context("spawn").Barrier(2)
     world = start_world(_rank_main, 2, (args, barrier))
     res = world.collect(timeout_s * (2 * refits + 8))
@@ -207,6 +218,7 @@ def run(preset: str, device: str, refits: int, timeout_s: float) -> dict[str, An
     fp8_s = med([x["seconds"] for x in r["fp8"]])
     return {
         "benchmark": "fp8 refit, zmq colocated", "preset": preset, "device": args["device"], "refits": refits,
+        "kernel": kernel or "defaults",
         "bytes": {"bf16": r["bf16"][-1]["bytes"], "fp8": r["fp8"][-1]["bytes"]},
         "seconds": {"bf16": bf16_s, "fp8": fp8_s, "bf16_then_quantize": then_q,
                     "receiver_quantize_only": med([x["quantize_s"] for x in r["bf16"]]),
@@ -226,9 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--refits", type=int, default=5)
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--kernel", default="", help="fp8 kernel variant, e.g. warps=16,narrow_amax=1,stream=0,fast_div=1")
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
-    res = run(ns.preset, ns.device, ns.refits, ns.timeout_s)
+    res = run(ns.preset, ns.device, ns.refits, ns.timeout_s, ns.kernel)
     text = json.dumps(res, indent=2)
     print(text)
     if ns.json:

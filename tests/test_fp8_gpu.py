@@ -19,15 +19,18 @@ def _case(n, k, seed, dtype, dev):
     w = w.to(dtype)[1:n + 1, 2:k + 2]  # a strided view
     if n >= B and k >= B:
         w[:B, :B] = 0  # one all-zero block
+    if n >= 2 * B and k >= B:
+        w[B:2 * B, :B] *= 1e-30  # a block of tiny (normal) values
     return w
 
 
-def test_triton_kernel_equals_the_oracle_in_one_launch():
+@pytest.mark.parametrize("fast_div", [False, True], ids=["div_rn", "reciprocal+corrections"])
+def test_triton_kernel_equals_the_oracle_in_one_launch(fast_div):
     from policyworker.layout.fp8_pack import quantize_reference
     from policyworker.ops.fp8_triton import QuantProgram
 
     dev = torch.device("cuda:0")
-    shapes = [(1, 1), (127, 129), (128, 128), (300, 200), (513, 1000), (2048, 384), (4096, 4096)]
+    shapes = [(1, 1), (127, 129), (128, 128), (300, 200), (513, 1000), (2048, 384), (4096, 4096), (1024, 512)]
     jobs, refs = [], []
     for i, (n, k) in enumerate(shapes):
         for dtype in (torch.bfloat16, torch.float32):
@@ -37,6 +40,7 @@ def test_triton_kernel_equals_the_oracle_in_one_launch():
             jobs.append((w, q, s))
             refs.append(quantize_reference(w.cpu()))
     prog = QuantProgram(jobs)
+    prog.fast_div = fast_div
     for _ in range(2):  # a program runs again on new contents
         for w, _, _ in jobs:
             w.mul_(-1)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["QuantProgram", "quantize_jobs"]
+__all__ = ["QuantProgram", "configure", "quantize_jobs"]
 
 # Job table columns (int64): source offset and row stride (elements of the source
 # dtype, from the launch's source base), fp8 offset and row stride (bytes, from the
@@ -39,7 +39,8 @@ _JOB_COLS = 8
 
 @triton.jit
 def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.constexpr,
-                      SRC_BF16: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr):
+                      SRC_BF16: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
+                      NARROW_AMAX: tl.constexpr, STREAM: tl.constexpr, FAST_DIV: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     job = tl.load(tiles_ptr + 3 * t).to(tl.int64)
     bi = tl.load(tiles_ptr + 3 * t + 1).to(tl.int64)
@@ -74,23 +75,59 @@ def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.c
     offs_s = rb[:, None] * src_rs32 + rb[None, :]
     offs_d = rb[:, None] * dst_rs32 + rb[None, :]
     if EVEN:  # whole tiles: no masks, so loads and stores vectorize
-        x = tl.load(src_t + offs_s).to(tl.float32)
+        if STREAM:  # read once, never again: do not keep it in L2
+            x = tl.load(src_t + offs_s, eviction_policy="evict_first")
+        else:
+            x = tl.load(src_t + offs_s)
     else:
         mask = (rb[:, None] < n - bi * BLOCK) & (rb[None, :] < k - bj * BLOCK)
-        x = tl.load(src_t + offs_s, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        x = tl.load(src_t + offs_s, mask=mask, other=0.0)
+    if NARROW_AMAX:  # max |x| in the source dtype (exact), the tile stays narrow in registers
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32)
+    else:
+        x = x.to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     s = tl.math.div_rn(amax, amax * 0.0 + 448.0)
     s = tl.where(amax == 0.0, 1.0, s)
-    y = tl.math.div_rn(x, tl.zeros_like(x) + s)
+    xf = x.to(tl.float32)
+    if FAST_DIV and s >= 1.1754943508222875e-38:
+        # x / s correctly rounded without a division per element: r = RN(1/s) once per
+        # tile, q = RN(x * r), then two Markstein corrections q += (x - q*s) * r with
+        # exact fma remainders (one makes q faithful, the next correctly rounded).
+        # Normal s only: 1/s must not overflow (tiny tiles take the division below).
+        r = tl.math.div_rn(amax * 0.0 + 1.0, s)
+        q = xf * r
+        q = tl.math.fma(tl.math.fma(-q, s + tl.zeros_like(xf), xf), r + tl.zeros_like(xf), q)
+        y = tl.math.fma(tl.math.fma(-q, s + tl.zeros_like(xf), xf), r + tl.zeros_like(xf), q)
+    else:
+        y = tl.math.div_rn(xf, tl.zeros_like(xf) + s)
     y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
     if EVEN:
-        tl.store(dst_t + offs_d, y)
+        if STREAM:
+            tl.store(dst_t + offs_d, y, cache_modifier=".cs")
+        else:
+            tl.store(dst_t + offs_d, y)
     else:
         tl.store(dst_t + offs_d, y, mask=mask)
     tl.store(sc_ptr + sc_off + bi * sc_rs + bj, s)
 
 
-NUM_WARPS = 8  # per 128x128 tile: 64 elements per thread
+# Launch settings (measured on one H200, benchmarks/bench_fp8_kernel.py); `configure`
+# changes them for programs made afterwards (benchmarks compare variants).
+NUM_WARPS = 16  # per 128x128 tile: 32 elements per thread
+NARROW_AMAX = True
+STREAM = False
+FAST_DIV = False
+
+
+def configure(*, num_warps: int | None = None, narrow_amax: bool | None = None, stream: bool | None = None,
+              fast_div: bool | None = None) -> None:
+    """Set the launch settings of programs made from now on (this process)."""
+    global NUM_WARPS, NARROW_AMAX, STREAM, FAST_DIV
+    NUM_WARPS = NUM_WARPS if num_warps is None else int(num_warps)
+    NARROW_AMAX = NARROW_AMAX if narrow_amax is None else bool(narrow_amax)
+    STREAM = STREAM if stream is None else bool(stream)
+    FAST_DIV = FAST_DIV if fast_div is None else bool(fast_div)
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -113,7 +150,7 @@ class QuantProgram:
 
     def __init__(self, jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128) -> None:
         self.block = block
-        self.num_warps = NUM_WARPS
+        self.num_warps, self.narrow_amax, self.stream, self.fast_div = NUM_WARPS, NARROW_AMAX, STREAM, FAST_DIV
         self.nbytes = 0
         self._launches: list[tuple] = []
         self._keep = list(jobs)
@@ -173,7 +210,8 @@ class QuantProgram:
         with torch.cuda.stream(side):
             for tiles, table, ntiles, is_bf16, (aligned, even), (src0, q0, s0) in self._launches:
                 _fp8_block_kernel[(ntiles,)](tiles, table, src0, q0, s0, BLOCK=self.block, SRC_BF16=is_bf16,
-                                             ALIGNED=aligned, EVEN=even, num_warps=self.num_warps)
+                                             ALIGNED=aligned, EVEN=even, NARROW_AMAX=self.narrow_amax,
+                                             STREAM=self.stream, FAST_DIV=self.fast_div, num_warps=self.num_warps)
         if join:
             cur.wait_stream(side)
 
