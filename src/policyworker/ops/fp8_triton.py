@@ -99,6 +99,8 @@ def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.c
         q = xf * r
         q = tl.math.fma(tl.math.fma(-q, s + tl.zeros_like(xf), xf), r + tl.zeros_like(xf), q)
         y = tl.math.fma(tl.math.fma(-q, s + tl.zeros_like(xf), xf), r + tl.zeros_like(xf), q)
+        # The corrections turn -0 into +0 (-0 + +0 = +0); x / s keeps the sign of a zero.
+        y = tl.where(xf == 0.0, xf, y)
     else:
         y = tl.math.div_rn(xf, tl.zeros_like(xf) + s)
     y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
