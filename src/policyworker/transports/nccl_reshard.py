@@ -324,8 +324,10 @@ class NcclReshardTransport(Transport):
                 pair_bytes[pair] = pair_bytes.get(pair, 0) + m.nbytes
         ctx.state["pair_bytes"] = pair_bytes  # (src, dst) -> payload bytes; in every header
         # fp8 hook (issue 16): a quantized copy cannot be cut below one block, which may
-        # exceed a tiny bucket_bytes; the ring slots then grow to the largest message.
-        biggest = max((m.nbytes for m in schedule if m.copies is not None), default=0)
+        # exceed a tiny bucket_bytes, and it is always packed; the ring slots then grow
+        # to the largest such message.
+        biggest = max((m.nbytes for m in schedule if m.copies is not None
+                       and any(_fp8.is_fp8_copy(plan, c) for c in m.copies)), default=0)
         ring_bytes = max(self.bucket_bytes, biggest) + (8 if self.checksum else 0)
         ring = ctx.state.get("ring")
         if ring is None or len(ring) != self.staging or ring[0].numel() != ring_bytes or ring[0].device != device:
