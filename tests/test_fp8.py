@@ -106,7 +106,8 @@ def test_fp8_plan_sizes_and_which_tensors_quantize():
 
 def test_a_split_block_is_a_plan_error_naming_param_and_tp():
     config = _config(intermediate_size=384)  # tp=2 cuts gate/up at row 192, down at column 192
-    with pytest.raises(PlanError, match=r"gen tp=2 cuts 'model\.layers\.0\.mlp\.down_proj\.weight' \[200, 384\] at 192"):
+    msg = r"gen tp=2 cuts 'model\.layers\.0\.mlp\.down_proj\.weight' \[200, 384\] at 192"
+    with pytest.raises(PlanError, match=msg):
         build_plan(config, "tp=1", "tp=2,fp8=block128", 1, 2)
     with pytest.raises(PlanError, match=r"train tp=2 cuts 'model\.layers\.0\.mlp\.down_proj"):
         build_plan(config, "tp=2", "tp=1,fp8=block128", 2, 1)

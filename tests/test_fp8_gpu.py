@@ -15,7 +15,8 @@ B = 128
 
 def _case(n, k, seed, dtype, dev):
     g = torch.Generator(device=dev).manual_seed(seed)
-    w = torch.randn(n + 3, k + 5, device=dev, generator=g) * torch.exp(torch.randn(n + 3, 1, device=dev, generator=g) * 4)
+    spread = torch.exp(torch.randn(n + 3, 1, device=dev, generator=g) * 4)
+    w = torch.randn(n + 3, k + 5, device=dev, generator=g) * spread
     w = w.to(dtype)[1:n + 1, 2:k + 2]  # a strided view
     if n >= B and k >= B:
         w[:B, :B] = 0  # one all-zero block

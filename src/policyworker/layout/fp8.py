@@ -41,8 +41,9 @@ from typing import Any
 from policyworker.errors import ConfigError, PlanError
 from policyworker.layout.boxes import Layout, LocalSpec
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Target", "SCALE_SUFFIX", "copy_nbytes", "fp8_layout", "fp8_tensor_keys",
-           "is_fp8_copy", "scale_at", "scale_name", "scale_shapes", "split_copy", "split_gen_layout"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "Fp8Target", "SCALE_SUFFIX", "block_of", "blocks", "copy_nbytes", "fp8_layout",
+           "fp8_tensor_keys", "is_fp8_copy", "scale_at", "scale_bytes", "scale_name", "scale_shapes", "split_copy",
+           "split_gen_layout"]
 
 FP8_DTYPE = "float8_e4m3fn"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -34,8 +34,8 @@ from policyworker.errors import PlanError
 from policyworker.layout import fp8
 from policyworker.layout.fp8 import FP8_MAX
 
-__all__ = ["QuantJobs", "dequantize", "pack_copy", "quant_job", "quantize_bands", "quantize_into", "quantize_reference", "reference_local",
-           "scale_tensors", "unpack_copy"]
+__all__ = ["QuantJobs", "dequantize", "pack_copy", "quant_job", "quantize_bands", "quantize_into",
+           "quantize_reference", "reference_local", "scale_tensors", "unpack_copy"]
 
 F8 = torch.float8_e4m3fn
 

@@ -9,7 +9,9 @@ column) built once per program and kept (:class:`QuantProgram`), so a refit of
 hundreds of tensors costs one launch, not hundreds. The arithmetic is that of :func:`policyworker.layout.fp8_pack.
 quantize_reference`, bit for bit: IEEE division (``div_rn``, not Triton's default
 approximate fp32 division), ``s = 1`` for an all-zero block, clamp to ±448, then
-round-to-nearest-even to e4m3.
+round-to-nearest-even to e4m3. Not covered: blocks whose float32 scale would be
+subnormal (``amax < 448 * 2**-126``, about 5e-36), where Triton's libdevice division
+may flush to zero; no weight block is that small, and the GPU test does not go there.
 
 Launches go on a side stream per device (after it waits for the current stream,
 and the current stream then waits for it), so the quantization overlaps other
@@ -34,7 +36,6 @@ __all__ = ["QuantProgram", "configure", "quantize_jobs"]
 # real pointer arguments, whose 16-byte alignment Triton knows; with ``ALIGNED`` the
 # offsets and strides are promised to keep every row 16-byte aligned too, so each
 # thread loads and stores 16 bytes at a time.
-_JOB_COLS = 8
 
 
 @triton.jit
