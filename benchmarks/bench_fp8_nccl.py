@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from policyworker.refit_bench import RefitBenchSpec, run_refit_bench  # noqa: E402
+from policyworker.cli.refit_bench import RefitBenchSpec, run_refit_bench  # noqa: E402
 
 LAYOUTS = [("tp=2,pp=2", "tp=2,dp=2"), ("tp=2", "tp=1"), ("tp=2", "tp=2")]
 

@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from policyworker.zmq_bench import _seeded_, _workers  # noqa: E402
+from policyworker.cli.zmq_bench import _seeded_, _workers  # noqa: E402
 
 
 def _sync(dev: torch.device) -> None:
@@ -101,7 +101,7 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
     from policyworker.layout import build_plan
     from policyworker.layout.fp8_pack import QuantJobs
     from policyworker.models import get_preset, param_specs
-    from policyworker.zmq_worker import flat_local_tensors
+    from policyworker.layout.local import flat_local_tensors
 
     dev = torch.device(a["device"])
     if dev.type == "cuda":
@@ -202,7 +202,7 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
 def run(preset: str, device: str, refits: int, timeout_s: float, kernel: str = "") -> dict[str, Any]:
     import multiprocessing as mp
 
-    from policyworker.procs import start_world
+    from policyworker.cli.procs import start_world
 
     args = dict(preset=preset, device="cuda:0" if device == "cuda" else device, refits=refits, timeout_s=timeout_s,
                 kernel=kernel)

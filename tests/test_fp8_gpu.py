@@ -81,7 +81,7 @@ def test_quantize_while_pack_on_the_gpu_lands_oracle_bits():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("options", [{"flatten": True}, {"staged": True, "bucket_bytes": 8192}])
 def test_zmq_fp8_refit_over_cuda_ipc(options):
-    from policyworker.procs import run_world
+    from policyworker.cli.procs import run_world
 
     from .zmq_world import ZmqSpec, zmq_rank
 

@@ -64,7 +64,7 @@ class RefitBenchSpec:
 
     @property
     def gen_par(self) -> Parallelism:
-        from .layout.fp8 import split_gen_layout
+        from ..layout.fp8 import split_gen_layout
 
         return Parallelism.parse(split_gen_layout(self.gen)[0])  # gen may carry fp8=block128
 
