@@ -51,7 +51,7 @@ def _rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
         config, dtype = get_preset(a["preset"]), getattr(torch, a["dtype"])
         model = build_model(config, seed=0, dtype=dtype)
         w = Trainer(model, rank=rank, world_size=2, device="cpu", timeout_s=120.0)
-        w.sglang_options = {"bucket_bytes": a["bucket_bytes"]}
+        w.sglang_options = {"bucket_bytes": a["bucket_bytes"], "buffers": a["buffers"]}
         await w.init_collective("127.0.0.1", a["port"], 2, train_world_size=2)
         await w.connect_sglang_rollout_engines(engine_gpu_counts=[2])
         engine = workers = None
@@ -113,7 +113,7 @@ def _gpu_rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
             super().__init__(torch.nn.Linear(1, 1), **kw)  # no model to build: only the refit is measured
             self._bench_params = params
 
-        def _sglang_named_tensors(self) -> dict[str, torch.Tensor]:
+        def _named_tensors(self) -> dict[str, torch.Tensor]:
             return self._bench_params
 
     dev = torch.device("cuda", 0)
@@ -123,7 +123,7 @@ def _gpu_rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
         specs = param_specs(get_preset(a["preset"]), getattr(torch, a["dtype"]))
         params = {n: torch.empty(s, dtype=d, device=dev) for n, (s, d) in specs.items()}
         w = ParamsTrainer(params, rank=0, world_size=1, device=dev, timeout_s=120.0)
-        w.sglang_options = {"bucket_bytes": a["bucket_bytes"]}
+        w.sglang_options = {"bucket_bytes": a["bucket_bytes"], "buffers": a["buffers"]}
         await w.init_collective("127.0.0.1", a["port"], 1, train_world_size=1)
         await w.connect_sglang_rollout_engines(engine_gpu_counts=[1])
         r = RolloutWorker(rank=0, gen_world_size=1, device=dev)
@@ -163,11 +163,12 @@ def _gpu_rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
     return asyncio.run(main())
 
 
-def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5) -> dict[str, Any]:
+def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5,
+                   buffers: int = 2) -> dict[str, Any]:
     from policyworker.cli.procs import free_port, run_world
 
     a = dict(preset=preset, dtype=dtype, refits=refits, bucket_bytes=bucket_bytes, port=free_port(),
-             ceiling_rounds=ceiling_rounds)
+             ceiling_rounds=ceiling_rounds, buffers=buffers)
     (res,) = run_world(_gpu_rank, 1, (a,), timeout_s=600)
     rows = res["rows"]
     nbytes = rows[-1]["bytes"]
@@ -176,7 +177,7 @@ def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceil
     ceiling = nbytes / statistics.median(res["ceiling_s"]) / 1e9
     return {"transport": "sglang_ipc", "engine": "in-process, tp=1, in the trainer's process (engine_gpu_counts=[1])",
             "device": "cuda:0", "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "preset": preset, "dtype": dtype, "bytes_landed": nbytes, "bucket_bytes": bucket_bytes,
+            "preset": preset, "dtype": dtype, "bytes_landed": nbytes, "bucket_bytes": bucket_bytes, "buffers": buffers,
             "buckets": rows[-1]["buckets"], "buffer_bytes_per_rank": rows[-1]["buffer_bytes"],
             "peak_extra_bytes": max(r["peak_extra_bytes"] for r in rows[1:] or rows),
             "first_refit_s": rows[0]["seconds"], "refits_s": steady, "gbps_median": gbps,
@@ -184,11 +185,12 @@ def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceil
             "bit_exact": all(r["bit_exact"] for r in rows)}
 
 
-def run_sglang(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5) -> dict[str, Any]:
+def run_sglang(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5,
+               buffers: int = 2) -> dict[str, Any]:
     from policyworker.cli.procs import free_port, run_world
 
     a = dict(preset=preset, dtype=dtype, refits=refits, bucket_bytes=bucket_bytes, port=free_port(),
-             ceiling_rounds=ceiling_rounds)
+             ceiling_rounds=ceiling_rounds, buffers=buffers)
     src, _ = run_world(_rank, 2, (a,), timeout_s=600)
     rows = src["rows"]
     nbytes = rows[-1]["bytes"]
@@ -196,7 +198,7 @@ def run_sglang(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_
     gbps = statistics.median(nbytes / s / 1e9 for s in steady)
     ceiling = nbytes / statistics.median(src["ceiling_s"]) / 1e9
     return {"transport": "sglang_ipc", "engine": "in-process, tp=2 (2 trainer processes)", "device": "cpu",
-            "preset": preset, "dtype": dtype, "bytes_landed": nbytes, "bucket_bytes": bucket_bytes,
+            "preset": preset, "dtype": dtype, "bytes_landed": nbytes, "bucket_bytes": bucket_bytes, "buffers": buffers,
             "buffer_bytes_per_rank": rows[-1]["buffer_bytes"], "first_refit_s": rows[0]["seconds"],
             "refits_s": steady, "gbps_median": gbps, "ceiling_gbps": ceiling, "ratio_to_ceiling": gbps / ceiling,
             "bit_exact": all(r["bit_exact"] for r in rows)}
@@ -221,14 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--bucket-bytes", type=int, default=None, help="default: 64 MiB on cpu, 1 GiB on cuda")
     p.add_argument("--no-zmq", action="store_true")
+    p.add_argument("--buffers", type=int, default=2, help="sglang_ipc pipeline buffers per rank (1: no overlap)")
     p.add_argument("--json", default=None, help="also write the JSON here")
     ns = p.parse_args(argv)
     if ns.device == "cuda":
         bucket = (1 << 30) if ns.bucket_bytes is None else ns.bucket_bytes
-        out = {"sglang_ipc": run_sglang_gpu(ns.preset, ns.dtype, ns.refits, bucket)}
+        out = {"sglang_ipc": run_sglang_gpu(ns.preset, ns.dtype, ns.refits, bucket, buffers=ns.buffers)}
     else:
         bucket = (64 << 20) if ns.bucket_bytes is None else ns.bucket_bytes
-        out = {"sglang_ipc": run_sglang(ns.preset, ns.dtype, ns.refits, bucket)}
+        out = {"sglang_ipc": run_sglang(ns.preset, ns.dtype, ns.refits, bucket, buffers=ns.buffers)}
     if not ns.no_zmq:
         out["zmq"] = run_zmq(ns.preset, ns.dtype, ns.refits, ns.device)
         z = out["zmq"]

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from policyworker import AbstractPolicyWorker
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (float8 has no ``torch.equal`` on CPU)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(a, b)
 
 
 class BareWorker(AbstractPolicyWorker):

@@ -24,7 +24,7 @@ from policyworker.testing.faults import FlippingGroup, MutedGroup
 from policyworker.layout import Parallelism, build_plan, dest_shards, source_shards
 from policyworker.models import get_preset, param_specs, seeded_state_dict
 
-from .helpers import ShardTrainer
+from .helpers import ShardTrainer, same_bits
 
 
 @dataclass
@@ -51,7 +51,9 @@ class RefitSpec:
 
     @property
     def gen_par(self) -> Parallelism:
-        return Parallelism.parse(self.gen)
+        from policyworker.layout.fp8 import split_gen_layout
+
+        return Parallelism.parse(split_gen_layout(self.gen)[0])  # "tp=2,fp8=block128" too
 
     @property
     def config(self):
@@ -124,7 +126,7 @@ def _trainer(rank: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
         members = list(train.stage_ranks(stage))
         await w.init_nccl_reshard_comm_group(["127.0.0.1"] * train.pp, spec.stage_ports, train.pp, stage,
                                              len(members) + n_gen, members.index(rank))
-        info = await w.prepare_nccl_reshard_refit_info(train, gen, n_train, n_gen)
+        info = await w.prepare_nccl_reshard_refit_info(train, spec.gen, n_train, n_gen)
         out["hash"] = info["hash"]
         for version in range(1, spec.refits + 1):
             for name, t in shards(version).items():
@@ -172,7 +174,7 @@ def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
                 break
             want = dest_shards(plan, g, seeded_state_dict(spec.config, seed=version, dtype=dtype))
             have = w.weights()
-            exact = set(want) == set(have) and all(torch.equal(have[k], want[k]) for k in want)
+            exact = set(want) == set(have) and all(same_bits(have[k], want[k]) for k in want)
             out["outcomes"].append({"ok": True, "exact": exact, "version": rep.version, "bytes": rep.bytes,
                                     "seconds": time.perf_counter() - t0, "kv_scales": w.kv_scales,
                                     "peak_extra_bytes": rep.peak_extra_bytes})
@@ -191,7 +193,7 @@ def refit_rank(rank: int, spec: RefitSpec) -> dict[str, Any]:
     if spec.source == "dtensor":
         plan = _dtensor_plan(spec, dtype)
     else:
-        plan = build_plan(spec.config, train, gen, train.world_size, gen.world_size, dtype=dtype)
+        plan = build_plan(spec.config, train, spec.gen, train.world_size, gen.world_size, dtype=dtype)
     if rank < train.world_size:
         return _trainer(rank, spec, plan, dtype)
     return _rollout(rank - train.world_size, spec, plan, dtype)

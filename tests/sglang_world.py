@@ -31,6 +31,7 @@ class SglangSpec:
     layouts: list[dict[str, Any]] = field(default_factory=lambda: [{"engine_gpu_counts": [2]}])
     refits: int = 2
     bucket_bytes: int = 64 << 10
+    buffers: int = 2  # sglang_ipc pipeline buffers per rank
     engine: str = "inprocess"  # or "http"
     http_port: int = 0
     fail: dict[str, int] | None = None  # {"version": v, "bucket": k}: the engine refuses that bucket
@@ -78,7 +79,7 @@ def sglang_rank(rank: int, spec: SglangSpec) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         model = build_model(config, seed=0, device=spec.device)
         w = SglangTrainer(model, rank=rank, world_size=spec.world, device=spec.device, timeout_s=spec.timeout_s)
-        w.sglang_options = {"bucket_bytes": spec.bucket_bytes}
+        w.sglang_options = {"bucket_bytes": spec.bucket_bytes, "buffers": spec.buffers}
         if spec.update_backend is None:
             await w.init_collective("127.0.0.1", spec.port, spec.world, train_world_size=spec.world)
         else:

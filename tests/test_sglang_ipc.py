@@ -66,8 +66,9 @@ def _run(spec: SglangSpec, target=sglang_rank, extra=()) -> list[dict]:
 
 
 @pytest.mark.multiprocess
-def test_two_trainers_refit_one_engine_of_two_gpus_bit_exact():
-    results = _run(SglangSpec(refits=3))
+@pytest.mark.parametrize("buffers", [2, 1])
+def test_two_trainers_refit_one_engine_of_two_gpus_bit_exact(buffers):
+    results = _run(SglangSpec(refits=3, buffers=buffers))
     src, peer = results
     for r in results:
         assert [o["ok"] for o in r["outcomes"]] == [True] * 3, r["outcomes"]

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from policyworker.rollout import RolloutWorker
+
+from .helpers import same_bits
 from policyworker.torch_worker import TorchPolicyWorker
 
 # The zmq mixins are part of the workers' own bases.
@@ -96,7 +98,7 @@ def zmq_rank(rank: int, spec: ZmqSpec) -> dict[str, Any]:
                     want = dest_shards(w._refit_transport_state("zmq")["plan"], g,
                                        seeded_state_dict(config, seed=version, dtype=torch.float32))
                     have = w.weights()
-                    row["exact"] = set(want) == set(have) and all(torch.equal(have[k].cpu(), want[k]) for k in want)
+                    row["exact"] = set(want) == set(have) and all(same_bits(have[k].cpu(), want[k]) for k in want)
                     row["kv_scales"] = w.kv_scales
                     row["weight_version"] = w.weight_version
                 row.update(ok=True, bytes=rep.bytes, notes=list(rep.notes), buckets=rep.buckets,

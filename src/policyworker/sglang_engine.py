@@ -73,6 +73,7 @@ class InProcessSglangEngine:
         self._next_bucket = 0
         self._seen: list[set[str]] = []
         self._touched = False
+        self._used: set[BufferHandle] = set()  # handles the current (or last) refit named
         self._bytes = 0
         self._t0 = 0.0
         self.calls = 0
@@ -105,9 +106,12 @@ class InProcessSglangEngine:
                 if worker.ledger.in_flight:  # the last refit never finished: it touched, or may have
                     worker.ledger.fail(True)
                 worker.ledger.begin(worker.ledger.version + 1)
-            # A reconnected trainer rank exported a new buffer: drop the stale ones.
-            for stale in set(self._buffers) - set(request.buffers):
+            # A reconnected trainer rank exported new buffers: drop those the last refit did
+            # not use either (the trainers alternate between their buffers bucket by bucket).
+            for stale in set(self._buffers) - set(request.buffers) - self._used:
                 del self._buffers[stale]
+            self._used = set()
+        self._used.update(request.buffers)
         try:
             self._apply(request)
         except (PolicyWorkerError, RuntimeError, ValueError) as exc:

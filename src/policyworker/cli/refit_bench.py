@@ -64,7 +64,9 @@ class RefitBenchSpec:
 
     @property
     def gen_par(self) -> Parallelism:
-        return Parallelism.parse(self.gen)
+        from ..layout.fp8 import split_gen_layout
+
+        return Parallelism.parse(split_gen_layout(self.gen)[0])  # gen may carry fp8=block128
 
 
 def _max_over(group, value: float) -> float:
@@ -123,7 +125,7 @@ def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
             model = build_model(config, seed=0, dtype=dtype)
             shards = None
             if spec.trainer_params == "flat":
-                own_plan = build_plan(config, train, gen, n_train, n_gen, dtype=dtype)
+                own_plan = build_plan(config, train, spec.gen, n_train, n_gen, dtype=dtype)
                 shards = empty_local_tensors(own_plan, "src", rank, flat=True)
                 for name, t in source_shards(own_plan, rank, dict(model.named_parameters())).items():
                     shards[name].copy_(t)
@@ -135,10 +137,10 @@ def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
             members = list(train.stage_ranks(stage))
             await w.init_nccl_reshard_comm_group([ip] * train.pp, stage_ports, train.pp, stage,
                                                  len(members) + n_gen, members.index(rank))
-            info = await w.prepare_nccl_reshard_refit_info(train, gen, n_train, n_gen)
+            info = await w.prepare_nccl_reshard_refit_info(train, spec.gen, n_train, n_gen)
             # The same plan, computed here (deterministic) rather than read out of the
             # worker's transport state, whose keys are the core's business.
-            plan = own_plan if spec.trainer_params == "flat" else build_plan(config, train, gen, n_train, n_gen,
+            plan = own_plan if spec.trainer_params == "flat" else build_plan(config, train, spec.gen, n_train, n_gen,
                                                                                dtype=dtype)
             if plan.hash != info["hash"]:
                 raise PlanError("the bench's plan differs from the worker's", rank=rank)
@@ -151,7 +153,7 @@ def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
             await w.init_collective(ip, spec.ports["update"], n_train + n_gen, train_world_size=n_train)
             await w.init_nccl_reshard_comm_groups([ip] * train.pp, stage_ports,
                                                   [len(train.stage_ranks(s)) for s in range(train.pp)])
-            plan = build_plan(config, train, gen, n_train, n_gen, dtype=dtype)
+            plan = build_plan(config, train, spec.gen, n_train, n_gen, dtype=dtype)
             w.load_refit_plan(plan.refit_info())
             stage_groups = w.stage_groups
             out["hash"] = plan.hash
@@ -191,7 +193,7 @@ def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
             if not is_trainer and spec.verify:
                 want = dest_shards(plan, my_rank, seeded_state_dict(config, seed=version, dtype=dtype))
                 have = w.weights()
-                row["bit_exact"] = set(want) == set(have) and all(torch.equal(have[k], want[k]) for k in want)
+                row["bit_exact"] = set(want) == set(have) and all(_same(have[k], want[k]) for k in want)
                 row["kv_scales"] = w.kv_scales
                 row["expected_bytes"] = plan.recv_bytes_per_dst_rank()[my_rank]
             out["refits"].append(row)
@@ -225,7 +227,7 @@ def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
     results = world.collect(spec.timeout_s * (spec.refits + 3), on_tick=tick)
     tick()
     ranks = [results[r] for r in range(n)]
-    plan = build_plan(_config(spec), train, gen, train.world_size, gen.world_size,
+    plan = build_plan(_config(spec), train, spec.gen, train.world_size, gen.world_size,
                       dtype=getattr(torch, spec.dtype))
     total = plan.total_bytes
     rollouts = ranks[train.world_size:]
@@ -257,6 +259,7 @@ def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
         "preset": spec.preset,
         "dtype": spec.dtype,
         "layouts": {"train": str(train), "gen": str(gen)},
+        "fp8": plan.body.gen_fp8_block or None,
         "processes": n,
         "bucket_bytes": spec.bucket_bytes,
         "in_flight": spec.in_flight,
@@ -286,6 +289,14 @@ def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
         "plan_hash": plan.hash,
         "spec": {k: v for k, v in asdict(spec).items() if k != "ports"},
     }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.float8_e4m3fn:  # no torch.equal for float8 on CPU
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
 
 
 def _config(spec: RefitBenchSpec):

@@ -18,6 +18,8 @@ from math import prod
 import torch
 
 from policyworker.errors import PlanError
+from policyworker.layout import fp8 as _fp8
+from policyworker.layout import fp8_pack as _fp8_pack
 from policyworker.layout.plan import Copy, ReshardPlan, Transfer, dtype_size
 
 __all__ = [
@@ -57,6 +59,8 @@ def _as_bytes(view: torch.Tensor) -> torch.Tensor:
 
 
 def copy_nbytes(plan: ReshardPlan, copy: Copy) -> int:
+    if _fp8.is_fp8_copy(plan, copy):  # fp8 hook (issue 16): fp8 bytes + scales
+        return _fp8.copy_nbytes(copy.start, copy.stop, plan.body.gen_fp8_block)
     p = plan.params[copy.param]
     return prod(b - a for a, b in zip(copy.start, copy.stop)) * dtype_size(p.dtype)
 
@@ -82,6 +86,9 @@ def pack(plan: ReshardPlan, copies: Sequence[Copy], local_tensors: Mapping[str, 
     byte ``offset`` on, back to back. Returns the offset after the last byte."""
     names, params = plan.body.tensor_names, plan.params
     for c in copies:
+        if _fp8.is_fp8_copy(plan, c):  # fp8 hook (issue 16): quantize while packing
+            offset = _fp8_pack.pack_copy(plan, c, local_tensors, out, offset)
+            continue
         src = _region(_lookup(local_tensors, names[c.src_tensor], "sender"),
                       c.src_at, c.start, c.stop)
         n = src.numel() * dtype_size(params[c.param].dtype)
@@ -97,6 +104,9 @@ def unpack(plan: ReshardPlan, copies: Sequence[Copy], buf: torch.Tensor,
     (which must be contiguous in their last dim). Returns the offset after the last byte."""
     names, params = plan.body.tensor_names, plan.params
     for c in copies:
+        if _fp8.is_fp8_copy(plan, c):  # fp8 hook (issue 16): fp8 bytes, then scales
+            offset = _fp8_pack.unpack_copy(plan, c, buf, local_tensors, offset)
+            continue
         dst = _region(_lookup(local_tensors, names[c.dst_tensor], "receiver"),
                       c.dst_at, c.start, c.stop)
         n = dst.numel() * dtype_size(params[c.param].dtype)
@@ -137,6 +147,8 @@ def bucket_copies(plan: ReshardPlan, copies: Sequence[Copy], max_bytes: int) -> 
 
 
 def _split(plan: ReshardPlan, c: Copy, max_bytes: int) -> list[Copy]:
+    if _fp8.is_fp8_copy(plan, c):  # fp8 hook (issue 16): cut on block boundaries only
+        return _fp8.split_copy(c, max_bytes, plan.body.gen_fp8_block)
     n = copy_nbytes(plan, c)
     if n <= max_bytes:
         return [c]
@@ -169,9 +181,11 @@ def empty_local_tensors(plan: ReshardPlan, side: str, rank: int,
     transfer tend to be adjacent in memory, and a transport can move them as one span.
     """
     specs = plan.local_tensors(side, rank)
+    # fp8 hook (issue 16): a generation rank's fp8 tensors come with their scales.
+    scales = _fp8_pack.scale_tensors(plan, rank, device) if side == "dst" else {}
     if not flat:
-        return {name: torch.empty(t.shape, dtype=_torch_dtype(t.dtype), device=device)
-                for name, t in specs.items()}
+        return {**{name: torch.empty(t.shape, dtype=_torch_dtype(t.dtype), device=device)
+                   for name, t in specs.items()}, **scales}
     order: dict[str, None] = {}
     names = plan.body.tensor_names
     for t in (plan.sends(rank) if side == "src" else plan.receives(rank)):
@@ -185,8 +199,8 @@ def empty_local_tensors(plan: ReshardPlan, side: str, rank: int,
         offsets[n] = total
         total += -(-sizes[n] // 64) * 64
     buf = torch.empty(total, dtype=torch.uint8, device=device)
-    return {n: buf.narrow(0, offsets[n], sizes[n]).view(_torch_dtype(specs[n].dtype)).view(specs[n].shape)
-            for n in order}
+    return {**{n: buf.narrow(0, offsets[n], sizes[n]).view(_torch_dtype(specs[n].dtype)).view(specs[n].shape)
+               for n in order}, **scales}
 
 
 def _shards(plan: ReshardPlan, side: str, rank: int,
@@ -194,7 +208,9 @@ def _shards(plan: ReshardPlan, side: str, rank: int,
     params = plan.params
     out = {}
     for name, t in plan.local_tensors(side, rank).items():
-        local = torch.empty(t.shape, dtype=_torch_dtype(t.dtype))
+        quantized = t.dtype == _fp8.FP8_DTYPE and plan.body.gen_fp8_block  # fp8 hook (issue 16)
+        dtype = params[t.pieces[0].param].dtype if quantized and t.pieces else t.dtype
+        local = torch.empty(t.shape, dtype=_torch_dtype(dtype))
         for p in t.pieces:
             pname = params[p.param].name
             full = _lookup(full_state, pname, "full state")
@@ -203,7 +219,10 @@ def _shards(plan: ReshardPlan, side: str, rank: int,
                                 f"the plan expects {params[p.param].shape} {local.dtype}",
                                 param=pname)
             _region(local, p.at, p.start, p.stop).copy_(_region(full, p.start, p.start, p.stop))
-        out[name] = local
+        if quantized:  # the oracle's fp8 bytes and scales, member by member
+            out.update(_fp8_pack.reference_local(plan, rank, name, local))
+        else:
+            out[name] = local
     return out
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from policyworker.errors import PlanError
+from policyworker.layout import fp8 as _fp8
 from policyworker.layout.boxes import Layout, LocalSpec, Piece
 from policyworker.layout.parallelism import Parallelism
 
@@ -37,6 +38,11 @@ PLAN_FORMAT = 2  # 2: Transfer.runs
 _DTYPE_SIZES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8,
                 "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
                 "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def _fp8_dtype(have: str, param_dtype: str) -> str:
+    # fp8 hook (issue 16): an fp8 destination may hold a float parameter.
+    return have if have == _fp8.FP8_DTYPE and param_dtype in ("bfloat16", "float16", "float32") else param_dtype
 
 
 def dtype_size(dtype: str) -> int:
@@ -160,6 +166,9 @@ class PlanBody(msgspec.Struct, frozen=True, kw_only=True):
     sources: list[LocalTensor]
     dests: list[LocalTensor]
     transfers: list[Transfer]
+    # fp8 hook (issue 16): block size of the fp8 destination tensors (0: none). A copy
+    # into a float8_e4m3fn destination of a wider parameter is quantized while packed.
+    gen_fp8_block: int = 0
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -342,13 +351,18 @@ class ReshardPlan:
                         ("source", t.src, c.src_tensor, c.src_at, src_locals),
                         ("destination", t.dst, c.dst_tensor, c.dst_at, dst_locals)):
                     lt = local.get(rank, {}).get(names[tensor])
-                    if lt is None or lt.dtype != p.dtype or any(
+                    want = p.dtype if side == "source" or lt is None or not self.body.gen_fp8_block \
+                        else _fp8_dtype(lt.dtype, p.dtype)  # fp8 hook (issue 16)
+                    if lt is None or lt.dtype != want or any(
                             a < 0 or a + e > s for a, e, s in zip(at, ext, lt.shape)):
                         raise PlanError(f"copy of {p.name!r} does not fit {side} tensor "
                                         f"{names[tensor]!r} of rank {rank}", rank=rank,
                                         param=p.name)
                 vol = prod(ext)
-                total += vol * dtype_size(p.dtype)
+                if self.body.gen_fp8_block and _fp8.is_fp8_copy(self, c):  # fp8 hook (issue 16)
+                    total += _fp8.copy_nbytes(c.start, c.stop, self.body.gen_fp8_block)
+                else:
+                    total += vol * dtype_size(p.dtype)
                 key = (t.dst, c.dst_tensor)
                 received[key] = received.get(key, 0) + vol
             if total != t.nbytes:
@@ -369,8 +383,9 @@ class ReshardPlan:
 
     @cached_property
     def min_bytes(self) -> int:
-        """Bytes of all destination local tensors: the least any plan can move."""
-        return sum(prod(t.shape) * dtype_size(t.dtype) for t in self.body.dests)
+        """Bytes of all destination local tensors (fp8 scales included): the least any
+        plan can move."""
+        return sum(prod(t.shape) * dtype_size(t.dtype) for t in self.body.dests) + _fp8.scale_bytes(self)
 
     @property
     def messages(self) -> int:

@@ -25,6 +25,7 @@ from math import prod
 from typing import Any
 
 from policyworker.errors import ConfigError, PlanError
+from policyworker.layout import fp8 as _fp8
 from policyworker.layout.boxes import Layout, Piece, box_volume
 from policyworker.layout.parallelism import Parallelism
 from policyworker.layout.plan import (
@@ -175,6 +176,7 @@ def plan_from_layouts(
     gen: Parallelism | None = None,
     gen_fused: bool = False,
     compress: bool = True,
+    fp8_block: int = 0,
 ) -> ReshardPlan:
     """The plan moving ``specs``' parameters from layout ``src`` to layout ``dst``.
 
@@ -182,6 +184,8 @@ def plan_from_layouts(
     are not moved. Names in either layout that ``specs`` lacks are a PlanError.
     ``compress=False`` writes every copy as a `Copy` (no `CopyRun`s): the same copies,
     for tests and for readers that want them flat.
+    ``fp8_block``: destination tensors typed float8_e4m3fn are block-quantized
+    targets (see :mod:`.fp8`; :func:`.fp8.fp8_layout` makes such layouts).
     """
     params = [ParamInfo(n, tuple(s), dtype_name(d)) for n, (s, d) in specs.items()]
     pindex = {p.name: i for i, p in enumerate(params)}
@@ -202,6 +206,7 @@ def plan_from_layouts(
     run_at = {r.first: ri for ri, r in enumerate(runs)}
     jobs: list[tuple[int, Piece, list[Piece], tuple[int, ...], tuple[int, ...], int, int, int]] = []
     cache: dict[tuple[Any, ...], list[Any]] = {}
+    fp8_dst = _fp8.fp8_tensor_keys(dst) if fp8_block else frozenset()  # fp8 hook (issue 16)
 
     def plan_param(pi: int, count: int, run: int, member: int) -> None:
         p = params[pi]
@@ -221,6 +226,11 @@ def plan_from_layouts(
         if template is None:
             template = cache[key] = _template(p.name, p.shape, ckeys, dkeys)
         isz = dtype_size(p.dtype) * count
+        if fp8_dst and (dpieces[0].rank, dpieces[0].tensor) in fp8_dst:  # fp8 hook (issue 16)
+            for di, ci, start, stop, _ in template:
+                jobs.append((pi, dpieces[di], classes[ckeys[ci]], start, stop,
+                             _fp8.copy_nbytes(start, stop, fp8_block) * count, run, member))
+            return
         for di, ci, start, stop, vol in template:
             jobs.append((pi, dpieces[di], classes[ckeys[ci]], start, stop, vol * isz, run, member))
 
@@ -290,7 +300,7 @@ def plan_from_layouts(
         train_world_size=src.world_size, gen_world_size=dst.world_size,
         gen_fused=gen_fused, params=params,
         tensor_names=sorted(tindex, key=tindex.__getitem__),
-        sources=sources, dests=dests, transfers=transfers,
+        sources=sources, dests=dests, transfers=transfers, gen_fp8_block=fp8_block,
     )
     return ReshardPlan(body)
 
@@ -304,8 +314,12 @@ def build_plan(
     *,
     gen_fused: bool = True,
     dtype: Any = "bfloat16",
+    fp8: _fp8.Fp8Target | None = None,
 ) -> ReshardPlan:
     """The plan for a model under training and generation layouts given by the rules.
+
+    FP8 targets (:mod:`.fp8`): the generation layout may carry ``fp8=block128``
+    (``"tp=2,fp8=block128"``), or ``fp8`` gives an `Fp8Target` (a per-parameter rule).
 
     ``config_or_param_specs``: a `ModelConfig` (parameters in ``dtype``) or
     ``{name: (shape, dtype)}``; with bare specs attention is split by rows, not heads,
@@ -315,7 +329,7 @@ def build_plan(
     """
     with _no_gc():
         return _build_plan(config_or_param_specs, train_parallelism, gen_parallelism,
-                           train_world_size, gen_world_size, gen_fused=gen_fused, dtype=dtype)
+                           train_world_size, gen_world_size, gen_fused=gen_fused, dtype=dtype, fp8=fp8)
 
 
 @contextmanager
@@ -340,7 +354,10 @@ def _build_plan(
     *,
     gen_fused: bool,
     dtype: Any,
+    fp8: _fp8.Fp8Target | None = None,
 ) -> ReshardPlan:
+    gen_parallelism, from_layout = _fp8.split_gen_layout(gen_parallelism)  # fp8 hook (issue 16)
+    fp8 = fp8 or from_layout
     train = as_parallelism(train_parallelism, "train")
     gen = as_parallelism(gen_parallelism, "gen")
     train.check_world_size(train_world_size, side="train")
@@ -357,4 +374,10 @@ def _build_plan(
                           f"got {type(config_or_param_specs).__name__}")
     src = rule_layout(specs, train, config=config, fused=False)
     dst = rule_layout(specs, gen, config=config, fused=gen_fused)
-    return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=gen_fused)
+    if fp8 is not None:  # fp8 hook (issue 16)
+        src = _fp8.fp8_layout(src, specs, fp8, tp=train.tp, side="train", retype=False)
+        dst = _fp8.fp8_layout(dst, specs, fp8, tp=gen.tp, side="gen", retype=True)
+    # fp8 plans list every copy flat (no CopyRuns): the quantizing pack/unpack and the
+    # transports' fp8 paths walk `Transfer.copies`.
+    return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=gen_fused,
+                             fp8_block=0 if fp8 is None else fp8.block, compress=fp8 is None)

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from policyworker.layout.fabric import Fabric, fabric_report, format_fabric_report
+from policyworker.layout.fp8 import split_gen_layout
 from policyworker.layout.parallelism import Parallelism
 from policyworker.layout.planner import as_parallelism, build_plan
 from policyworker.models.config import get_preset
@@ -18,16 +19,20 @@ def plan_report(preset: str, train: Parallelism | str, gen: Parallelism | str, *
                 bucket_bytes: int | None = None) -> dict[str, Any]:
     """Plan ``preset`` from layout ``train`` to ``gen`` and summarise it (JSON-safe).
 
-    Keys: preset, train, gen, train_world_size, gen_world_size, params, hash,
+    ``gen`` may carry ``fp8=block128``; byte counts are then the fp8 sizes (fp8
+    bytes + float32 scales for quantized tensors).
+
+    Keys: preset, train, gen, train_world_size, gen_world_size, fp8, params, hash,
     total_bytes, min_bytes, recv_bytes_per_dst_rank, send_bytes_per_src_rank,
     messages, copies, wire_bytes, seconds_to_plan. Per-rank dicts are keyed by
     the rank as a string (JSON object keys). With a `Fabric`, also ``fabric_model``:
     :func:`.fabric.fabric_report` of the plan (a model, not a measurement).
     """
     config = get_preset(preset)
+    gen, fp8 = split_gen_layout(gen)  # fp8 hook (issue 16): "tp=4,fp8=block128"
     t, g = as_parallelism(train, "train"), as_parallelism(gen, "gen")
     began = time.perf_counter()
-    plan = build_plan(config, t, g, t.world_size, g.world_size, gen_fused=gen_fused)
+    plan = build_plan(config, t, g, t.world_size, g.world_size, gen_fused=gen_fused, fp8=fp8)
     seconds = time.perf_counter() - began
     out = {
         "preset": preset,
@@ -36,6 +41,7 @@ def plan_report(preset: str, train: Parallelism | str, gen: Parallelism | str, *
         "train_world_size": t.world_size,
         "gen_world_size": g.world_size,
         "gen_fused": gen_fused,
+        "fp8": f"block{fp8.block}" if fp8 is not None else None,
         "params": len(plan.params),
         "hash": plan.hash,
         "total_bytes": plan.total_bytes,
@@ -78,7 +84,8 @@ def format_plan_report(d: dict[str, Any]) -> str:
     lines = [
         f"plan for {d['preset']}: train {lay(d['train'])} ({d['train_world_size']} ranks)"
         f" -> gen {lay(d['gen'])} ({d['gen_world_size']} ranks)"
-        f"{' [fused]' if d.get('gen_fused') else ''}",
+        f"{' [fused]' if d.get('gen_fused') else ''}"
+        f"{' [fp8=' + d['fp8'] + ']' if d.get('fp8') else ''}",
         f"  hash            {d['hash'][:16]}",
         f"  params          {d['params']}",
         f"  total bytes     {_size(d['total_bytes'])} ({d['total_bytes']})",

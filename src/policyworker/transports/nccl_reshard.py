@@ -47,6 +47,7 @@ import msgspec
 import torch
 
 from ..errors import ConfigError, PeerLost, PlanMismatch, ProtocolError, RefitAborted, TransportError
+from ..layout import fp8 as _fp8
 from ..layout.apply import _region, bucket_copies, copy_nbytes, pack, unpack
 from ..layout.parallelism import Parallelism
 from ..layout.plan import Copy, ReshardPlan
@@ -146,6 +147,8 @@ def _direct_view(plan: ReshardPlan, copies: list[Copy], tensors: Mapping[str, to
     of a flat buffer (the rollout allocates its tensors that way, in plan order).
     Then the message goes straight from / into the tensors: no staging copy.
     """
+    if any(_fp8.is_fp8_copy(plan, c) for c in copies):
+        return None  # fp8 hook (issue 16): quantized copies are packed (sender) / unpacked (receiver)
     names = plan.body.tensor_names
     storage = None
     start = end = 0
@@ -320,7 +323,12 @@ class NcclReshardTransport(Transport):
                 pair = (m.key[1], m.key[2])
                 pair_bytes[pair] = pair_bytes.get(pair, 0) + m.nbytes
         ctx.state["pair_bytes"] = pair_bytes  # (src, dst) -> payload bytes; in every header
-        ring_bytes = self.bucket_bytes + (8 if self.checksum else 0)
+        # fp8 hook (issue 16): a quantized copy cannot be cut below one block, which may
+        # exceed a tiny bucket_bytes, and it is always packed; the ring slots then grow
+        # to the largest such message.
+        biggest = max((m.nbytes for m in schedule if m.copies is not None
+                       and any(_fp8.is_fp8_copy(plan, c) for c in m.copies)), default=0)
+        ring_bytes = max(self.bucket_bytes, biggest) + (8 if self.checksum else 0)
         ring = ctx.state.get("ring")
         if ring is None or len(ring) != self.staging or ring[0].numel() != ring_bytes or ring[0].device != device:
             # Staging lives across refits: fresh pages cost more than the copy itself.
@@ -475,7 +483,8 @@ class NcclReshardTransport(Transport):
 
     def _buffer(self, ctx: TransportContext, slot: int, size: int) -> torch.Tensor:
         # bucket_copies cuts any box down to bucket_bytes (inside rows too; elements are
-        # at most 8 bytes and buckets at least 1 KiB), so every message fits a slot.
+        # at most 8 bytes and buckets at least 1 KiB) and the ring fits the largest
+        # message, so every message fits a slot.
         return ctx.state["ring"][slot].narrow(0, 0, size)
 
     def _recv_bulk(self, ctx: TransportContext):

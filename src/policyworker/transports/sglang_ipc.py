@@ -26,19 +26,26 @@ One refit of version v (every rank, in this order):
   0. start: all-gather (v, digest, connected); the source adds whether it has an engine
      and whether the engine wants SGLang's pickled blobs. Any rank not connected (or a
      changed model) makes every rank run ``connect`` again, so collectives stay paired;
-  per bucket k:
-  1. pack k into the buffer (the previous bucket was acknowledged: the buffer is free);
-  2. all-reduce (failed, blob length); if the engine wants blobs, gather them to the
+  per bucket k, into buffer ``k % buffers`` (``buffers`` = 2 by default):
+  1. pack k into its buffer — on the GPU an asynchronous copy on the refit's stream,
+     recorded by an event; the engine may still be loading bucket k-1 from the other
+     buffer meanwhile (the overlap that two buffers buy);
+  2. the verdict of bucket k-1: the source waits for the engine's answer and
+     broadcasts it (code + message); every rank raises the same error class on
+     failure. The broadcast is also the acknowledgement: no rank repacks a buffer
+     before the engine has answered for the bucket it held;
+  3. wait for bucket k's event (this bucket's copies only: no device-wide sync), then
+     all-reduce (failed, blob length); if the engine wants blobs, gather them to the
      source (each rank's ``MultiprocessingSerializer`` blob of its own buffer);
-  3. the source calls ``engine.update_weights_from_tensor`` with one entry per tp rank
-     (``weight_version`` on the last bucket only), bounded by the refit deadline;
-  4. the source broadcasts the verdict (code + message); every rank raises the same
-     error class on failure. The broadcast is also the acknowledgement: no rank
-     repacks its buffer before the engine has answered for the bucket it holds.
+  4. the source starts ``engine.update_weights_from_tensor`` for bucket k (one entry per
+     tp rank; ``weight_version`` on the last bucket only) on a helper thread, bounded
+     by the refit deadline, and goes on to pack bucket k+1.
+  After the last bucket, its verdict as in 2.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 import weakref
 from collections.abc import Sequence
@@ -142,9 +149,12 @@ class SglangIpcSetup:
     engine_gpu_counts: Any
     engine_gpu_offsets: Any = None
     bucket_bytes: int = 256 << 20
+    buffers: int = 2
 
     def __post_init__(self) -> None:
         positive_int(self.bucket_bytes, "bucket_bytes", minimum=1024)
+        if self.buffers not in (1, 2):
+            raise ConfigError(f"buffers must be 1 or 2, got {self.buffers!r}", transport=NAME)
         EngineLayout.build(self.engine_gpu_counts, self.engine_gpu_offsets, 1 << 30)  # shape checks only
 
 
@@ -166,9 +176,9 @@ class SglangIpcOptions:
 
 
 class BufferHello(Message, frozen=True, kw_only=True):
-    """A rank's buffer handle, sent once per connect to the gather source."""
+    """A rank's buffer handles (one per pipeline slot), sent once per connect to the source."""
 
-    handle: BufferHandle
+    handles: tuple[BufferHandle, ...]
 
 
 class BucketBlob(Message, frozen=True, kw_only=True):
@@ -211,13 +221,17 @@ class SglangIpcTransport(Transport):
 
     @classmethod
     def from_setup(cls, setup: SglangIpcSetup) -> SglangIpcTransport:
-        return cls(bucket_bytes=setup.bucket_bytes)
+        return cls(bucket_bytes=setup.bucket_bytes, buffers=setup.buffers)
 
-    def __init__(self, *, bucket_bytes: int = 256 << 20) -> None:
+    def __init__(self, *, bucket_bytes: int = 256 << 20, buffers: int = 2) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1024:
             raise ConfigError(f"bucket_bytes must be an int >= 1024, got {bucket_bytes!r}", transport=NAME)
+        if buffers not in (1, 2):
+            raise ConfigError(f"buffers must be 1 or 2, got {buffers!r}", transport=NAME)
         self.bucket_bytes = bucket_bytes
+        self.buffers = buffers
         self._closed = False
+        self._caller: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -275,25 +289,29 @@ class SglangIpcTransport(Transport):
         state["connected_group"] = None
         digest = manifest_digest(ctx.params)
         buckets = plan_buckets(ctx.params, self.bucket_bytes)
-        mine = torch.tensor([digest, self.bucket_bytes, len(buckets)], dtype=torch.int64)
-        rows = [torch.zeros(3, dtype=torch.int64) for _ in range(group.world_size)]
+        mine = torch.tensor([digest, self.bucket_bytes, len(buckets), self.buffers], dtype=torch.int64)
+        rows = [torch.zeros(4, dtype=torch.int64) for _ in range(group.world_size)]
         group.all_gather(rows, mine, deadline=deadline)
         rows = [r.tolist() for r in rows]
         if any(r[0] != rows[0][0] for r in rows):
             raise PlanMismatch(f"trainer ranks of engine {state.get('engine_index')} hold different tensors "
                                "(names, shapes or dtypes differ)", rank=ctx.rank, transport=NAME)
-        if any(r[1] != rows[0][1] for r in rows):
-            raise ConfigError(f"ranks of engine {state.get('engine_index')} disagree on bucket_bytes: "
-                              f"{sorted({r[1] for r in rows})}", rank=ctx.rank, transport=NAME)
+        if any(r[1:2] + r[3:] != rows[0][1:2] + rows[0][3:] for r in rows):
+            raise ConfigError(f"ranks of engine {state.get('engine_index')} disagree on bucket_bytes/buffers: "
+                              f"{sorted({(r[1], r[3]) for r in rows})}", rank=ctx.rank, transport=NAME)
         device = next((t.device for t in ctx.params.values()), torch.device("cpu"))
         need = max((b.nbytes for b in buckets), default=0)
-        buf = state.get("buffer")
-        if buf is None or buf.numel() < need or buf.device != device:
-            # Lives across refits: its handle is exported once and opened once by the engine.
-            state["buffer"], state["handle"] = export_buffer(need, device)
-        handles = _gather(group, encode(BufferHello(handle=state["handle"])), False, deadline)
+        slots = 1 if len(buckets) < 2 else self.buffers  # one bucket: nothing to overlap
+        bufs = state.get("buffers") or []
+        if len(bufs) != slots or any(b.numel() < need or b.device != device for b in bufs):
+            # They live across refits: each handle is exported once and opened once by the engine.
+            made = [export_buffer(need, device) for _ in range(slots)]
+            state["buffers"], state["handles"] = [b for b, _ in made], tuple(h for _, h in made)
+        handles = _gather(group, encode(BufferHello(handles=state["handles"])), False, deadline)
         if group.rank == 0:
-            state["peer_handles"] = tuple(_HELLO.decode(h).handle for h in handles)
+            # peer_handles[slot][tp rank]: what the engine request of a bucket in that slot names.
+            per_rank = [_HELLO.decode(h).handles for h in handles]
+            state["peer_handles"] = tuple(tuple(r[slot] for r in per_rank) for slot in range(slots))
         state["buckets"] = buckets
         state["digest"] = digest
         state["connected_group"] = group
@@ -354,36 +372,86 @@ class SglangIpcTransport(Transport):
         state, group = ctx.state, ctx.state["group"]
         deadline = self._deadline(ctx)
         wants_blobs = self._start(ctx, version, deadline)
-        buckets, buf = state["buckets"], state["buffer"]
+        buckets, bufs = state["buckets"], state["buffers"]
         is_src = group.rank == 0
+        cuda = bufs[0].device.type == "cuda"
+        stream = None
+        if cuda:
+            # Packing runs on the transport's own stream, after whatever the trainer queued
+            # on its stream (the weights are final there), so it can overlap the engine's
+            # load of the previous bucket instead of queueing behind it.
+            stream = state.get("stream")
+            if stream is None or stream.device != bufs[0].device:
+                stream = state["stream"] = torch.cuda.Stream(bufs[0].device)
+            stream.wait_stream(torch.cuda.current_stream(bufs[0].device))
+        pending: concurrent.futures.Future | None = None  # the engine call of the previous bucket
         total = 0
-        for layout in buckets:
-            payload, failure = b"", None
-            try:
-                pack_bucket(layout, ctx.params, buf)
-                if buf.device.type == "cuda":
-                    torch.cuda.current_stream(buf.device).synchronize()  # the engine reads it from another process
-                if wants_blobs:
-                    blob = serialize_bucket(buf.narrow(0, 0, layout.nbytes), layout.metadata)
-                    payload = encode(BucketBlob(version=version, bucket=layout.index, blob=blob))
-            except (RuntimeError, ValueError, PolicyWorkerError) as exc:
-                failure = exc
-            gathered = _gather(group, payload, failure is not None, deadline, collect=wants_blobs)
-            if failure is not None:
-                raise TransportError(f"packing bucket {layout.index} failed: {failure}",
-                                     rank=ctx.rank, transport=NAME) from failure
-            code, message = 0, ""
-            if is_src:
-                code, message = self._call_engine(ctx, version, layout, gathered, wants_blobs, deadline)
-            code, message = _verdict(group, code, message, deadline)
-            if code:
-                cls = _VERDICTS.get(code, TransportError)
-                raise cls(f"engine {state.get('engine_index')}, refit {version}, bucket {layout.index}: {message}",
-                          rank=ctx.rank, transport=NAME)
-            total += layout.nbytes
+        try:
+            for layout in buckets:
+                buf = bufs[layout.index % len(bufs)]
+                payload, failure, done = b"", None, None
+                if len(bufs) == 1 and layout.index > 0:
+                    # One buffer: the engine must have answered for bucket k-1 before it is repacked.
+                    pending = self._settle(ctx, version, layout.index - 1, pending, deadline)
+                try:
+                    if cuda:
+                        with torch.cuda.stream(stream):
+                            pack_bucket(layout, ctx.params, buf)
+                        done = torch.cuda.Event()
+                        done.record(stream)
+                    else:
+                        pack_bucket(layout, ctx.params, buf)
+                except (RuntimeError, ValueError, PolicyWorkerError) as exc:
+                    failure = exc
+                if len(bufs) > 1 and layout.index > 0:
+                    # Bucket k's slot was bucket k-2's, settled a round ago; k-1 is settled now,
+                    # after k was packed, so the pack overlapped the engine's load of k-1.
+                    pending = self._settle(ctx, version, layout.index - 1, pending, deadline)
+                try:
+                    if done is not None:
+                        done.synchronize()  # this bucket's copies only: the engine reads it from another process
+                    if wants_blobs and failure is None:
+                        blob = serialize_bucket(buf.narrow(0, 0, layout.nbytes), layout.metadata)
+                        payload = encode(BucketBlob(version=version, bucket=layout.index, blob=blob))
+                except (RuntimeError, ValueError, PolicyWorkerError) as exc:
+                    failure = exc
+                gathered = _gather(group, payload, failure is not None, deadline, collect=wants_blobs)
+                if failure is not None:
+                    raise TransportError(f"packing bucket {layout.index} failed: {failure}",
+                                         rank=ctx.rank, transport=NAME) from failure
+                if is_src:
+                    pending = self._engine_caller().submit(self._call_engine, ctx, version, layout, gathered,
+                                                           wants_blobs, deadline)
+                total += layout.nbytes
+            if buckets:
+                pending = self._settle(ctx, version, buckets[-1].index, pending, deadline)
+        finally:
+            if pending is not None:  # an error above: let the engine call finish before the buffers are reused
+                pending.cancel() or concurrent.futures.wait([pending], timeout=max(0.0, deadline - time.monotonic()))
         return RefitReport(transport=NAME, role="send", version=version, bytes=total,
                            seconds=time.perf_counter() - t0, buckets=len(buckets),
-                           peak_extra_bytes=int(buf.numel()))
+                           peak_extra_bytes=int(sum(b.numel() for b in bufs)))
+
+    def _engine_caller(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._caller is None:
+            self._caller = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="policyworker-sglang-call")
+        return self._caller
+
+    def _settle(self, ctx: TransportContext, version: int, index: int,
+                pending: concurrent.futures.Future | None, deadline: float) -> None:
+        """The verdict round of bucket ``index``: the source's engine answer, broadcast to every rank."""
+        code, message = 0, ""
+        if pending is not None:
+            try:
+                code, message = pending.result(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                code, message = _code_of(RefitTimeout("x")), "the engine did not answer before the deadline"
+        code, message = _verdict(ctx.state["group"], code, message, deadline)
+        if code:
+            cls = _VERDICTS.get(code, TransportError)
+            raise cls(f"engine {ctx.state.get('engine_index')}, refit {version}, bucket {index}: {message}",
+                      rank=ctx.rank, transport=NAME)
+        return None
 
     def _call_engine(self, ctx, version, layout, gathered, wants_blobs, deadline) -> tuple[int, str]:
         from ..sglang_client import UpdateWeightsFromTensorRequest
@@ -404,7 +472,7 @@ class SglangIpcTransport(Transport):
                 abort_all_requests=bool(ctx.option("abort_all_requests", False)) and layout.index == 0,
                 weight_version=str(version) if last else None,
                 torch_empty_cache=bool(ctx.option("torch_empty_cache", False)) and last,
-                buffers=state["peer_handles"], metadata=layout.metadata,
+                buffers=state["peer_handles"][layout.index % len(state["peer_handles"])], metadata=layout.metadata,
                 bucket=layout.index, num_buckets=len(state["buckets"]),
             )
             remaining = deadline - time.monotonic()
@@ -419,6 +487,9 @@ class SglangIpcTransport(Transport):
 
     async def aclose(self) -> None:
         self._closed = True
+        caller, self._caller = self._caller, None
+        if caller is not None:
+            caller.shutdown(wait=False)
 
 
 # -- small collectives on the engine group ------------------------------------------

@@ -23,6 +23,11 @@ copy. Sources that cannot be mapped (on another device, e.g. offloaded, or
 ``staged=True``) travel through a ring of ``staging`` buffers of ``bucket_bytes``
 that lives across refits, with up to ``staging`` buckets in flight.
 
+FP8 targets (issue 16): a copy into an fp8 tensor is quantized on the way — for a
+mapped source, by the rollout's pull itself (one fused read of the trainer's bf16
+storage, fp8 + scales written in place; a Triton kernel on its own stream on a
+GPU); for a staged source, by the trainer while packing the ring bucket.
+
 Threads: every socket operation and copy runs on the worker's refit executor
 (``ctx.blocking``); :meth:`ZmqIpcTransport.abort` may be called from any thread.
 """
@@ -41,6 +46,8 @@ import torch
 
 from ..config import positive_int, positive_seconds
 from ..errors import ConfigError, PlanMismatch, ProtocolError, PolicyWorkerError, TransportError
+from ..layout import fp8 as _fp8
+from ..layout import fp8_pack as _fp8_pack
 from ..layout.apply import _region, bucket_copies, copy_nbytes, pack, unpack
 from ..layout.plan import ReshardPlan
 from . import zmq_wire as w
@@ -517,12 +524,15 @@ class ZmqIpcTransport(Transport):
         if program is None or program[0] != signature or offer.handles or offer.release:
             program = st["program"] = (signature, *self._compile(ctx, offer, st["sources"][1], opened))
             notes.append("copy program rebuilt")
-        _, runs, buckets, ring = program
+        _, runs, buckets, ring, quant = program
         if len(buckets) != offer.staged_buckets:
             raise ProtocolError(f"trainer stages {offer.staged_buckets} buckets, the plan says {len(buckets)}",
                                 rank=ctx.rank, transport=self.name)
         st["touched"] = ctx.touched = True  # bytes land in the live tensors from here on
         nbytes = 0
+        # fp8 hook (issue 16): one fused read of each quantized source, on its own stream
+        # on a GPU, overlapping the plain copies below; the device sync at the end joins it.
+        nbytes += quant.run(join=False)
         for src, dst in runs:
             dst.copy_(src, non_blocking=True)
             nbytes += dst.numel() * dst.element_size()
@@ -538,7 +548,7 @@ class ZmqIpcTransport(Transport):
         if nbytes != want:
             raise ProtocolError(f"refit {offer.version}: pulled {nbytes} of {want} bytes", rank=ctx.rank,
                                 transport=self.name)
-        return nbytes, len(runs) + len(buckets), notes
+        return nbytes, len(runs) + len(buckets) + len(quant), notes
 
     def _compile(self, ctx: TransportContext, offer: w.Offer, sources: list[w.SourceRef],
                  opened: Mapping[int, torch.UntypedStorage]):
@@ -561,11 +571,14 @@ class ZmqIpcTransport(Transport):
                                     transport=self.name)
             else:
                 views[name] = source_view(opened[ref.handle], ref, dev)
-        pairs = []
+        pairs, quant = [], []
         for t in plan.receives(ctx.rank):
             for c in t.all_copies():
                 src_name = names[c.src_tensor]
                 if src_name in staged:
+                    continue
+                if _fp8.is_fp8_copy(plan, c):  # fp8 hook (issue 16): quantized as it is pulled
+                    quant.append(_fp8_pack.quant_job(plan, c, views[src_name], ctx.params))
                     continue
                 dst = _region(ctx.params[names[c.dst_tensor]], c.dst_at, c.start, c.stop)
                 pairs.append((_region(views[src_name], c.src_at, c.start, c.stop), dst))
@@ -576,7 +589,7 @@ class ZmqIpcTransport(Transport):
                 raise ProtocolError(f"ring handle {hid} was never sent", rank=ctx.rank, transport=self.name)
             s = opened[hid]
             ring.append(_u8(s, 0, s.nbytes(), dev))
-        return coalesce(pairs), buckets, ring
+        return coalesce(pairs), buckets, ring, _fp8_pack.QuantJobs(quant, max(1, plan.body.gen_fp8_block))
 
     # -- close -----------------------------------------------------------------------
     async def aclose(self) -> None:

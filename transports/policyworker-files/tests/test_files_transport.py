@@ -24,6 +24,7 @@ from policyworker.errors import (
     RefitAborted,
     RefitTimeout,
     TornWeights,
+    TransportError,
 )
 from policyworker.models import get_preset
 from policyworker.testing.toy_model import build_model
@@ -77,6 +78,7 @@ async def test_check_transport(tmp_path, checksum):
     assert committed(str(tmp_path / "pair-0")) == ["v00000002", "v00000003"]  # keep=2
 
 
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": False})], ids=["asyncio"])
 async def test_check_transport_cut_short_mid_copy_is_torn(tmp_path, monkeypatch):
     """The suite's cut-short step, made deterministic: the copy lands one tensor, then
     holds (as a large copy would) until the suite's abort arrives — or 3 s pass, in
@@ -452,5 +454,17 @@ async def test_connect_cleans_only_its_own_rank_leftovers(tmp_path):
         await trainer.attach_transport("files", directory=str(d))
         # rank 0's temporary, the unfinished prune and the half signature are gone; rank 1's stays
         assert listing(str(d)) == [".v00000001.tmp-r1-22cc33dd", "signature.json"]
+    finally:
+        await trainer.shutdown()
+
+
+async def test_filesystem_errors_are_transport_errors(tmp_path):
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_bytes(b"x")
+    trainer = make_trainer()
+    try:
+        with pytest.raises(TransportError) as info:
+            await trainer.attach_transport("files", directory=str(not_a_dir))
+        assert isinstance(info.value.__cause__, OSError) and info.value.transport == "files"
     finally:
         await trainer.shutdown()

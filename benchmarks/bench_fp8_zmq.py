@@ -1,0 +1,253 @@
+"""FP8 refit vs BF16 refit vs "transfer BF16, then quantize on the receiver" — zmq colocated.
+
+``PYTHONPATH=src python benchmarks/bench_fp8_zmq.py --preset qwen3-8b --device cuda --json out.json``
+
+Two processes on one device (trainer with the preset's full bf16 parameters, its
+colocated rollout), one run, the same processes for every mode:
+
+* ``bf16``: the plain refit (gen ``tp=1``): the rollout pulls bf16 bytes.
+* ``bf16_then_quantize``: the same bf16 refit, then the rollout quantizes what landed
+  into fp8 tensors + scales (the bolted-on way), with the *same* fused kernel — so
+  the difference is where quantization happens, not how well.
+* ``fp8``: gen ``tp=1,fp8=block128``: the pull itself quantizes (one fused read of
+  the trainer's bf16 storage; fp8 + scales written in place).
+
+Times are the rollout's wall clock per refit (from the barrier to its weights being
+usable, quantization included), median of ``--refits`` after one warm-up; both
+processes meet at a barrier after every refit too, so the trainer's next "training
+step" (reseeding its weights) never overlaps the rollout's work; the
+trainer's ``stream_weights_via_ipc_zmq`` times ride along. Same run: ``ceiling_s`` is one
+flat device copy of the bf16 byte count. Every mode's last refit is checked bit for
+bit against weights regenerated on the rollout (fp8: against the band-loop quantizer
+in plain torch, an implementation independent of the kernel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from policyworker.cli.zmq_bench import _seeded_, _workers  # noqa: E402
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _receiver_quant_jobs(fp8_plan, bf16_params, fp8_params):
+    """(bf16 landed tensor region, fp8 region, scale region) per quantized copy."""
+    from policyworker.layout import fp8 as f
+    from policyworker.layout.fp8_pack import _region
+
+    names = fp8_plan.body.tensor_names
+    jobs = []
+    for t in fp8_plan.receives(0):
+        for c in t.copies:
+            if not f.is_fp8_copy(fp8_plan, c):
+                continue
+            name = names[c.dst_tensor]
+            br, bc = f.blocks(c.start, c.stop, f.block_of(fp8_plan))
+            sr, sc = f.scale_at(fp8_plan, c)
+            jobs.append((_region(bf16_params[name], c.dst_at, c.start, c.stop),
+                         _region(fp8_params[name], c.dst_at, c.start, c.stop),
+                         fp8_params[f.scale_name(name)].narrow(0, sr, br).narrow(1, sc, bc)))
+    return jobs
+
+
+def _check(plan, params, version: int, dev: torch.device, only_fp8: bool = False) -> bool:
+    """Every landed byte (and scale) equals the regenerated source (quantized in plain
+    torch); ``only_fp8``: the quantized tensors alone (the receiver-side quantization)."""
+    from policyworker.layout import fp8 as f
+    from policyworker.layout.fp8_pack import _region, quantize_bands
+
+    names = plan.body.tensor_names
+    srcs = plan.local_tensors("src", 0)
+    for t in plan.receives(0):
+        for c in t.copies:
+            name = names[c.src_tensor]
+            full = torch.empty(srcs[name].shape, dtype=getattr(torch, srcs[name].dtype), device=dev)
+            _seeded_(full, name, version)
+            if only_fp8 and not f.is_fp8_copy(plan, c):
+                continue
+            want = _region(full, c.src_at, c.start, c.stop)
+            have = _region(params[names[c.dst_tensor]], c.dst_at, c.start, c.stop)
+            if f.is_fp8_copy(plan, c):
+                br, bc = f.blocks(c.start, c.stop, f.block_of(plan))
+                q = torch.empty(want.shape, dtype=torch.float8_e4m3fn, device=dev)
+                s = torch.empty((br, bc), dtype=torch.float32, device=dev)
+                quantize_bands(want, q, s)
+                sr, sc = f.scale_at(plan, c)
+                hs = params[f.scale_name(names[c.dst_tensor])].narrow(0, sr, br).narrow(1, sc, bc)
+                if not (torch.equal(have.view(torch.uint8), q.view(torch.uint8)) and torch.equal(hs, s)):
+                    return False
+            elif not torch.equal(have, want):
+                return False
+    return True
+
+
+def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
+    from policyworker.layout import build_plan
+    from policyworker.layout.fp8_pack import QuantJobs
+    from policyworker.models import get_preset, param_specs
+    from policyworker.layout.local import flat_local_tensors
+
+    dev = torch.device(a["device"])
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        if a["kernel"]:
+            from policyworker.ops import fp8_triton
+
+            kw = dict(x.split("=") for x in a["kernel"].split(","))
+            fp8_triton.configure(num_warps=int(kw["warps"]), narrow_amax=kw["narrow_amax"] == "1",
+                                 stream=kw["stream"] == "1", fast_div=kw.get("fast_div") == "1")
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    config = get_preset(a["preset"])
+    dtype = torch.bfloat16
+    Trainer, Rollout = _workers()
+    gens = {"bf16": "tp=1", "fp8": "tp=1,fp8=block128"}
+    wait = lambda: asyncio.to_thread(barrier.wait, a["timeout_s"])  # noqa: E731
+
+    async def main() -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": rank, "modes": {}}
+        opts = {"flatten": True, "bucket_bytes": 64 << 20}
+        if rank == 0:
+            params = [(n, torch.nn.Parameter(torch.empty(s, dtype=d, device=dev), requires_grad=False))
+                      for n, (s, d) in param_specs(config, dtype).items()]
+            w: Any = Trainer(params, config, dtype, rank=0, world_size=1, device=dev, cpu_index=0,
+                             zmq_timeout_s=a["timeout_s"])
+        else:
+            w = Rollout(rank=0, gen_world_size=1, device=dev, cpu_index=0, zmq_timeout_s=a["timeout_s"])
+        w.zmq_options = opts
+        version = 0
+        for mode in ("bf16", "fp8"):
+            gen = gens[mode]
+            if rank == 0:
+                await w.prepare_zmq_refit_info(gen, 1)
+            else:
+                plan = build_plan(config, "tp=1", gen, 1, 1, dtype=dtype)
+                w.params = {}
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                w.load_colocated_plan(plan)
+                if mode == "bf16":  # the receiver-side quantization targets (bolted-on way)
+                    fp8_plan = build_plan(config, "tp=1", gens["fp8"], 1, 1, dtype=dtype)
+                    fp8_params = flat_local_tensors(fp8_plan, 0, dev)
+                    quant = QuantJobs(_receiver_quant_jobs(fp8_plan, w.params, fp8_params))
+            rows = []
+            for i in range(a["refits"] + 1):
+                version += 1
+                if rank == 0:
+                    for n, p in params:
+                        _seeded_(p, n, version)
+                _sync(dev)
+                await wait()
+                t0 = time.perf_counter()
+                if rank == 0:
+                    rep = await w.stream_weights_via_ipc_zmq(refit_timeout_s=a["timeout_s"])
+                    rows.append({"seconds": time.perf_counter() - t0, "bytes": rep.bytes})
+                    await wait()  # the rollout is done (its quantization too) before the next step
+                    continue
+                rep = await w.update_weights_via_ipc_zmq(refit_timeout_s=a["timeout_s"])
+                _sync(dev)
+                t1 = time.perf_counter()
+                row = {"seconds": t1 - t0, "bytes": rep.bytes, "notes": list(rep.notes)}
+                if mode == "bf16":
+                    quant.run()
+                    _sync(dev)
+                    row["quantize_s"] = time.perf_counter() - t1
+                if i == a["refits"]:
+                    row["bit_exact"] = await asyncio.to_thread(_check, plan, w.params, version, dev)
+                    if mode == "bf16":
+                        row["quantized_bit_exact"] = await asyncio.to_thread(
+                            _check, fp8_plan, fp8_params, version, dev, True)
+                rows.append(row)
+                await wait()
+            out["modes"][mode] = rows
+            if rank == 1 and mode == "bf16":
+                del fp8_params, quant
+        await wait()
+        if rank == 1:  # the ceiling: one flat copy of the bf16 byte count, touched buffers
+            n = out["modes"]["bf16"][-1]["bytes"]
+            w.params = {}
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            src = torch.ones(n, dtype=torch.uint8, device=dev)
+            dst = torch.zeros(n, dtype=torch.uint8, device=dev)
+            times = []
+            for _ in range(5):
+                _sync(dev)
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                _sync(dev)
+                times.append(time.perf_counter() - t0)
+            out["ceiling_s"] = statistics.median(times)
+        await w.shutdown()
+        return out
+
+    return asyncio.run(main())
+
+
+def run(preset: str, device: str, refits: int, timeout_s: float, kernel: str = "") -> dict[str, Any]:
+    import multiprocessing as mp
+
+    from policyworker.cli.procs import start_world
+
+    args = dict(preset=preset, device="cuda:0" if device == "cuda" else device, refits=refits, timeout_s=timeout_s,
+                kernel=kernel)
+    barrier = mp.get_context("spawn").Barrier(2)
+    world = start_world(_rank_main, 2, (args, barrier))
+    res = world.collect(timeout_s * (2 * refits + 8))
+    trainer, rollout = res[0], res[1]
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    r = {m: rows[1:] for m, rows in rollout["modes"].items()}
+    t = {m: rows[1:] for m, rows in trainer["modes"].items()}
+    bf16_s = med([x["seconds"] for x in r["bf16"]])
+    then_q = med([x["seconds"] + x["quantize_s"] for x in r["bf16"]])
+    fp8_s = med([x["seconds"] for x in r["fp8"]])
+    return {
+        "benchmark": "fp8 refit, zmq colocated", "preset": preset, "device": args["device"], "refits": refits,
+        "kernel": kernel or "defaults",
+        "bytes": {"bf16": r["bf16"][-1]["bytes"], "fp8": r["fp8"][-1]["bytes"]},
+        "seconds": {"bf16": bf16_s, "fp8": fp8_s, "bf16_then_quantize": then_q,
+                    "receiver_quantize_only": med([x["quantize_s"] for x in r["bf16"]]),
+                    "flat_copy_ceiling_bf16_bytes": rollout["ceiling_s"]},
+        "trainer_seconds": {m: med([x["seconds"] for x in rows]) for m, rows in t.items()},
+        "fp8_over_bf16": fp8_s / bf16_s, "then_quantize_over_fp8": then_q / fp8_s,
+        "all_rollout_seconds": {m: [round(x["seconds"], 6) for x in rows] for m, rows in r.items()},
+        "bit_exact": {"bf16": r["bf16"][-1]["bit_exact"], "fp8": r["fp8"][-1]["bit_exact"],
+                      "bf16_then_quantize": r["bf16"][-1]["quantized_bit_exact"]},
+        "notes": {m: rows[-1]["notes"] for m, rows in r.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--refits", type=int, default=5)
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--kernel", default="", help="fp8 kernel variant, e.g. warps=16,narrow_amax=1,stream=0,fast_div=1")
+    p.add_argument("--json", default=None)
+    ns = p.parse_args(argv)
+    res = run(ns.preset, ns.device, ns.refits, ns.timeout_s, ns.kernel)
+    text = json.dumps(res, indent=2)
+    print(text)
+    if ns.json:
+        Path(ns.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Device kernels (imported lazily; nothing here is needed on CPU)."""

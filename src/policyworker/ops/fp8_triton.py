@@ -1,0 +1,231 @@
+"""Block-FP8 quantization on CUDA: one Triton kernel, one read of the source.
+
+Each program quantizes one ``block x block`` tile of one *job* (a 2-D source view,
+its fp8 destination view, its float32 scale view): it loads the tile once (bf16
+or float32), takes ``amax``, and writes the tile's fp8 values and its one scale.
+All jobs of a refit go in one launch (two when some views are not 16-byte aligned):
+a job table (offsets, row strides, sizes) and a tile table (job, block row, block
+column) built once per program and kept (:class:`QuantProgram`), so a refit of
+hundreds of tensors costs one launch, not hundreds. The arithmetic is that of :func:`policyworker.layout.fp8_pack.
+quantize_reference`, bit for bit: IEEE division (``div_rn``, not Triton's default
+approximate fp32 division), ``s = 1`` for an all-zero block, clamp to ±448, then
+round-to-nearest-even to e4m3. Not covered: blocks whose float32 scale would be
+subnormal (``amax < 448 * 2**-126``, about 5e-36), where Triton's libdevice division
+may flush to zero; no weight block is that small, and the GPU test does not go there.
+
+Launches go on a side stream per device (after it waits for the current stream,
+and the current stream then waits for it), so the quantization overlaps other
+copies of the refit while everything issued later on the current stream still
+sees its results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["QuantProgram", "configure", "quantize_jobs"]
+
+# Job table columns (int64): source offset and row stride (elements of the source
+# dtype, from the launch's source base), fp8 offset and row stride (bytes, from the
+# fp8 base), scale offset and row stride (float32 elements, from the scale base),
+# rows, columns. Offsets from one base pointer per kind (they may be negative) keep
+# real pointer arguments, whose 16-byte alignment Triton knows; with ``ALIGNED`` the
+# offsets and strides are promised to keep every row 16-byte aligned too, so each
+# thread loads and stores 16 bytes at a time.
+
+
+@triton.jit
+def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.constexpr,
+                      SRC_BF16: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
+                      NARROW_AMAX: tl.constexpr, STREAM: tl.constexpr, FAST_DIV: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    job = tl.load(tiles_ptr + 3 * t).to(tl.int64)
+    bi = tl.load(tiles_ptr + 3 * t + 1).to(tl.int64)
+    bj = tl.load(tiles_ptr + 3 * t + 2).to(tl.int64)
+    row = jobs_ptr + job * 8
+    src_off = tl.load(row)
+    src_rs = tl.load(row + 1)
+    dst_off = tl.load(row + 2)
+    dst_rs = tl.load(row + 3)
+    sc_off = tl.load(row + 4)
+    sc_rs = tl.load(row + 5)
+    n = tl.load(row + 6)
+    k = tl.load(row + 7)
+    src_rs32 = src_rs.to(tl.int32)
+    dst_rs32 = dst_rs.to(tl.int32)
+    if ALIGNED:
+        if SRC_BF16:
+            src_off = tl.multiple_of(src_off, 8)
+            src_rs = tl.multiple_of(src_rs, 8)
+            src_rs32 = tl.multiple_of(src_rs32, 8)
+        else:
+            src_off = tl.multiple_of(src_off, 4)
+            src_rs = tl.multiple_of(src_rs, 4)
+            src_rs32 = tl.multiple_of(src_rs32, 4)
+        dst_off = tl.multiple_of(dst_off, 16)
+        dst_rs = tl.multiple_of(dst_rs, 16)
+        dst_rs32 = tl.multiple_of(dst_rs32, 16)
+    # One 64-bit base per tile; 32-bit offsets inside it (fewer registers per element).
+    src_t = src_ptr + src_off + bi * BLOCK * src_rs + bj * BLOCK
+    dst_t = dst_ptr + dst_off + bi * BLOCK * dst_rs + bj * BLOCK
+    rb = tl.arange(0, BLOCK)
+    offs_s = rb[:, None] * src_rs32 + rb[None, :]
+    offs_d = rb[:, None] * dst_rs32 + rb[None, :]
+    if EVEN:  # whole tiles: no masks, so loads and stores vectorize
+        if STREAM:  # read once, never again: do not keep it in L2
+            x = tl.load(src_t + offs_s, eviction_policy="evict_first")
+        else:
+            x = tl.load(src_t + offs_s)
+    else:
+        mask = (rb[:, None] < n - bi * BLOCK) & (rb[None, :] < k - bj * BLOCK)
+        x = tl.load(src_t + offs_s, mask=mask, other=0.0)
+    if NARROW_AMAX:  # max |x| in the source dtype (exact), the tile stays narrow in registers
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32)
+    else:
+        x = x.to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    s = tl.math.div_rn(amax, amax * 0.0 + 448.0)
+    s = tl.where(amax == 0.0, 1.0, s)
+    xf = x.to(tl.float32)
+    if FAST_DIV and s >= 1.1754943508222875e-38:
+        # x / s correctly rounded without a division per element: r = RN(1/s) once per
+        # tile, q = RN(x * r), then two Markstein corrections q += (x - q*s) * r with
+        # exact fma remainders (one makes q faithful, the next correctly rounded).
+        # Normal s only: 1/s must not overflow (tiny tiles take the division below).
+        r = tl.math.div_rn(amax * 0.0 + 1.0, s)
+        q = xf * r
+        q = tl.math.fma(tl.math.fma(-q, s + tl.zeros_like(xf), xf), r + tl.zeros_like(xf), q)
+        y = tl.math.fma(tl.math.fma(-q, s + tl.zeros_like(xf), xf), r + tl.zeros_like(xf), q)
+        # The corrections turn -0 into +0 (-0 + +0 = +0); x / s keeps the sign of a zero.
+        y = tl.where(xf == 0.0, xf, y)
+    else:
+        y = tl.math.div_rn(xf, tl.zeros_like(xf) + s)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+    if EVEN:
+        if STREAM:
+            tl.store(dst_t + offs_d, y, cache_modifier=".cs")
+        else:
+            tl.store(dst_t + offs_d, y)
+    else:
+        tl.store(dst_t + offs_d, y, mask=mask)
+    tl.store(sc_ptr + sc_off + bi * sc_rs + bj, s)
+
+
+# Launch settings (measured on one H200, benchmarks/bench_fp8_kernel.py); `configure`
+# changes them for programs made afterwards (benchmarks compare variants).
+NUM_WARPS = 16  # per 128x128 tile: 32 elements per thread
+NARROW_AMAX = True
+STREAM = False
+FAST_DIV = False
+
+
+def configure(*, num_warps: int | None = None, narrow_amax: bool | None = None, stream: bool | None = None,
+              fast_div: bool | None = None) -> None:
+    """Set the launch settings of programs made from now on (this process)."""
+    global NUM_WARPS, NARROW_AMAX, STREAM, FAST_DIV
+    NUM_WARPS = NUM_WARPS if num_warps is None else int(num_warps)
+    NARROW_AMAX = NARROW_AMAX if narrow_amax is None else bool(narrow_amax)
+    STREAM = STREAM if stream is None else bool(stream)
+    FAST_DIV = FAST_DIV if fast_div is None else bool(fast_div)
+
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    s = _STREAMS.get(index)
+    if s is None:
+        s = _STREAMS[index] = torch.cuda.Stream(device=index)
+    return s
+
+
+class QuantProgram:
+    """A fixed set of quantization jobs, tables built once; `run` launches them.
+
+    ``jobs``: ``(src, q, s)`` triples on one CUDA device; ``src`` 2-D bf16/float32,
+    ``q`` fp8 of the same shape, ``s`` float32 ``[ceil(n/B), ceil(k/B)]``, each with
+    unit stride in its last dim. The views must stay valid while the program lives.
+    """
+
+    def __init__(self, jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128) -> None:
+        self.block = block
+        self.num_warps, self.narrow_amax, self.stream, self.fast_div = NUM_WARPS, NARROW_AMAX, STREAM, FAST_DIV
+        self.nbytes = 0
+        self._launches: list[tuple] = []
+        self._keep = list(jobs)
+        groups: dict[bool, list] = {}
+        device = None
+        for src, q, s in jobs:
+            if src.dim() != 2 or q.shape != src.shape or q.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"bad fp8 job: src {tuple(src.shape)} q {tuple(q.shape)} {q.dtype}")
+            br, bc = -(-src.shape[0] // block), -(-src.shape[1] // block)
+            if tuple(s.shape) != (br, bc) or s.dtype != torch.float32:
+                raise ValueError(f"bad fp8 scale view {tuple(s.shape)} {s.dtype}, want {(br, bc)} float32")
+            if src.numel() and (src.stride(1) != 1 or q.stride(1) != 1 or s.stride(1) != 1):
+                raise ValueError("fp8 job views need unit stride in their last dim")
+            if src.dtype not in (torch.bfloat16, torch.float32):
+                raise ValueError(f"fp8 sources are bfloat16 or float32, got {src.dtype}")
+            device = src.device
+            if src.numel():
+                groups.setdefault(src.dtype == torch.bfloat16, []).append((src, q, s, br, bc))
+            self.nbytes += q.numel() + 4 * s.numel()
+        for is_bf16, items in groups.items():
+            esize = 2 if is_bf16 else 4
+            for src, q, *_ in items:
+                if max(src.stride(0), q.stride(0)) * (block + 1) >= 2**31:
+                    raise ValueError("fp8 job rows too far apart for 32-bit offsets inside a tile")
+            aligned = [all(x % 16 == 0 for x in (src.data_ptr(), src.stride(0) * esize, q.data_ptr(), q.stride(0)))
+                       for src, q, *_ in items]
+            even = [src.shape[0] % block == 0 and src.shape[1] % block == 0 for src, *_ in items]
+            for flag in ((True, True), (True, False), (False, False), (False, True)):
+                pick = [items[i] for i in range(len(items)) if (aligned[i], even[i]) == flag]
+                if not pick:
+                    continue
+                # Offsets from the first job's own tensors (aligned ones when flag says so).
+                src0, q0, s0 = pick[0][0], pick[0][1], pick[0][2]
+                bases = (src0.data_ptr(), q0.data_ptr(), s0.data_ptr())
+                table = torch.tensor([[(src.data_ptr() - bases[0]) // esize, src.stride(0), q.data_ptr() - bases[1],
+                                       q.stride(0), (s.data_ptr() - bases[2]) // 4, s.stride(0), src.shape[0],
+                                       src.shape[1]] for src, q, s, _, _ in pick], dtype=torch.int64)
+                counts = torch.tensor([br * bc for *_, br, bc in pick], dtype=torch.int64)
+                cols = torch.tensor([bc for *_, bc in pick], dtype=torch.int64)
+                job = torch.repeat_interleave(torch.arange(len(pick)), counts)
+                first = torch.cumsum(counts, 0) - counts
+                local = torch.arange(int(counts.sum())) - first[job]
+                tiles = torch.stack([job, local // cols[job], local % cols[job]], 1).to(torch.int32).contiguous()
+                self._launches.append((tiles.to(device), table.to(device), tiles.shape[0], is_bf16, flag,
+                                       (src0, q0, s0)))
+        self.device = device
+
+    def run(self, *, join: bool = True) -> None:
+        """Launch every job on the device's side stream, after the current stream's
+        work so far; with ``join`` the current stream then waits for it (else the
+        caller synchronizes the device before using the results)."""
+        if not self._launches:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        side = _side_stream(self.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for tiles, table, ntiles, is_bf16, (aligned, even), (src0, q0, s0) in self._launches:
+                _fp8_block_kernel[(ntiles,)](tiles, table, src0, q0, s0, BLOCK=self.block, SRC_BF16=is_bf16,
+                                             ALIGNED=aligned, EVEN=even, NARROW_AMAX=self.narrow_amax,
+                                             STREAM=self.stream, FAST_DIV=self.fast_div, num_warps=self.num_warps)
+        if join:
+            cur.wait_stream(side)
+
+
+def quantize_jobs(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128) -> None:
+    """Quantize ``jobs`` now (a one-off `QuantProgram`)."""
+    prog = QuantProgram(jobs, block)
+    prog.run()
+    # The tables were made on the current stream and are used on the side one: keep
+    # them alive until that work is done.
+    side = _side_stream(prog.device) if prog.device is not None else None
+    for tiles, table, *_ in prog._launches:
+        tiles.record_stream(side)
+        table.record_stream(side)
