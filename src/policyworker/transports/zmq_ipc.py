@@ -531,7 +531,7 @@ class ZmqIpcTransport(Transport):
         st["touched"] = ctx.touched = True  # bytes land in the live tensors from here on
         nbytes = 0
         # fp8 hook (issue 16): one fused read of each quantized source, on its own stream
-        # on a GPU, overlapping the plain copies below; the device sync at the end joins it.
+        # on a GPU, overlapping the plain copies below; joined into our stream before the wait.
         nbytes += quant.run(join=False)
         for src, dst in runs:
             dst.copy_(src, non_blocking=True)
@@ -543,6 +543,12 @@ class ZmqIpcTransport(Transport):
             nbytes += unpack(plan, bucket, ring[msg.slot], ctx.params)
             _sync(dev, chan, deadline)  # the slot is reused once acked: finish reading it first
             chan.send(w.BucketDone(version=offer.version, seq=seq), "BucketDone")
+        if len(quant) and dev.type == "cuda":
+            from ..ops.fp8_triton import _side_stream
+
+            # The fp8 side stream joins ours (an event, no device-wide sync): the wait
+            # below then covers the quantization too.
+            torch.cuda.current_stream(dev).wait_stream(_side_stream(dev))
         _sync(dev, chan, deadline)
         want = plan.recv_bytes_per_dst_rank()[ctx.rank]
         if nbytes != want:
