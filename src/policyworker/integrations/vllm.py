@@ -53,6 +53,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from ..ledger import WeightLedger
 from ..errors import ConfigError, PlanMismatch, PolicyWorkerError, ProtocolError, TornWeights, translate_comm_error
 from ..layout.apply import _region
 from ..layout.plan import ReshardPlan
@@ -317,8 +318,9 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self._plan: ReshardPlan | None = None
         self._received: int | None = None
         #: The version of the last refit this engine committed into vLLM (None: none yet).
-        self.committed_version: int | None = None
-        self.torn = False
+        # vLLM's live weights go through the one commit path too: the staging RolloutWorker
+        # has its own ledger (bytes landed), this one says what vLLM serves.
+        self.ledger = WeightLedger(rank=self.tp_rank, what="vLLM engine")
 
     # -- init -------------------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> PolicyworkerInitInfo:
@@ -461,15 +463,23 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         version, self._received = self._received, None
+        self.ledger.begin(version)
         try:
             reload_weights(self.vllm_config, self.model, weights_iterator=self._checkpoint_tensors(),
                            weights_path=None, is_checkpoint_format=True)
             _reprocess_tied_layers(self.model)
         except BaseException:
-            self.torn = True
+            self.ledger.fail(True)  # the reload writes vLLM's live parameters layer by layer
             raise
-        self.torn = False
-        self.committed_version = version
+        self.ledger.commit(version)
+
+    @property
+    def torn(self) -> bool:
+        return self.ledger.torn
+
+    @property
+    def committed_version(self) -> int | None:
+        return self.ledger.version or None
 
     # -- teardown ---------------------------------------------------------------------
     def _close_worker(self) -> None:
