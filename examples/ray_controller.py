@@ -17,7 +17,7 @@ rollout tensor bit for bit against ``dest_shards(plan, rank, trainer state)``.
 
 ``--kill-rollout-at N``: during refit N one rollout is held in the middle of its
 transfer (a fault hook in this file, so that the kill lands mid-refit every time) and
-killed with ``ray.kill``. The controller then follows the recipe of docs/ray.md: it
+killed with ``ray.kill``. The controller then follows the recipe in README ("Embedding in a controller: Ray, step by step"): it
 sees the actor death, stands the trainers' deadlines down, starts a replacement,
 re-wires every side on fresh ports (``init_collective`` again, the stage groups, the
 plan, ``attach_transport``), sets ``refit_version`` on the trainers, and refit N is
