@@ -83,6 +83,30 @@ SCENARIOS = {
 }
 
 
+def failure_row(exc: BaseException, *, version: int, t0: float, w: Any, trainer: bool, out: dict,
+                expected: Any) -> dict[str, Any]:
+    """One failed refit as a drill row; on a rollout also what it serves now (torn? mixed?)."""
+    import torch
+
+    from ..errors import PolicyWorkerError
+
+    kind = "Cancelled" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__
+    row: dict[str, Any] = {"version": version, "error": kind, "detect_seconds": time.monotonic() - t0}
+    if not trainer:
+        row["torn"] = w.torn
+        try:
+            have = w.weights()
+        except PolicyWorkerError:
+            row["serves"] = False
+        else:
+            row["serves"] = True
+            out["served_torn"] |= w.torn
+            if w.weight_version:
+                want = expected(w.weight_version)
+                out["mixed"] |= not all(torch.equal(have[k], want[k]) for k in want)
+    return row
+
+
 def _plan(bad: bool = False):
     import torch
 
@@ -191,21 +215,9 @@ def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: 
             except (PolicyWorkerError, asyncio.CancelledError) as exc:
                 if isinstance(exc, asyncio.CancelledError) and not (faulty and sc.fault == "cancel"):
                     raise
-                kind = "Cancelled" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__
-                row = {"version": version, "error": kind, "detect_seconds": time.monotonic() - t0,
-                       "epoch": epoch}
-                if not trainer:
-                    row["torn"] = w.torn
-                    try:
-                        have = w.weights()
-                    except PolicyWorkerError:
-                        row["serves"] = False
-                    else:
-                        row["serves"] = True
-                        out["served_torn"] |= w.torn
-                        if w.weight_version:
-                            want = expected(w.weight_version)
-                            out["mixed"] |= not all(torch.equal(have[k], want[k]) for k in want)
+                row = failure_row(exc, version=version, t0=t0, w=w, trainer=trainer, out=out, expected=expected)
+                kind = row["error"]
+                row["epoch"] = epoch
                 out["failures"].append(row)
                 events.put(("failed", rank))
                 if victim and sc.fault == "bad_plan" and kind == "PlanMismatch":

@@ -17,6 +17,8 @@ import signal
 import time
 from typing import Any
 
+from .drill import failure_row
+
 REFITS = 3
 FAULT_VERSION = 2
 TRAINER, ROLLOUT = 0, 1
@@ -80,20 +82,8 @@ def zmq_rank_main(rank: int, sc: Any, runtime_dir: str, events, start_epoch: int
             except (PolicyWorkerError, asyncio.CancelledError) as exc:
                 if isinstance(exc, asyncio.CancelledError) and not (faulty and sc.fault == "cancel"):
                     raise
-                kind = "Cancelled" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__
-                row: dict[str, Any] = {"version": version, "error": kind, "detect_seconds": time.monotonic() - t0}
-                if not trainer:
-                    row["torn"] = w.torn
-                    try:
-                        have = w.weights()
-                    except PolicyWorkerError:
-                        row["serves"] = False
-                    else:
-                        row["serves"] = True
-                        out["served_torn"] |= w.torn
-                        if w.weight_version:
-                            want = expected(w.weight_version)
-                            out["mixed"] |= not all(torch.equal(have[k], want[k]) for k in want)
+                row = failure_row(exc, version=version, t0=t0, w=w, trainer=trainer, out=out, expected=expected)
+                kind = row["error"]
                 out["failures"].append(row)
                 events.put(("failed", rank))
                 if len(out["failures"]) > 6:
