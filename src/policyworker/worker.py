@@ -122,10 +122,12 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
         return shard_views(plan, self.rank, self._named_tensors())
 
     def _transport_params(self, att: Attachment) -> Mapping[str, torch.Tensor]:
-        plan = att.plan
-        if plan is None:
-            return {k: (v.to_local() if is_dtensor(v) else v) for k, v in self._named_tensors().items()}
-        return {k: (v.to_local() if is_dtensor(v) else v) for k, v in self._plan_tensors(plan).items()}
+        return self._local_tensors(att.plan)
+
+    def _local_tensors(self, plan: ReshardPlan | None) -> dict[str, torch.Tensor]:
+        """What a refit over ``plan`` (None: plan-less) moves, DTensors read as their local shards."""
+        tensors = self._named_tensors() if plan is None else self._plan_tensors(plan)
+        return {k: (v.to_local() if is_dtensor(v) else v) for k, v in tensors.items()}
 
     def _adopt_plan(self, name: str, plan: Any) -> Any:
         if plan is None:
@@ -136,8 +138,7 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
         rank = 0 if plan.body.train_world_size == 1 else self.rank
         if rank >= plan.body.train_world_size:
             raise ConfigError(f"train rank {self.rank} is outside the plan's {plan.body.train_world_size} ranks")
-        att = Attachment(name, None, None, plan)  # type: ignore[arg-type]
-        check_local_tensors(plan, "src", rank, self._transport_params(att))
+        check_local_tensors(plan, "src", rank, self._local_tensors(plan))
         return plan
 
     # -- collectives -----------------------------------------------------------------
