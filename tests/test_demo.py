@@ -66,3 +66,7 @@ def test_zmq_bench_interleaves_ceiling_and_refit(tmp_path):
     assert data["cold_refit"]["seconds"] == data["first_refit_s"]
     assert data["loop_lag_ticks"] > 0
     assert data["loop_lag_ms_p50"] <= data["loop_lag_ms_p99"]
+    # tp=1 with flatten: the refit is only its copy runs, so the ceiling is those runs
+    # between the refit's own buffers; the private-buffer copy is reported beside it.
+    assert data["ceiling_kind"] == "own"
+    assert len(data["private_ceiling_seconds"]) == 3 and data["private_ceiling_gbps"] > 0
