@@ -116,8 +116,13 @@ def _gpu_rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
         def _named_tensors(self) -> dict[str, torch.Tensor]:
             return self._bench_params
 
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    cuda = a.get("device", "cuda") == "cuda"
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(1)
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
 
     async def main() -> dict[str, Any]:
         specs = param_specs(get_preset(a["preset"]), getattr(torch, a["dtype"]))
@@ -132,43 +137,52 @@ def _gpu_rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
         rows = []
         for version in range(1, a["refits"] + 1):
             _fill_(params, version)
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            mem0 = torch.cuda.memory_allocated(dev)
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(dev)
+            mem0 = torch.cuda.memory_allocated(dev) if cuda else 0
             t0 = time.perf_counter()
             rep = await w.sglang_refit(engine=engine, refit_timeout_s=120.0)
-            torch.cuda.synchronize(dev)  # the engine already waited for its copies; this is a no-op check
+            sync()  # the engine already waited for its copies; this is a no-op check
             secs = time.perf_counter() - t0
             rows.append({"version": rep.version, "seconds": secs, "buffer_bytes": rep.peak_extra_bytes,
                          "buckets": rep.buckets, "bytes": r.last_report.bytes,
-                         "peak_extra_bytes": torch.cuda.max_memory_allocated(dev) - mem0,
+                         "spans": dict(w._refit_transport_state("sglang_ipc").get("last_spans", {})),
+                         "engine_spans": dict(engine.spans),
+                         "peak_extra_bytes": (torch.cuda.max_memory_allocated(dev) - mem0) if cuda else 0,
                          "bit_exact": all(torch.equal(r.params[n], p) for n, p in params.items())})
         engine.close()
         await r.shutdown()
         await w.shutdown()
         del engine, r
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
         nbytes = rows[-1]["bytes"]
         src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
         dst = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
         ceiling = []
         for _ in range(a["ceiling_rounds"] + 1):  # the first one warms up
-            torch.cuda.synchronize(dev)
+            sync()
             t0 = time.perf_counter()
             dst.copy_(src)
-            torch.cuda.synchronize(dev)
+            sync()
             ceiling.append(time.perf_counter() - t0)
         return {"rows": rows, "ceiling_s": ceiling[1:]}
 
     return asyncio.run(main())
 
 
+def _median_spans(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
+    steps = sorted({k for r in rows for k in r.get(key, {})})
+    return {k: statistics.median(r.get(key, {}).get(k, 0.0) for r in rows) for k in steps}
+
+
 def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5,
-                   buffers: int = 2) -> dict[str, Any]:
+                   buffers: int = 2, device: str = "cuda") -> dict[str, Any]:
     from policyworker.cli.procs import free_port, run_world
 
     a = dict(preset=preset, dtype=dtype, refits=refits, bucket_bytes=bucket_bytes, port=free_port(),
-             ceiling_rounds=ceiling_rounds, buffers=buffers)
+             ceiling_rounds=ceiling_rounds, buffers=buffers, device=device)
     (res,) = run_world(_gpu_rank, 1, (a,), timeout_s=600)
     rows = res["rows"]
     nbytes = rows[-1]["bytes"]
@@ -176,12 +190,15 @@ def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceil
     gbps = statistics.median(nbytes / s / 1e9 for s in steady)
     ceiling = nbytes / statistics.median(res["ceiling_s"]) / 1e9
     return {"transport": "sglang_ipc", "engine": "in-process, tp=1, in the trainer's process (engine_gpu_counts=[1])",
-            "device": "cuda:0", "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "device": "cuda:0" if device == "cuda" else "cpu",
+            "gpu": torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else None,
             "preset": preset, "dtype": dtype, "bytes_landed": nbytes, "bucket_bytes": bucket_bytes, "buffers": buffers,
             "buckets": rows[-1]["buckets"], "buffer_bytes_per_rank": rows[-1]["buffer_bytes"],
             "peak_extra_bytes": max(r["peak_extra_bytes"] for r in rows[1:] or rows),
             "first_refit_s": rows[0]["seconds"], "refits_s": steady, "gbps_median": gbps,
             "ceiling_s": res["ceiling_s"], "ceiling_gbps": ceiling, "ratio_to_ceiling": gbps / ceiling,
+            "spans_median_s": _median_spans(rows[1:] or rows, "spans"),
+            "engine_spans_median_s": _median_spans(rows[1:] or rows, "engine_spans"),
             "bit_exact": all(r["bit_exact"] for r in rows)}
 
 
@@ -224,11 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-bytes", type=int, default=None, help="default: 64 MiB on cpu, 1 GiB on cuda")
     p.add_argument("--no-zmq", action="store_true")
     p.add_argument("--buffers", type=int, default=2, help="sglang_ipc pipeline buffers per rank (1: no overlap)")
+    p.add_argument("--single", action="store_true",
+                   help="on cpu: the GPU layout (one trainer, tp=1 engine in its process) instead of 2 processes")
     p.add_argument("--json", default=None, help="also write the JSON here")
     ns = p.parse_args(argv)
     if ns.device == "cuda":
         bucket = (1 << 30) if ns.bucket_bytes is None else ns.bucket_bytes
         out = {"sglang_ipc": run_sglang_gpu(ns.preset, ns.dtype, ns.refits, bucket, buffers=ns.buffers)}
+    elif ns.single:
+        bucket = (64 << 20) if ns.bucket_bytes is None else ns.bucket_bytes
+        out = {"sglang_ipc": run_sglang_gpu(ns.preset, ns.dtype, ns.refits, bucket, buffers=ns.buffers, device="cpu")}
     else:
         bucket = (64 << 20) if ns.bucket_bytes is None else ns.bucket_bytes
         out = {"sglang_ipc": run_sglang(ns.preset, ns.dtype, ns.refits, bucket, buffers=ns.buffers)}

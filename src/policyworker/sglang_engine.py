@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -32,7 +33,13 @@ from .errors import ConfigError, PolicyWorkerError
 from .rollout import RolloutWorker
 from .sglang_client import EngineResult, UpdateWeightsFromTensorRequest
 from .transports.base import RefitReport
-from .transports.sglang_format import BufferHandle, open_buffer, reconstruct
+from .transports.sglang_format import (
+    BufferHandle,
+    FlattenedTensorMetadata,
+    copy_tensors,
+    open_buffer,
+    reconstruct,
+)
 
 __all__ = ["InProcessSglangEngine", "Loader", "direct_loader"]
 
@@ -75,8 +82,11 @@ class InProcessSglangEngine:
         self._touched = False
         self._used: set[BufferHandle] = set()  # handles the current (or last) refit named
         self._bytes = 0
+        self._plans: dict[tuple[int, BufferHandle, int], _BucketPlan] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._t0 = 0.0
         self.calls = 0
+        self.spans: dict[str, float] = {}  # host seconds per step, summed over the current refit's buckets
         self.last_request: UpdateWeightsFromTensorRequest | None = None
 
     def __repr__(self) -> str:
@@ -85,6 +95,7 @@ class InProcessSglangEngine:
     def close(self) -> None:
         """Let go of every opened trainer buffer (they are opened again when needed)."""
         self._buffers.clear()
+        self._plans.clear()  # they hold views of the buffers
 
     def _buffer(self, handle: BufferHandle) -> torch.Tensor:
         buf = self._buffers.get(handle)
@@ -99,6 +110,7 @@ class InProcessSglangEngine:
         self.calls += 1
         self.last_request = request
         if request.bucket == 0:
+            self.spans = {}
             self._next_bucket, self._bytes, self._t0 = 0, 0, time.perf_counter()
             self._seen = [set() for _ in self.workers]
             self._touched = False
@@ -110,6 +122,7 @@ class InProcessSglangEngine:
             # not use either (the trainers alternate between their buffers bucket by bucket).
             for stale in set(self._buffers) - set(request.buffers) - self._used:
                 del self._buffers[stale]
+                self._plans = {k: v for k, v in self._plans.items() if k[1] != stale}
             self._used = set()
         self._used.update(request.buffers)
         try:
@@ -132,34 +145,41 @@ class InProcessSglangEngine:
             raise ValueError(f"request has {len(request.buffers)} entries for an engine of {n} tp ranks")
         if request.bucket != self._next_bucket:
             raise ValueError(f"bucket {request.bucket} arrived, bucket {self._next_bucket} was expected")
-        received = [reconstruct(self._buffer(h), request.metadata) for h in request.buffers]
-        # Check every tensor of every rank before the first byte lands: a bad bucket
-        # then leaves the live weights as they were.
-        for worker, tensors in zip(self.workers, received):
-            worker._ensure_open()
-            for name, t in tensors:
-                dst = worker.params.get(name)
-                if dst is None:
-                    raise ValueError(f"tp rank {worker.rank} has no param {name!r}")
-                if self.check_shapes and (dst.shape != t.shape or dst.dtype != t.dtype):
-                    raise ValueError(f"{name!r} arrived as {t.dtype}{list(t.shape)}, tp rank {worker.rank} "
-                                     f"holds {dst.dtype}{list(dst.shape)}")
+        tick = time.perf_counter()
+        # Every tensor of every rank is checked before the first byte lands: a bad bucket
+        # then leaves the live weights as they were. The checks run when a (buffer, bucket)
+        # is first seen; later refits only confirm that the same destinations are still there.
+        plans = [self._plan(i, h, request) for i, h in enumerate(request.buffers)]
+        tick = self._span("check", tick)
         try:
+            streams: dict[torch.device, torch.cuda.Stream] = {}
             try:
                 with torch.no_grad():
-                    for i, (worker, tensors) in enumerate(zip(self.workers, received)):
-                        if tensors and not self._touched:
+                    for i, plan in enumerate(plans):
+                        if plan.names and not self._touched:
                             # Torn from the first byte until the commit: the trainer side may fail
                             # between buckets without this adapter ever hearing of it.
                             self._touched = True
                             for w in self.workers:
                                 w.ledger.mark_torn()
-                        for name, t in tensors:
-                            self.loader(worker, name, t)
-                            self._seen[i].add(name)
-                            self._bytes += t.numel() * t.element_size()
+                        stream = self._stream(plan.device, request.bucket == 0)
+                        if stream is not None:
+                            streams[plan.device] = stream
+                            with torch.cuda.stream(stream):
+                                self._load(self.workers[i], plan)
+                        else:
+                            self._load(self.workers[i], plan)
+                        self._seen[i].update(plan.names)
+                        self._bytes += plan.nbytes
             finally:
-                _wait_for_copies(received, self.workers)  # also after a failed load: the buffer is reused
+                tick = self._span("load", tick)
+                # Also after a failed load: the trainers repack the buffer once we answer.
+                # This bucket's copies only (an event on our own stream), not a stream sync.
+                for stream in streams.values():
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    event.synchronize()
+                self._span("load_wait", tick)
             self._next_bucket += 1
             if request.weight_version is not None:
                 self._commit(request)
@@ -169,6 +189,64 @@ class InProcessSglangEngine:
                 if worker.ledger.in_flight:
                     worker.ledger.fail(self._touched)
             raise
+
+    def _stream(self, device: torch.device, first: bool) -> torch.cuda.Stream | None:
+        """This adapter's copy stream on ``device`` (None on CPU); at a refit's first bucket it
+        waits (on the device) for what the device's current stream queued, e.g. generation."""
+        if device.type != "cuda":
+            return None
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+            first = True
+        if first:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
+
+    def _plan(self, i: int, handle: BufferHandle, request: UpdateWeightsFromTensorRequest) -> _BucketPlan:
+        worker = self.workers[i]
+        worker._ensure_open()
+        key = (i, handle, request.bucket)
+        plan = self._plans.get(key)
+        if plan is not None and (plan.metadata is request.metadata or plan.metadata == request.metadata):
+            params = worker.params
+            if all(params.get(name) is dst for name, dst in zip(plan.names, plan.dsts)):
+                return plan
+        plan = self._plans[key] = self._build_plan(worker, self._buffer(handle), tuple(request.metadata))
+        return plan
+
+    def _build_plan(self, worker: RolloutWorker, buffer: torch.Tensor,
+                    metadata: tuple[FlattenedTensorMetadata, ...]) -> _BucketPlan:
+        received = reconstruct(buffer, metadata)
+        names, dsts, srcs = [], [], []
+        for name, t in received:
+            dst = worker.params.get(name)
+            if dst is None:
+                raise ValueError(f"tp rank {worker.rank} has no param {name!r}")
+            if self.check_shapes and (dst.shape != t.shape or dst.dtype != t.dtype):
+                raise ValueError(f"{name!r} arrived as {t.dtype}{list(t.shape)}, tp rank {worker.rank} "
+                                 f"holds {dst.dtype}{list(dst.shape)}")
+            names.append(name)
+            dsts.append(dst)
+            srcs.append(t)
+        nbytes = sum(t.numel() * t.element_size() for t in srcs)
+        runs = None
+        if self.loader is direct_loader and self.check_shapes:
+            runs = _coalesce(metadata, buffer, dsts)
+        return _BucketPlan(metadata=metadata, names=tuple(names), dsts=tuple(dsts), srcs=tuple(srcs),
+                           runs=runs, nbytes=nbytes, device=buffer.device)
+
+    def _load(self, worker: RolloutWorker, plan: _BucketPlan) -> None:
+        if plan.runs is not None:
+            copy_tensors(plan.runs[0], plan.runs[1])
+            return
+        for name, t in zip(plan.names, plan.srcs):
+            self.loader(worker, name, t)
+
+    def _span(self, step: str, t: float) -> float:
+        now = time.perf_counter()
+        self.spans[step] = self.spans.get(step, 0.0) + now - t
+        return now
 
     def _commit(self, request: UpdateWeightsFromTensorRequest) -> None:
         version = int(request.weight_version)  # ValueError: not one of our versions
@@ -187,12 +265,49 @@ class InProcessSglangEngine:
             )
 
 
-def _wait_for_copies(received: list[list[tuple[str, torch.Tensor]]], workers: Sequence[RolloutWorker]) -> None:
-    """Block until the CUDA copies out of the trainers' buffers are done (no-op on CPU)."""
-    # Sources and this bucket's destinations only: a per-bucket walk over every param costs ~1 us each.
-    devices = {t.device for tensors in received for _, t in tensors[:1]}
-    devices |= {w.params[name].device for w, tensors in zip(workers, received) for name, _ in tensors
-                if name in w.params}
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+@dataclass(frozen=True, slots=True)
+class _BucketPlan:
+    """One tp rank's share of one bucket, checked once: destinations, sources, copies."""
+
+    metadata: tuple[FlattenedTensorMetadata, ...]
+    names: tuple[str, ...]
+    dsts: tuple[torch.Tensor, ...]
+    srcs: tuple[torch.Tensor, ...]  # views of the trainer's buffer, SGLang's rebuild rule
+    runs: tuple[list[torch.Tensor], list[torch.Tensor]] | None  # (dsts, srcs) of the direct copies
+    nbytes: int
+    device: torch.device
+
+
+def _coalesce(metadata: Sequence[FlattenedTensorMetadata], buffer: torch.Tensor,
+              dsts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The direct loader's copies, merged where the bytes are adjacent on both sides.
+
+    Tensors that follow each other in the bucket with no padding and whose destinations
+    follow each other in one storage (a flat parameter arena) become one byte copy;
+    anything else stays one copy per tensor.
+    """
+    runs: list[list[int]] = []  # [bucket start, bucket end, dst storage ptr, dst byte end, first index]
+    for j, (meta, dst) in enumerate(zip(metadata, dsts)):
+        if meta.numel == 0:
+            continue
+        if not dst.is_contiguous():
+            runs.append([meta.start_idx, meta.end_idx, -1, -1, j])
+            continue
+        base = dst.untyped_storage().data_ptr()
+        start = dst.storage_offset() * dst.element_size()
+        last = runs[-1] if runs else None
+        if last is not None and last[2] == base and last[1] == meta.start_idx and last[3] == start:
+            last[1], last[3] = meta.end_idx, start + meta.numel
+        else:
+            runs.append([meta.start_idx, meta.end_idx, base, start + meta.numel, j])
+    out_d, out_s = [], []
+    for b0, b1, base, _, j in runs:
+        dst = dsts[j]
+        if base == -1:  # a strided destination: its own copy, SGLang's view as the source
+            out_d.append(dst)
+            out_s.append(buffer[b0:b1].view(dst.dtype).reshape(dst.shape))
+            continue
+        out_d.append(torch.empty(0, dtype=torch.uint8, device=dst.device).set_(
+            dst.untyped_storage(), dst.storage_offset() * dst.element_size(), (b1 - b0,)))
+        out_s.append(buffer[b0:b1])
+    return out_d, out_s

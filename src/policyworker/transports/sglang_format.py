@@ -60,6 +60,7 @@ __all__ = [
     "SGLANG_METADATA_MODULE",
     "BucketLayout",
     "BufferHandle",
+    "copy_tensors",
     "CudaIpcHandle",
     "FlattenedTensorMetadata",
     "ShmHandle",
@@ -68,6 +69,7 @@ __all__ = [
     "manifest_digest",
     "open_buffer",
     "pack_bucket",
+    "pack_views",
     "plan_buckets",
     "reconstruct",
     "serialize_bucket",
@@ -156,14 +158,39 @@ def manifest_digest(named: Mapping[str, torch.Tensor]) -> int:
     return int.from_bytes(h.digest(), "little") & (2**63 - 1)
 
 
+def pack_views(layout: BucketLayout, buffer: torch.Tensor) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...]]:
+    """The bucket's non-empty tensors as (names, views of ``buffer``): built once per buffer."""
+    names, views = [], []
+    for meta in layout.metadata:
+        if meta.numel:
+            names.append(meta.name)
+            views.append(buffer.narrow(0, meta.start_idx, meta.numel).view(meta.dtype).view(meta.shape))
+    return tuple(names), tuple(views)
+
+
+# Below this many bytes a tensor joins one batched copy; above it gets its own ``copy_``
+# (a plain memcpy on the GPU, the fastest copy there is; its launch cost is noise there).
+_BATCH_BELOW = 1 << 20
+
+
+def copy_tensors(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair: big tensors one by one, small ones in one batched call."""
+    small_d, small_s = [], []
+    with torch.no_grad():
+        for d, s in zip(dsts, srcs):
+            if d.numel() * d.element_size() >= _BATCH_BELOW:
+                d.copy_(s)
+            else:
+                small_d.append(d)
+                small_s.append(s)
+        if small_d:
+            torch._foreach_copy_(small_d, small_s)
+
+
 def pack_bucket(layout: BucketLayout, named: Mapping[str, torch.Tensor], buffer: torch.Tensor) -> None:
     """Copy the bucket's tensors into ``buffer`` (uint8) at their byte ranges."""
-    for meta in layout.metadata:
-        if meta.numel == 0:
-            continue
-        src = named[meta.name].detach()
-        dst = buffer.narrow(0, meta.start_idx, meta.numel).view(meta.dtype).view(src.shape)
-        dst.copy_(src)
+    names, views = pack_views(layout, buffer)
+    copy_tensors(views, [named[n] for n in names])
 
 
 def reconstruct(buffer: torch.Tensor, metadata: Sequence[FlattenedTensorMetadata]) -> list[tuple[str, torch.Tensor]]:

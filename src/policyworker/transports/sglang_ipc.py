@@ -72,9 +72,10 @@ from ..wire import Decoder, Message, encode
 from .base import RefitReport, Transport, TransportContext
 from .sglang_format import (
     BufferHandle,
+    copy_tensors,
     export_buffer,
     manifest_digest,
-    pack_bucket,
+    pack_views,
     plan_buckets,
     serialize_bucket,
     to_base64,
@@ -205,6 +206,22 @@ _CODES = {cls: code for code, cls in _VERDICTS.items()}
 _MAX_MESSAGE = 2000
 
 
+class Spans:
+    """Where a refit's host time went, step by step (``perf_counter`` spans, summed over buckets)."""
+
+    __slots__ = ("seconds", "_t")
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def mark(self, step: str) -> None:
+        """Charge the time since the last mark to ``step``."""
+        now = time.perf_counter()
+        self.seconds[step] = self.seconds.get(step, 0.0) + now - self._t
+        self._t = now
+
+
 def _code_of(exc: PolicyWorkerError) -> int:
     for cls in type(exc).__mro__:
         if cls in _CODES:
@@ -307,7 +324,9 @@ class SglangIpcTransport(Transport):
             # They live across refits: each handle is exported once and opened once by the engine.
             made = [export_buffer(need, device) for _ in range(slots)]
             state["buffers"], state["handles"] = [b for b, _ in made], tuple(h for _, h in made)
-        handles = _gather(group, encode(BufferHello(handles=state["handles"])), False, deadline)
+        # The pack targets of every (slot, bucket): views built once, reused by every refit.
+        state["pack_views"] = [[pack_views(b, buf) for b in buckets] for buf in state["buffers"]]
+        handles = _gather_all(group, encode(BufferHello(handles=state["handles"])), deadline)
         if group.rank == 0:
             # peer_handles[slot][tp rank]: what the engine request of a bucket in that slot names.
             per_rank = [_HELLO.decode(h).handles for h in handles]
@@ -354,9 +373,12 @@ class SglangIpcTransport(Transport):
         connected = state.get("connected_group") is group and state.get("digest") == digest
         mine = torch.tensor([version, digest, int(connected), int(engine is not None),
                              int(bool(getattr(engine, "wants_serialized", True)))], dtype=torch.int64)
-        rows = [torch.zeros(5, dtype=torch.int64) for _ in range(group.world_size)]
-        group.all_gather(rows, mine, deadline=deadline)
-        rows = [r.tolist() for r in rows]
+        if group.world_size == 1:
+            rows = [mine.tolist()]  # nothing to agree on: no collective
+        else:
+            gathered = [torch.zeros(5, dtype=torch.int64) for _ in range(group.world_size)]
+            group.all_gather(gathered, mine, deadline=deadline)
+            rows = [r.tolist() for r in gathered]
         if any(r[0] != version for r in rows):
             raise ProtocolError(f"ranks of engine {state.get('engine_index')} are at different refit versions: "
                                 f"{[r[0] for r in rows]}", rank=ctx.rank, transport=NAME)
@@ -369,10 +391,12 @@ class SglangIpcTransport(Transport):
 
     def _refit_body(self, ctx: TransportContext, version: int) -> RefitReport:
         t0 = time.perf_counter()
+        spans = Spans()
         state, group = ctx.state, ctx.state["group"]
         deadline = self._deadline(ctx)
         wants_blobs = self._start(ctx, version, deadline)
-        buckets, bufs = state["buckets"], state["buffers"]
+        spans.mark("start")
+        buckets, bufs, views = state["buckets"], state["buffers"], state["pack_views"]
         is_src = group.rank == 0
         cuda = bufs[0].device.type == "cuda"
         stream = None
@@ -384,50 +408,74 @@ class SglangIpcTransport(Transport):
             if stream is None or stream.device != bufs[0].device:
                 stream = state["stream"] = torch.cuda.Stream(bufs[0].device)
             stream.wait_stream(torch.cuda.current_stream(bufs[0].device))
-        pending: concurrent.futures.Future | None = None  # the engine call of the previous bucket
+        # On the GPU the pack is asynchronous: bucket k+1's copies are queued before the
+        # engine is called for bucket k, on this thread, and the two overlap on the device.
+        # On the CPU the pack is this thread's own work, so the engine call goes to a helper.
+        inline = cuda
+        pending: Any = None  # the engine call of the previous bucket: a Future, or a deferred call (inline)
         total = 0
         try:
             for layout in buckets:
-                buf = bufs[layout.index % len(bufs)]
+                k = layout.index
+                slot = k % len(bufs)
                 payload, failure, done = b"", None, None
-                if len(bufs) == 1 and layout.index > 0:
+                if len(bufs) == 1 and k > 0:
                     # One buffer: the engine must have answered for bucket k-1 before it is repacked.
-                    pending = self._settle(ctx, version, layout.index - 1, pending, deadline)
+                    answer, pending = self._answer(pending, deadline), None
+                    spans.mark("engine")
+                    self._round(ctx, version, k - 1, False, 0, answer, deadline)
+                    spans.mark("round")
                 try:
+                    names, dsts = views[slot][k]
                     if cuda:
                         with torch.cuda.stream(stream):
-                            pack_bucket(layout, ctx.params, buf)
+                            copy_tensors(dsts, [ctx.params[n] for n in names])
                         done = torch.cuda.Event()
                         done.record(stream)
                     else:
-                        pack_bucket(layout, ctx.params, buf)
-                except (RuntimeError, ValueError, PolicyWorkerError) as exc:
+                        copy_tensors(dsts, [ctx.params[n] for n in names])
+                except (RuntimeError, ValueError, KeyError, PolicyWorkerError) as exc:
                     failure = exc
-                if len(bufs) > 1 and layout.index > 0:
-                    # Bucket k's slot was bucket k-2's, settled a round ago; k-1 is settled now,
-                    # after k was packed, so the pack overlapped the engine's load of k-1.
-                    pending = self._settle(ctx, version, layout.index - 1, pending, deadline)
+                spans.mark("pack")
+                answer = (0, "")
+                if len(bufs) > 1 and k > 0:
+                    # Bucket k's slot was bucket k-2's, answered a round ago; k-1 is answered
+                    # now, after k was packed, so the pack overlapped the engine's load of k-1.
+                    answer, pending = self._answer(pending, deadline), None
+                    spans.mark("engine")
                 try:
                     if done is not None:
                         done.synchronize()  # this bucket's copies only: the engine reads it from another process
+                    spans.mark("pack_wait")
                     if wants_blobs and failure is None:
-                        blob = serialize_bucket(buf.narrow(0, 0, layout.nbytes), layout.metadata)
-                        payload = encode(BucketBlob(version=version, bucket=layout.index, blob=blob))
+                        blob = serialize_bucket(bufs[slot].narrow(0, 0, layout.nbytes), layout.metadata)
+                        payload = encode(BucketBlob(version=version, bucket=k, blob=blob))
                 except (RuntimeError, ValueError, PolicyWorkerError) as exc:
                     failure = exc
-                gathered = _gather(group, payload, failure is not None, deadline, collect=wants_blobs)
+                spans.mark("blobs")
+                # One round per bucket: every rank's "bucket k is packed" and the source's
+                # verdict of bucket k-1 (the acknowledgement that lets the ranks repack).
+                longest = self._round(ctx, version, k - 1, failure is not None, len(payload), answer, deadline)
+                gathered = _gather(group, payload, longest, deadline) if wants_blobs and failure is None else None
+                spans.mark("round")
                 if failure is not None:
-                    raise TransportError(f"packing bucket {layout.index} failed: {failure}",
+                    raise TransportError(f"packing bucket {k} failed: {failure}",
                                          rank=ctx.rank, transport=NAME) from failure
                 if is_src:
-                    pending = self._engine_caller().submit(self._call_engine, ctx, version, layout, gathered,
-                                                           wants_blobs, deadline)
+                    call = (self._call_engine, ctx, version, layout, gathered, wants_blobs, deadline)
+                    pending = call if inline else self._engine_caller().submit(*call)
+                spans.mark("submit")
                 total += layout.nbytes
             if buckets:
-                pending = self._settle(ctx, version, buckets[-1].index, pending, deadline)
+                answer, pending = self._answer(pending, deadline), None
+                spans.mark("engine")
+                self._round(ctx, version, buckets[-1].index, False, 0, answer, deadline)
+                spans.mark("round")
         finally:
-            if pending is not None:  # an error above: let the engine call finish before the buffers are reused
+            if isinstance(pending, concurrent.futures.Future):
+                # An error above: let the engine call finish before the buffers are reused.
                 pending.cancel() or concurrent.futures.wait([pending], timeout=max(0.0, deadline - time.monotonic()))
+        state["last_spans"] = spans.seconds
         return RefitReport(transport=NAME, role="send", version=version, bytes=total,
                            seconds=time.perf_counter() - t0, buckets=len(buckets),
                            peak_extra_bytes=int(sum(b.numel() for b in bufs)))
@@ -437,21 +485,46 @@ class SglangIpcTransport(Transport):
             self._caller = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="policyworker-sglang-call")
         return self._caller
 
-    def _settle(self, ctx: TransportContext, version: int, index: int,
-                pending: concurrent.futures.Future | None, deadline: float) -> None:
-        """The verdict round of bucket ``index``: the source's engine answer, broadcast to every rank."""
-        code, message = 0, ""
-        if pending is not None:
-            try:
-                code, message = pending.result(timeout=max(0.0, deadline - time.monotonic()))
-            except concurrent.futures.TimeoutError:
-                code, message = _code_of(RefitTimeout("x")), "the engine did not answer before the deadline"
-        code, message = _verdict(ctx.state["group"], code, message, deadline)
+    @staticmethod
+    def _answer(pending: Any, deadline: float) -> tuple[int, str]:
+        """The engine's (code, message) for the previous bucket; (0, "") on ranks that call no engine."""
+        if pending is None:
+            return 0, ""
+        if not isinstance(pending, concurrent.futures.Future):
+            fn, *args = pending
+            return fn(*args)  # bounded: the engine gets the time left as its timeout
+        try:
+            return pending.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            return _code_of(RefitTimeout("x")), "the engine did not answer before the deadline"
+
+    def _round(self, ctx: TransportContext, version: int, index: int, failed: bool, length: int,
+               answer: tuple[int, str], deadline: float) -> int:
+        """All-reduce (pack failed, payload length, the source's verdict of bucket ``index``).
+
+        Returns the longest payload. A verdict raises its error class on every rank (the
+        message follows in a broadcast, only then); a failed pack raises ``TransportError``
+        on every other rank (the failing rank raises its own error after this round). With
+        one rank in the group nothing is sent.
+        """
+        group = ctx.state["group"]
+        code, message = answer
+        if group.world_size > 1:
+            flags = torch.tensor([int(failed), length, code], dtype=torch.int64)
+            group.all_reduce(flags, op=dist.ReduceOp.MAX, deadline=deadline)
+            any_failed, length, code = (int(v) for v in flags.tolist())
+            if code:
+                message = _broadcast_text(group, message, deadline)
+        else:
+            any_failed = int(failed)
         if code:
             cls = _VERDICTS.get(code, TransportError)
             raise cls(f"engine {ctx.state.get('engine_index')}, refit {version}, bucket {index}: {message}",
                       rank=ctx.rank, transport=NAME)
-        return None
+        if any_failed and not failed:
+            raise TransportError("a peer rank of this engine failed to pack its bucket", rank=ctx.rank,
+                                 transport=NAME)
+        return length
 
     def _call_engine(self, ctx, version, layout, gathered, wants_blobs, deadline) -> tuple[int, str]:
         from ..sglang_client import UpdateWeightsFromTensorRequest
@@ -493,21 +566,8 @@ class SglangIpcTransport(Transport):
 
 
 # -- small collectives on the engine group ------------------------------------------
-def _gather(group, payload: bytes, failed: bool, deadline: float, *, collect: bool = True) -> list[bytes] | None:
-    """All-reduce (failed, length); then gather the payloads to group rank 0 if ``collect``.
-
-    Raises ``TransportError`` on every rank when any rank failed (the failing rank
-    raises its own error instead, after this round).
-    """
-    flags = torch.tensor([int(failed), len(payload)], dtype=torch.int64)
-    group.all_reduce(flags, op=dist.ReduceOp.MAX, deadline=deadline)
-    any_failed, longest = (int(v) for v in flags.tolist())
-    if any_failed:
-        if failed:
-            return None
-        raise TransportError("a peer rank of this engine failed to pack its bucket", rank=group.rank, transport=NAME)
-    if not collect:
-        return None
+def _gather(group, payload: bytes, longest: int, deadline: float) -> list[bytes] | None:
+    """Gather every rank's payload (at most ``longest`` bytes) to group rank 0."""
     slot = torch.zeros(8 + longest, dtype=torch.uint8)
     slot[:8].view(torch.int64)[0] = len(payload)
     if payload:
@@ -528,15 +588,22 @@ def _gather(group, payload: bytes, failed: bool, deadline: float, *, collect: bo
     return result
 
 
-def _verdict(group, code: int, message: str, deadline: float) -> tuple[int, str]:
-    """Broadcast the source's (code, message) to every rank of the engine group."""
+def _gather_all(group, payload: bytes, deadline: float) -> list[bytes] | None:
+    """All-reduce the longest length, then gather (connect only: the buffer handles)."""
+    flags = torch.tensor([len(payload)], dtype=torch.int64)
+    if group.world_size > 1:
+        group.all_reduce(flags, op=dist.ReduceOp.MAX, deadline=deadline)
+    return _gather(group, payload, int(flags.item()), deadline)
+
+
+def _broadcast_text(group, message: str, deadline: float) -> str:
+    """Broadcast the source's message to every rank of the engine group (failures only)."""
     text = message.encode("utf-8", "replace")[:_MAX_MESSAGE]
-    head = torch.tensor([code, len(text)], dtype=torch.int64)
+    head = torch.tensor([len(text)], dtype=torch.int64)
     group.broadcast(head, 0, deadline=deadline)
-    code, length = (int(v) for v in head.tolist())
+    length = int(head.item())
+    body = torch.frombuffer(bytearray(text), dtype=torch.uint8) if group.rank == 0 and length else \
+        torch.zeros(length, dtype=torch.uint8)
     if length:
-        body = torch.frombuffer(bytearray(text), dtype=torch.uint8) if group.rank == 0 else \
-            torch.zeros(length, dtype=torch.uint8)
         group.broadcast(body, 0, deadline=deadline)
-        text = body.numpy().tobytes()
-    return code, text.decode("utf-8", "replace")
+    return body.numpy().tobytes().decode("utf-8", "replace")
