@@ -132,7 +132,20 @@ def _gpu_rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
         await w.init_collective("127.0.0.1", a["port"], 1, train_world_size=1)
         await w.connect_sglang_rollout_engines(engine_gpu_counts=[1])
         r = RolloutWorker(rank=0, gen_world_size=1, device=dev)
-        r.params = {n: torch.zeros_like(p) for n, p in params.items()}
+        if a.get("flat_rollout"):
+            # The rollout's params are views of one arena in the buckets' (sorted-name) order:
+            # the adapter then loads each bucket with one copy instead of one per tensor.
+            arena = torch.zeros(sum(p.numel() * p.element_size() for p in params.values()), dtype=torch.uint8,
+                                device=dev)
+            r.params, at = {}, 0
+            for n in sorted(params):
+                p = params[n]
+                at = -(-at // p.element_size()) * p.element_size()
+                nb = p.numel() * p.element_size()
+                r.params[n] = arena[at:at + nb].view(p.dtype).view(p.shape)
+                at += nb
+        else:
+            r.params = {n: torch.zeros_like(p) for n, p in params.items()}
         engine = InProcessSglangEngine([r])
         rows = []
         for version in range(1, a["refits"] + 1):
@@ -148,7 +161,7 @@ def _gpu_rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
             rows.append({"version": rep.version, "seconds": secs, "buffer_bytes": rep.peak_extra_bytes,
                          "buckets": rep.buckets, "bytes": r.last_report.bytes,
                          "spans": dict(w._refit_transport_state("sglang_ipc").get("last_spans", {})),
-                         "engine_spans": dict(engine.spans),
+                         "engine_spans": dict(getattr(engine, "spans", {})),
                          "peak_extra_bytes": (torch.cuda.max_memory_allocated(dev) - mem0) if cuda else 0,
                          "bit_exact": all(torch.equal(r.params[n], p) for n, p in params.items())})
         engine.close()
@@ -178,11 +191,11 @@ def _median_spans(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
 
 
 def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5,
-                   buffers: int = 2, device: str = "cuda") -> dict[str, Any]:
+                   buffers: int = 2, device: str = "cuda", flat_rollout: bool = False) -> dict[str, Any]:
     from policyworker.cli.procs import free_port, run_world
 
     a = dict(preset=preset, dtype=dtype, refits=refits, bucket_bytes=bucket_bytes, port=free_port(),
-             ceiling_rounds=ceiling_rounds, buffers=buffers, device=device)
+             ceiling_rounds=ceiling_rounds, buffers=buffers, device=device, flat_rollout=flat_rollout)
     (res,) = run_world(_gpu_rank, 1, (a,), timeout_s=600)
     rows = res["rows"]
     nbytes = rows[-1]["bytes"]
@@ -193,7 +206,7 @@ def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceil
             "device": "cuda:0" if device == "cuda" else "cpu",
             "gpu": torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else None,
             "preset": preset, "dtype": dtype, "bytes_landed": nbytes, "bucket_bytes": bucket_bytes, "buffers": buffers,
-            "buckets": rows[-1]["buckets"], "buffer_bytes_per_rank": rows[-1]["buffer_bytes"],
+            "flat_rollout": flat_rollout, "buckets": rows[-1]["buckets"], "buffer_bytes_per_rank": rows[-1]["buffer_bytes"],
             "peak_extra_bytes": max(r["peak_extra_bytes"] for r in rows[1:] or rows),
             "first_refit_s": rows[0]["seconds"], "refits_s": steady, "gbps_median": gbps,
             "ceiling_s": res["ceiling_s"], "ceiling_gbps": ceiling, "ratio_to_ceiling": gbps / ceiling,
@@ -241,16 +254,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-bytes", type=int, default=None, help="default: 64 MiB on cpu, 1 GiB on cuda")
     p.add_argument("--no-zmq", action="store_true")
     p.add_argument("--buffers", type=int, default=2, help="sglang_ipc pipeline buffers per rank (1: no overlap)")
+    p.add_argument("--flat-rollout", action="store_true",
+                   help="single/cuda: the rollout's params are views of one arena (one load copy per bucket)")
     p.add_argument("--single", action="store_true",
                    help="on cpu: the GPU layout (one trainer, tp=1 engine in its process) instead of 2 processes")
     p.add_argument("--json", default=None, help="also write the JSON here")
     ns = p.parse_args(argv)
     if ns.device == "cuda":
         bucket = (1 << 30) if ns.bucket_bytes is None else ns.bucket_bytes
-        out = {"sglang_ipc": run_sglang_gpu(ns.preset, ns.dtype, ns.refits, bucket, buffers=ns.buffers)}
+        out = {"sglang_ipc": run_sglang_gpu(ns.preset, ns.dtype, ns.refits, bucket, buffers=ns.buffers,
+                                            flat_rollout=ns.flat_rollout)}
     elif ns.single:
         bucket = (64 << 20) if ns.bucket_bytes is None else ns.bucket_bytes
-        out = {"sglang_ipc": run_sglang_gpu(ns.preset, ns.dtype, ns.refits, bucket, buffers=ns.buffers, device="cpu")}
+        out = {"sglang_ipc": run_sglang_gpu(ns.preset, ns.dtype, ns.refits, bucket, buffers=ns.buffers, device="cpu",
+                                            flat_rollout=ns.flat_rollout)}
     else:
         bucket = (64 << 20) if ns.bucket_bytes is None else ns.bucket_bytes
         out = {"sglang_ipc": run_sglang(ns.preset, ns.dtype, ns.refits, bucket, buffers=ns.buffers)}

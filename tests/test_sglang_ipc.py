@@ -262,3 +262,54 @@ def test_nothing_of_ours_unpickles():
         text = path.read_text()
         for needle in ("pickle.load", "pickle.Unpickler", "Unpickler(", "ForkingPickler.loads"):
             assert needle not in text, f"{path} contains {needle}"
+
+
+# -- the in-process adapter's load plans (one process, no groups) ---------------------
+def _refit_in_process(engine, named, buffer, handle, version):
+    buckets = fmt.plan_buckets(named, 1024)
+    for b in buckets:
+        fmt.pack_bucket(b, named, buffer)
+        last = b.index == len(buckets) - 1
+        result = engine.update_weights_from_tensor(UpdateWeightsFromTensorRequest(
+            buffers=(handle,), metadata=b.metadata, bucket=b.index, num_buckets=len(buckets),
+            weight_version=str(version) if last else None))
+        assert result.success, result.message
+    return buckets
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_adapter_loads_bit_exact_through_cached_plans_flat_or_not(flat):
+    from policyworker import RolloutWorker
+    from policyworker.sglang_engine import InProcessSglangEngine
+
+    gen = torch.Generator().manual_seed(1)
+    shapes = {f"layers.{i:02d}.w": (17, 9) for i in range(12)} | {"norm": (9,), "tiny": (1,)}
+    want = {n: torch.randn(s, generator=gen).to(torch.bfloat16) for n, s in shapes.items()}
+    r = RolloutWorker(rank=0, gen_world_size=1, device="cpu")
+    if flat:  # one arena in bucket order (bf16 only: no padding), so each bucket loads as one copy
+        arena = torch.zeros(sum(t.numel() for t in want.values()), dtype=torch.bfloat16)
+        params, at = {}, 0
+        for n in sorted(want):
+            params[n] = arena[at:at + want[n].numel()].view(want[n].shape)
+            at += want[n].numel()
+        r.params = params
+    else:
+        r.params = {n: torch.zeros_like(t) for n, t in want.items()}
+    engine = InProcessSglangEngine([r])
+    buffer, handle = fmt.export_buffer(1024, torch.device("cpu"))
+    for version in (1, 2, 3):
+        named = {n: t + version for n, t in want.items()}
+        if version == 3:  # a destination replaced between refits: its plan is rebuilt, not reused
+            r.params["norm"] = torch.zeros_like(want["norm"])
+        buckets = _refit_in_process(engine, named, buffer, handle, version)
+        assert r.weight_version == version and not r.torn
+        assert all(torch.equal(r.weights()[n], named[n]) for n in named)
+    plans = [p for k, p in engine._plans.items() if k[2] < len(buckets)]
+    assert len(plans) == len(buckets) > 2
+    copies = sum(len(p.runs[0]) for p in plans)
+    if flat:
+        # one copy per bucket, except the last: "norm" left the arena, so [..., layers.11], [norm], [tiny]
+        assert copies == len(buckets) + 2
+    else:
+        assert copies == len(shapes)
+    engine.close()

@@ -9,9 +9,16 @@ bucket), rebuilds the bucket's tensors with SGLang's rule (a fixed function:
 params in the generation layout. The trainer rank this adapter lives in is one of
 those ranks: its own CUDA buffer comes back as the buffer itself (``open_buffer``).
 
-On CUDA the loads are asynchronous, and the answer to a bucket is what allows the
-trainer ranks to repack their buffers: so the adapter waits for its copies before it
-answers. ``close()`` lets go of the opened buffers (call it before the trainers exit).
+Each (trainer buffer, bucket) is checked once — every tensor's name, shape and dtype
+against the worker's params — into a plan of copies that later refits reuse while
+the workers hold the same destination tensors (checked by identity). With the
+default loader, tensors adjacent in the bucket whose destinations are adjacent in one
+storage (a flat arena) are loaded as one byte copy; other loaders get one call per
+tensor. On CUDA the copies run on the adapter's own stream, which waits (on the
+device) for the current stream at a refit's first bucket; the answer to a bucket is
+what allows the trainer ranks to repack their buffers, so the adapter waits for an
+event after its copies (not a stream or device sync) before it answers. ``close()``
+lets go of the opened buffers (call it before the trainers exit).
 
 Versions go through each worker's :class:`~policyworker.ledger.WeightLedger` — the
 one commit path: the first bucket of a refit begins it (``weights()`` refuses while

@@ -27,20 +27,25 @@ One refit of version v (every rank, in this order):
      and whether the engine wants SGLang's pickled blobs. Any rank not connected (or a
      changed model) makes every rank run ``connect`` again, so collectives stay paired;
   per bucket k, into buffer ``k % buffers`` (``buffers`` = 2 by default):
-  1. pack k into its buffer — on the GPU an asynchronous copy on the refit's stream,
-     recorded by an event; the engine may still be loading bucket k-1 from the other
-     buffer meanwhile (the overlap that two buffers buy);
-  2. the verdict of bucket k-1: the source waits for the engine's answer and
-     broadcasts it (code + message); every rank raises the same error class on
-     failure. The broadcast is also the acknowledgement: no rank repacks a buffer
-     before the engine has answered for the bucket it held;
+  1. pack k into its buffer (copies into views built once at connect) — on the GPU an
+     asynchronous copy on the refit's stream, recorded by an event; the engine may
+     still be loading bucket k-1 from the other buffer meanwhile (the overlap that two
+     buffers buy). With one buffer the source first waits for the engine's answer to
+     k-1 and a round (as in 3, verdict only) tells every rank it may repack;
+  2. with two buffers the source now takes the engine's answer to bucket k-1;
   3. wait for bucket k's event (this bucket's copies only: no device-wide sync), then
-     all-reduce (failed, blob length); if the engine wants blobs, gather them to the
-     source (each rank's ``MultiprocessingSerializer`` blob of its own buffer);
-  4. the source starts ``engine.update_weights_from_tensor`` for bucket k (one entry per
-     tp rank; ``weight_version`` on the last bucket only) on a helper thread, bounded
-     by the refit deadline, and goes on to pack bucket k+1.
-  After the last bucket, its verdict as in 2.
+     one round, an all-reduce of (pack failed, blob length, the source's verdict code
+     of bucket k-1): the verdict is also the acknowledgement — no rank repacks a buffer
+     before the engine answered for the bucket it held — and a failure raises the same
+     error class on every rank (its message follows in a broadcast, failures only). If
+     the engine wants blobs they are gathered to the source;
+  4. the source calls ``engine.update_weights_from_tensor`` for bucket k (one entry per
+     tp rank; ``weight_version`` on the last bucket only), bounded by the refit
+     deadline. On the GPU the call is made, on this thread, after bucket k+1's copies
+     were queued (the pack is asynchronous there); on the CPU it runs on a helper
+     thread while this one packs k+1. No bucket is sent after a refused one.
+  After the last bucket: its answer and a last round as in 3.
+  An engine group of one rank (tp=1) makes no collective call at all.
 """
 
 from __future__ import annotations
