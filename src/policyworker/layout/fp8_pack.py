@@ -103,7 +103,8 @@ def quantize_bands(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: i
         amax = torch.maximum(blocks4.amax(dim=(1, 3)), blocks4.amin(dim=(1, 3)).neg_())
         # A tensor divisor: torch turns division by a Python scalar into multiplication
         # by its reciprocal on CUDA, which is not the same float.
-        scale = torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, FP8_MAX))
+        # amax > 0, not amax != 0: a block holding a NaN gets 1 (NaN > 0 is false), as the oracle
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
         blocks4.div_(scale.view(nbr, 1, nbc, 1))
         # No clamp pass: |x / s| <= 448 * (1 + 2**-23) here, which rounds to 448 exactly
         # as the oracle's clamped value does (e4m3's next step would be 480).

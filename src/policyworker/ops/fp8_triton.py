@@ -27,7 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["QuantProgram", "configure", "quantize_jobs"]
+from policyworker.errors import ConfigError
+from policyworker.ops.fp8_persist import PersistProgram, PersistVariant
+
+__all__ = ["QuantProgram", "configure", "configure_from_string", "quantize_jobs"]
 
 # Job table columns (int64): source offset and row stride (elements of the source
 # dtype, from the launch's source base), fp8 offset and row stride (bytes, from the
@@ -39,9 +42,15 @@ __all__ = ["QuantProgram", "configure", "quantize_jobs"]
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.constexpr,
                       SRC_BF16: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr,
-                      NARROW_AMAX: tl.constexpr, STREAM: tl.constexpr, FAST_DIV: tl.constexpr):
+                      NARROW_AMAX: tl.constexpr, STREAM: tl.constexpr, FAST_DIV: tl.constexpr,
+                      Q_F32: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     job = tl.load(tiles_ptr + 3 * t).to(tl.int64)
     bi = tl.load(tiles_ptr + 3 * t + 1).to(tl.int64)
@@ -83,28 +92,35 @@ def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.c
     else:
         mask = (rb[:, None] < n - bi * BLOCK) & (rb[None, :] < k - bj * BLOCK)
         x = tl.load(src_t + offs_s, mask=mask, other=0.0)
-    if NARROW_AMAX:  # max |x| in the source dtype (exact), the tile stays narrow in registers
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32)
+    # max |x| with NaN propagating (tl.max drops NaNs): a NaN block gets s = 1, as the oracle's
+    # amax > 0 test gives; narrow: in the source dtype (exact), the tile stays narrow in registers
+    if NARROW_AMAX:
+        amax = tl.reduce(tl.reduce(tl.abs(x), 1, _max_nan), 0, _max_nan).to(tl.float32)
     else:
         x = x.to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    s = tl.math.div_rn(amax, amax * 0.0 + 448.0)
-    s = tl.where(amax == 0.0, 1.0, s)
+        amax = tl.reduce(tl.reduce(tl.abs(x), 1, _max_nan), 0, _max_nan)
+    s = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)  # not amax * 0 + 448: inf * 0 is NaN
+    s = tl.where(amax > 0.0, s, 1.0)
     xf = x.to(tl.float32)
-    if FAST_DIV and s >= 1.1754943508222875e-38:
+    if FAST_DIV and s >= 1.1754943508222875e-38 and s <= 3.4028234663852886e38:
         # x / s correctly rounded without a division per element: r = RN(1/s) once per
         # tile, q = RN(x * r), then two Markstein corrections q += (x - q*s) * r with
         # exact fma remainders (one makes q faithful, the next correctly rounded).
         # Normal s only: 1/s must not overflow (tiny tiles take the division below).
-        r = tl.math.div_rn(amax * 0.0 + 1.0, s)
+        r = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
         q = xf * r
-        q = tl.math.fma(tl.math.fma(-q, s + tl.zeros_like(xf), xf), r + tl.zeros_like(xf), q)
-        y = tl.math.fma(tl.math.fma(-q, s + tl.zeros_like(xf), xf), r + tl.zeros_like(xf), q)
-        # The corrections turn -0 into +0 (-0 + +0 = +0); x / s keeps the sign of a zero.
-        y = tl.where(xf == 0.0, xf, y)
+        # The remainder negated, -(q*s - x): then q = -0 stays -0 (-0 + -0 = -0), where
+        # x - q*s would turn it into +0 (x / s keeps the sign of a zero), with no select.
+        sv, rv = s + tl.zeros_like(xf), r + tl.zeros_like(xf)
+        q = tl.math.fma(-tl.math.fma(q, sv, -xf), rv, q)
+        y = tl.math.fma(-tl.math.fma(q, sv, -xf), rv, q)
     else:
         y = tl.math.div_rn(xf, tl.zeros_like(xf) + s)
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+    # NaN-propagating clamp: NaN stays NaN, as the oracle's torch.clamp
+    y = tl.minimum(tl.maximum(y, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
+                   propagate_nan=tl.PropagateNan.ALL)
+    if not Q_F32:  # Q_F32: store the float32 quotient (interpreter tests convert with torch)
+        y = y.to(tl.float8e4nv)
     if EVEN:
         if STREAM:
             tl.store(dst_t + offs_d, y, cache_modifier=".cs")
@@ -117,20 +133,50 @@ def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.c
 
 # Launch settings (measured on one H200, benchmarks/bench_fp8_kernel.py); `configure`
 # changes them for programs made afterwards (benchmarks compare variants).
+KERNEL = "tile"  # "tile": one program per tile (this module); "persist": ops.fp8_persist
 NUM_WARPS = 16  # per 128x128 tile: 32 elements per thread
 NARROW_AMAX = True
 STREAM = False
 FAST_DIV = False
+PERSIST = PersistVariant()
 
 
-def configure(*, num_warps: int | None = None, narrow_amax: bool | None = None, stream: bool | None = None,
-              fast_div: bool | None = None) -> None:
+def configure(*, kernel: str | None = None, num_warps: int | None = None, narrow_amax: bool | None = None,
+              stream: bool | None = None, fast_div: bool | None = None, persist: PersistVariant | None = None) -> None:
     """Set the launch settings of programs made from now on (this process)."""
-    global NUM_WARPS, NARROW_AMAX, STREAM, FAST_DIV
+    global KERNEL, NUM_WARPS, NARROW_AMAX, STREAM, FAST_DIV, PERSIST
+    if kernel is not None and kernel not in ("tile", "persist"):
+        raise ConfigError(f"fp8 kernel must be 'tile' or 'persist', got {kernel!r}")
+    KERNEL = KERNEL if kernel is None else kernel
     NUM_WARPS = NUM_WARPS if num_warps is None else int(num_warps)
     NARROW_AMAX = NARROW_AMAX if narrow_amax is None else bool(narrow_amax)
     STREAM = STREAM if stream is None else bool(stream)
     FAST_DIV = FAST_DIV if fast_div is None else bool(fast_div)
+    PERSIST = PERSIST if persist is None else persist
+
+
+def configure_from_string(spec: str) -> None:
+    """`configure` from a variant name as `bench_fp8_kernel.py` prints it:
+    ``kernel=persist,warps=8,stages=1,prefetch=1,grid=2,fast_div=1,stream=0`` or
+    ``warps=16,narrow_amax=1,stream=0,fast_div=1`` (the one-tile kernel)."""
+    try:
+        kw = dict(item.split("=", 1) for item in spec.split(",") if item.strip())
+        kind = kw.pop("kernel", "tile")
+        flag = lambda key, default: kw.pop(key, str(int(default))) == "1"  # noqa: E731
+        if kind == "persist":
+            d = PersistVariant()
+            v = PersistVariant(num_warps=int(kw.pop("warps", d.num_warps)), stages=int(kw.pop("stages", d.stages)),
+                               prefetch=flag("prefetch", d.prefetch), grid=int(kw.pop("grid", d.grid)),
+                               fast_div=flag("fast_div", d.fast_div), stream=flag("stream", d.stream))
+            configure(kernel="persist", persist=v)
+        else:
+            configure(kernel=kind, num_warps=int(kw.pop("warps", NUM_WARPS)),
+                      narrow_amax=flag("narrow_amax", NARROW_AMAX), stream=flag("stream", STREAM),
+                      fast_div=flag("fast_div", FAST_DIV))
+    except ValueError as exc:
+        raise ConfigError(f"bad fp8 kernel variant {spec!r}: {exc}") from exc
+    if kw:
+        raise ConfigError(f"bad fp8 kernel variant {spec!r}: unknown keys {sorted(kw)}")
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -154,13 +200,14 @@ class QuantProgram:
     def __init__(self, jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128) -> None:
         self.block = block
         self.num_warps, self.narrow_amax, self.stream, self.fast_div = NUM_WARPS, NARROW_AMAX, STREAM, FAST_DIV
+        self.kernel = KERNEL
         self.nbytes = 0
         self._launches: list[tuple] = []
         self._keep = list(jobs)
         groups: dict[bool, list] = {}
         device = None
         for src, q, s in jobs:
-            if src.dim() != 2 or q.shape != src.shape or q.dtype != torch.float8_e4m3fn:
+            if src.dim() != 2 or q.shape != src.shape or q.dtype not in (torch.float8_e4m3fn, torch.float32):
                 raise ValueError(f"bad fp8 job: src {tuple(src.shape)} q {tuple(q.shape)} {q.dtype}")
             br, bc = -(-src.shape[0] // block), -(-src.shape[1] // block)
             if tuple(s.shape) != (br, bc) or s.dtype != torch.float32:
@@ -173,13 +220,16 @@ class QuantProgram:
             if src.numel():
                 groups.setdefault(src.dtype == torch.bfloat16, []).append((src, q, s, br, bc))
             self.nbytes += q.numel() + 4 * s.numel()
+        # The persistent kernel's tables (built anyway: cheap, and a benchmark may switch).
+        self.persist = PersistProgram(jobs, block, PERSIST)
         for is_bf16, items in groups.items():
             esize = 2 if is_bf16 else 4
             for src, q, *_ in items:
                 if max(src.stride(0), q.stride(0)) * (block + 1) >= 2**31:
                     raise ValueError("fp8 job rows too far apart for 32-bit offsets inside a tile")
-            aligned = [all(x % 16 == 0 for x in (src.data_ptr(), src.stride(0) * esize, q.data_ptr(), q.stride(0)))
-                       for src, q, *_ in items]
+            aligned = [q.dtype == torch.float8_e4m3fn and all(
+                x % 16 == 0 for x in (src.data_ptr(), src.stride(0) * esize, q.data_ptr(), q.stride(0)))
+                for src, q, *_ in items]
             even = [src.shape[0] % block == 0 and src.shape[1] % block == 0 for src, *_ in items]
             for flag in ((True, True), (True, False), (False, False), (False, True)):
                 pick = [items[i] for i in range(len(items)) if (aligned[i], even[i]) == flag]
@@ -188,7 +238,8 @@ class QuantProgram:
                 # Offsets from the first job's own tensors (aligned ones when flag says so).
                 src0, q0, s0 = pick[0][0], pick[0][1], pick[0][2]
                 bases = (src0.data_ptr(), q0.data_ptr(), s0.data_ptr())
-                table = torch.tensor([[(src.data_ptr() - bases[0]) // esize, src.stride(0), q.data_ptr() - bases[1],
+                table = torch.tensor([[(src.data_ptr() - bases[0]) // esize, src.stride(0),
+                                       (q.data_ptr() - bases[1]) // q.element_size(),
                                        q.stride(0), (s.data_ptr() - bases[2]) // 4, s.stride(0), src.shape[0],
                                        src.shape[1]] for src, q, s, _, _ in pick], dtype=torch.int64)
                 counts = torch.tensor([br * bc for *_, br, bc in pick], dtype=torch.int64)
@@ -201,6 +252,17 @@ class QuantProgram:
                                        (src0, q0, s0)))
         self.device = device
 
+    def launch(self) -> None:
+        """Issue every launch on the current stream (on CPU: Triton's interpreter)."""
+        if self.kernel == "persist":
+            self.persist.launch()
+            return
+        for tiles, table, ntiles, is_bf16, (aligned, even), (src0, q0, s0) in self._launches:
+            _fp8_block_kernel[(ntiles,)](tiles, table, src0, q0, s0, BLOCK=self.block, SRC_BF16=is_bf16,
+                                         ALIGNED=aligned, EVEN=even, NARROW_AMAX=self.narrow_amax,
+                                         STREAM=self.stream, FAST_DIV=self.fast_div,
+                                         Q_F32=q0.dtype == torch.float32, num_warps=self.num_warps)
+
     def run(self, *, join: bool = True) -> None:
         """Launch every job on the device's side stream, after the current stream's
         work so far; with ``join`` the current stream then waits for it (else the
@@ -211,10 +273,7 @@ class QuantProgram:
         side = _side_stream(self.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            for tiles, table, ntiles, is_bf16, (aligned, even), (src0, q0, s0) in self._launches:
-                _fp8_block_kernel[(ntiles,)](tiles, table, src0, q0, s0, BLOCK=self.block, SRC_BF16=is_bf16,
-                                             ALIGNED=aligned, EVEN=even, NARROW_AMAX=self.narrow_amax,
-                                             STREAM=self.stream, FAST_DIV=self.fast_div, num_warps=self.num_warps)
+            self.launch()
         if join:
             cur.wait_stream(side)
 
@@ -228,4 +287,6 @@ def quantize_jobs(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     side = _side_stream(prog.device) if prog.device is not None else None
     for tiles, table, *_ in prog._launches:
         tiles.record_stream(side)
+        table.record_stream(side)
+    for table in prog.persist.tables:
         table.record_stream(side)

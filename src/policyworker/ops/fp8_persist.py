@@ -1,0 +1,253 @@
+"""Block-FP8 quantization on CUDA, persistent: a fixed grid loops over a tile table.
+
+Why: one program per 128x128 tile (``fp8_triton``) loads its 32 KB, then reduces,
+divides and stores with no load of its own in flight; at 2 programs per SM the
+memory system idles during every reduction. Here ``grid`` programs (a few per SM)
+walk the tile table; the next tile's bytes are requested before the current one is
+reduced, either by Triton's software pipeliner (``tl.range(num_stages=...)``) or by
+an explicit register double buffer (``prefetch``). Full, 16-byte-aligned tiles go
+through this unmasked path with their row strides as compile-time constants (one
+launch per distinct pair of strides, a handful per model); partial tiles (N or K
+not a multiple of 128) and unaligned views go through a small masked launch, one
+tile per program.
+
+Arithmetic: that of :func:`policyworker.layout.fp8_pack.quantize_reference`:
+``amax = max |x|`` with NaN propagating (a block holding a NaN gets ``s = 1``, as
+the oracle's ``amax > 0`` test gives), ``s = amax / 448`` (IEEE division),
+``s = 1`` unless ``amax > 0``, then ``RN_e4m3(RN_f32(x / s))``. ``x / s`` is either
+the IEEE division per element (``div_rn``) or, for a normal finite ``s``, one
+reciprocal per tile and two exact-remainder corrections per element (``fast_div``),
+written with the negated remainder ``q*s - x`` so that a zero keeps its sign with
+no extra select. The clamp to ±448 of the oracle changes nothing after rounding
+(``|x / s| <= 448 (1 + 2**-23)``, and e4m3's conversion rounds that to 448) and is
+left to the conversion. ``Q_F32`` stores ``RN_f32(x / s)`` as float32 instead of
+fp8: Triton's CPU interpreter converts to fp8 with its own (not correctly rounded)
+routine, so CPU tests check the arithmetic there and convert with torch; on the GPU
+the conversion is the hardware's ``cvt.rn.satfinite``, checked by the GPU tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["PersistProgram", "PersistVariant"]
+
+_TINY = 1.1754943508222875e-38  # smallest normal float32
+_HUGE = 3.4028234663852886e38  # largest finite float32
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _quant(x, FAST_DIV: tl.constexpr):
+    """(y, s): y = RN_f32(x / s) as float32 (not yet fp8), s the tile's scale."""
+    amax = tl.reduce(tl.reduce(tl.abs(x), 1, _max_nan), 0, _max_nan).to(tl.float32)
+    s = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)  # not amax * 0: inf * 0 is NaN
+    s = tl.where(amax > 0.0, s, 1.0)  # NaN and 0 blocks: 1, as the oracle
+    xf = x.to(tl.float32)
+    if FAST_DIV and s >= 1.1754943508222875e-38 and s <= 3.4028234663852886e38:
+        # r = RN(1/s); q0 = RN(x r); q <- q + (x - q s) r twice, the remainder exact by
+        # fma; computed as -(q s - x) so that q = -0 stays -0 (-0 + -0 = -0).
+        r = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
+        sv = tl.zeros_like(xf) + s
+        rv = tl.zeros_like(xf) + r
+        q = xf * rv
+        q = tl.math.fma(-tl.math.fma(q, sv, -xf), rv, q)
+        y = tl.math.fma(-tl.math.fma(q, sv, -xf), rv, q)
+    else:
+        y = tl.math.div_rn(xf, tl.zeros_like(xf) + s)
+    return y, s
+
+
+@triton.jit
+def _persist_kernel(tiles_ptr, ntiles, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.constexpr, SRC_RS: tl.constexpr,
+                    DST_RS: tl.constexpr, SRC_ALIGN: tl.constexpr, DST_ALIGN: tl.constexpr,
+                    FAST_DIV: tl.constexpr, STREAM: tl.constexpr, STAGES: tl.constexpr,
+                    PREFETCH: tl.constexpr, Q_F32: tl.constexpr):
+    # tiles: int64 [ntiles, 3] = (source offset, destination offset, scale offset) in
+    # elements from the three base pointers; strides are constants of this launch.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    rb = tl.arange(0, BLOCK)
+    offs_s = rb[:, None] * SRC_RS + rb[None, :]
+    offs_d = rb[:, None] * DST_RS + rb[None, :]
+    if PREFETCH:
+        # Register double buffer: tile t + nprog is requested before tile t is reduced.
+        # The last request of each program repeats a valid tile (clamped index) rather
+        # than branching; it is loaded and dropped.
+        row = tiles_ptr + pid.to(tl.int64) * 3
+        so = tl.multiple_of(tl.load(row), SRC_ALIGN)
+        do = tl.multiple_of(tl.load(row + 1), DST_ALIGN)
+        co = tl.load(row + 2)
+        if STREAM:
+            x = tl.load(src_ptr + so + offs_s, eviction_policy="evict_first")
+        else:
+            x = tl.load(src_ptr + so + offs_s)
+        for t in range(pid, ntiles, nprog):
+            tn = tl.minimum(t + nprog, ntiles - 1)
+            row = tiles_ptr + tn.to(tl.int64) * 3
+            so_n = tl.multiple_of(tl.load(row), SRC_ALIGN)
+            do_n = tl.multiple_of(tl.load(row + 1), DST_ALIGN)
+            co_n = tl.load(row + 2)
+            if STREAM:
+                x_n = tl.load(src_ptr + so_n + offs_s, eviction_policy="evict_first")
+            else:
+                x_n = tl.load(src_ptr + so_n + offs_s)
+            y, s = _quant(x, FAST_DIV)
+            if Q_F32:
+                tl.store(dst_ptr + do + offs_d, y)
+            elif STREAM:
+                tl.store(dst_ptr + do + offs_d, y.to(tl.float8e4nv), cache_modifier=".cs")
+            else:
+                tl.store(dst_ptr + do + offs_d, y.to(tl.float8e4nv))
+            tl.store(sc_ptr + co, s)
+            x, do, co = x_n, do_n, co_n
+    else:
+        for t in tl.range(pid, ntiles, nprog, num_stages=STAGES):
+            row = tiles_ptr + t * 3  # int32 is enough: < 2**31 / 3 tiles
+            so = tl.multiple_of(tl.load(row), SRC_ALIGN)
+            do = tl.multiple_of(tl.load(row + 1), DST_ALIGN)
+            co = tl.load(row + 2)
+            if STREAM:
+                x = tl.load(src_ptr + so + offs_s, eviction_policy="evict_first")
+            else:
+                x = tl.load(src_ptr + so + offs_s)
+            y, s = _quant(x, FAST_DIV)
+            if Q_F32:
+                tl.store(dst_ptr + do + offs_d, y)
+            elif STREAM:
+                tl.store(dst_ptr + do + offs_d, y.to(tl.float8e4nv), cache_modifier=".cs")
+            else:
+                tl.store(dst_ptr + do + offs_d, y.to(tl.float8e4nv))
+            tl.store(sc_ptr + co, s)
+
+
+@triton.jit
+def _edge_kernel(tiles_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.constexpr, FAST_DIV: tl.constexpr,
+                 Q_F32: tl.constexpr):
+    # tiles: int64 [n, 7] = (source offset, source row stride, destination offset,
+    # destination row stride, scale offset, rows, columns); one masked tile per program.
+    row = tiles_ptr + tl.program_id(0).to(tl.int64) * 7
+    so = tl.load(row)
+    srs = tl.load(row + 1)
+    do = tl.load(row + 2)
+    drs = tl.load(row + 3)
+    co = tl.load(row + 4)
+    n = tl.load(row + 5)
+    k = tl.load(row + 6)
+    rb = tl.arange(0, BLOCK)
+    mask = (rb[:, None] < n) & (rb[None, :] < k)
+    x = tl.load(src_ptr + so + rb[:, None].to(tl.int64) * srs + rb[None, :], mask=mask, other=0.0)
+    y, s = _quant(x, FAST_DIV)  # the zero padding leaves amax as it is
+    if Q_F32:
+        tl.store(dst_ptr + do + rb[:, None].to(tl.int64) * drs + rb[None, :], y, mask=mask)
+    else:
+        tl.store(dst_ptr + do + rb[:, None].to(tl.int64) * drs + rb[None, :], y.to(tl.float8e4nv), mask=mask)
+    tl.store(sc_ptr + co, s)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PersistVariant:
+    """Launch settings of the persistent kernel (``benchmarks/bench_fp8_kernel.py``
+    sweeps them). ``grid``: programs per SM; ``stages``: ``tl.range`` pipelining depth
+    (1 = none); ``prefetch``: the register double buffer instead of the pipeliner."""
+
+    num_warps: int = 8
+    stages: int = 1
+    prefetch: bool = True
+    grid: int = 2
+    fast_div: bool = True
+    stream: bool = False
+
+    def name(self) -> str:
+        return (f"kernel=persist,warps={self.num_warps},stages={self.stages},prefetch={int(self.prefetch)},"
+                f"grid={self.grid},fast_div={int(self.fast_div)},stream={int(self.stream)}")
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, so that each loops over several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class PersistProgram:
+    """A fixed set of ``(src, q, s)`` jobs (as :class:`fp8_triton.QuantProgram`), tile
+    tables built once; `launch` issues them on the current stream.
+
+    ``q`` may be float32 instead of fp8 (``Q_F32``, for interpreter tests: the
+    quotient before the conversion)."""
+
+    def __init__(self, jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128,
+                 variant: PersistVariant | None = None) -> None:
+        self.block, self.variant = block, variant or PersistVariant()
+        self._keep = list(jobs)
+        self._groups: list[tuple] = []  # (tiles, ntiles, (src0, q0, s0), src_rs, dst_rs, src_align, dst_align)
+        self._edges: list[tuple] = []  # (tiles, ntiles, (src0, q0, s0))
+        self.device = None
+        full: dict[tuple, list] = {}  # (dtypes, strides) -> [(job, int64 [m, 3] byte addresses)]
+        edge: dict[tuple, list] = {}  # dtypes -> [(job, int64 [m, 7])]
+        b = block
+        for src, q, s in jobs:
+            if src.numel() == 0:
+                continue
+            self.device = src.device
+            n, k = src.shape
+            es, ed = src.element_size(), q.element_size()
+            aligned = all(v % 16 == 0 for v in (src.data_ptr(), src.stride(0) * es, q.data_ptr(), q.stride(0) * ed))
+            bi, bj = torch.meshgrid(torch.arange(-(-n // b)), torch.arange(-(-k // b)), indexing="ij")
+            bi, bj = bi.reshape(-1), bj.reshape(-1)
+            rows, cols = (n - bi * b).clamp(max=b), (k - bj * b).clamp(max=b)
+            so = src.data_ptr() + es * (bi * b * src.stride(0) + bj * b)
+            do = q.data_ptr() + ed * (bi * b * q.stride(0) + bj * b)
+            co = s.data_ptr() + 4 * (bi * s.stride(0) + bj)
+            whole = (rows == b) & (cols == b) if aligned else torch.zeros_like(rows, dtype=torch.bool)
+            if bool(whole.any()):
+                key = (src.dtype, q.dtype, src.stride(0), q.stride(0))
+                full.setdefault(key, []).append(((src, q, s), torch.stack([so, do, co], 1)[whole]))
+            part = ~whole
+            if bool(part.any()):
+                t = torch.stack([so, torch.full_like(so, src.stride(0)), do, torch.full_like(so, q.stride(0)), co,
+                                 rows, cols], 1)[part]
+                edge.setdefault((src.dtype, q.dtype), []).append(((src, q, s), t))
+        for (_, _, srs, drs), items in full.items():
+            base = items[0][0]
+            es, ed = base[0].element_size(), base[1].element_size()
+            t = torch.cat([x for _, x in items])
+            t = (t - torch.tensor([base[0].data_ptr(), base[1].data_ptr(), base[2].data_ptr()])) // torch.tensor(
+                [es, ed, 4])
+            self._groups.append((t.contiguous().to(self.device), t.shape[0], base, srs, drs, 16 // es, 16 // ed))
+        for _, items in edge.items():
+            base = items[0][0]
+            es, ed = base[0].element_size(), base[1].element_size()
+            t = torch.cat([x for _, x in items])
+            t[:, 0] = (t[:, 0] - base[0].data_ptr()) // es
+            t[:, 2] = (t[:, 2] - base[1].data_ptr()) // ed
+            t[:, 4] = (t[:, 4] - base[2].data_ptr()) // 4
+            self._edges.append((t.contiguous().to(self.device), t.shape[0], base))
+        self.tables = [g[0] for g in self._groups] + [e[0] for e in self._edges]
+
+    @property
+    def launches(self) -> int:
+        return len(self._groups) + len(self._edges)
+
+    def launch(self) -> None:
+        """Issue every launch on the current stream."""
+        v = self.variant
+        sms = _sm_count(self.device) if self.device is not None else 1
+        for tiles, ntiles, (src0, q0, s0), srs, drs, sa, da in self._groups:
+            grid = (max(1, min(ntiles, v.grid * sms)),)
+            q_f32 = q0.dtype == torch.float32
+            _persist_kernel[grid](tiles, ntiles, src0, q0, s0, BLOCK=self.block, SRC_RS=srs, DST_RS=drs,
+                                  SRC_ALIGN=sa, DST_ALIGN=da, FAST_DIV=v.fast_div, STREAM=v.stream,
+                                  STAGES=v.stages, PREFETCH=v.prefetch, Q_F32=q_f32, num_warps=v.num_warps)
+        for tiles, ntiles, (src0, q0, s0) in self._edges:
+            _edge_kernel[(ntiles,)](tiles, src0, q0, s0, BLOCK=self.block, FAST_DIV=v.fast_div,
+                                    Q_F32=q0.dtype == torch.float32, num_warps=8)
