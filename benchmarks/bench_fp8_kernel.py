@@ -1,13 +1,18 @@
-"""The fused FP8 kernel alone on one GPU: qwen3-8b's linear weights (13.9 GB bf16) ->
-fp8 + scales, against a flat device copy of the same bf16 bytes, same run.
+"""The fused FP8 kernels alone on one GPU: qwen3-8b's linear weights (13.9 GB bf16) ->
+fp8 + scales, every launch variant, against a flat device copy of the same bf16 bytes,
+same run.
 
 ``PYTHONPATH=src python benchmarks/bench_fp8_kernel.py --json out.json``
 
-Times with CUDA events, median of ``--reps`` after a warm-up, for each launch
-variant (warps per tile, amax in the source dtype or float32, streaming cache
-hints); GB/s count bytes read plus bytes written. The best variant's output (all
-outputs poisoned first) is checked bit for bit against the plain-torch band
-quantizer on a few layers; ``best`` names it (``bench_fp8_zmq.py --kernel`` takes it).
+Variants: the one-tile-per-program kernel (``kernel=tile``: warps per tile, IEEE
+division per element or reciprocal + corrections, streaming cache hints) and the
+persistent one (``kernel=persist``: warps, register prefetch or ``tl.range``
+pipelining depth, programs per SM, division, hints). Times with CUDA events, median
+of ``--reps`` after a warm-up; GB/s count bytes read plus bytes written. Every
+variant's output (poisoned first) is checked bit for bit against the plain-torch band
+quantizer on *all* the model's bytes. ``best`` names the fastest exact variant
+(``bench_fp8_zmq.py --kernel`` and ``fp8_triton.configure_from_string`` take it).
+Variants not started within ``--budget-s`` (compiles dominate) are listed as skipped.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,9 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from policyworker.layout.fp8_pack import quantize_bands  # noqa: E402
 from policyworker.models import get_preset, param_specs  # noqa: E402
 from policyworker.ops import fp8_triton  # noqa: E402
+from policyworker.ops.fp8_persist import PersistVariant  # noqa: E402
 
 
 def _time(fn, reps: int) -> float:
+    if not torch.cuda.is_available():  # a smoke run in Triton's interpreter (TRITON_INTERPRET=1)
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
     fn()
     torch.cuda.synchronize()
     out = []
@@ -41,67 +52,136 @@ def _time(fn, reps: int) -> float:
     return statistics.median(out)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _tile(warps: int, fast: bool, stream: bool = False) -> tuple[str, dict]:
+    name = f"warps={warps},narrow_amax=1,stream={int(stream)},fast_div={int(fast)}"
+    return name, dict(kernel="tile", num_warps=warps, fast_div=fast, stream=stream)
+
+
+def _persist_group(warps: int, stages: int, prefetch: bool, fast: bool = True, stream: bool = False,
+                   grids: tuple[int, ...] = (1, 2, 4)) -> list[PersistVariant]:
+    """Variants sharing one compile (the grid is a launch setting only)."""
+    return [PersistVariant(num_warps=warps, stages=stages, prefetch=prefetch, grid=g, fast_div=fast, stream=stream)
+            for g in grids]
+
+
+def sweep() -> list[list]:
+    """Compile groups, most promising first (the budget cuts from the end)."""
+    groups: list[list] = [
+        [_tile(16, False)], [_tile(8, True)],
+        _persist_group(8, 1, True), _persist_group(16, 1, True), _persist_group(4, 1, True, grids=(2, 4, 8)),
+        _persist_group(8, 3, False), _persist_group(8, 2, False), _persist_group(16, 3, False),
+        _persist_group(8, 4, False), _persist_group(4, 3, False, grids=(2, 4, 8)), _persist_group(8, 1, False),
+        _persist_group(8, 1, True, stream=True), _persist_group(8, 3, False, stream=True),
+        _persist_group(16, 1, True, fast=False, grids=(1, 2)), _persist_group(8, 1, True, fast=False, grids=(2, 4)),
+        [_tile(16, True)], [_tile(32, False)], [_tile(16, False, stream=True)],
+    ]
+    return groups
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-8b")
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--budget-s", type=float, default=75.0, help="start no new compile group after this many seconds")
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
-    dev = torch.device("cuda:0")
+    t_start = time.perf_counter()
+    dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     from policyworker.layout.fp8 import Fp8Target
 
     target = Fp8Target()
     shapes = [s for n, (s, _) in param_specs(get_preset(ns.preset), torch.bfloat16).items() if target.targets(n)]
     numel = sum(a * b for a, b in shapes)
     src = torch.empty(numel, dtype=torch.bfloat16, device=dev).normal_()
-    dst = torch.empty(numel, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn)
-    jobs, off, scales = [], 0, []
+    src[:7].copy_(torch.tensor([-0.0, 0.0, -0.0, 1e-38, -1e-38, -0.0, 3.0]))  # signed zeros in the data
+    k0 = shapes[0][1]
+    src[k0 * 128:k0 * 256].view(128, k0)[:, :128] = 0  # an all-zero block in the first job
+    src[k0 * 129 + 5] = -0.0
+    dst = torch.empty(numel, dtype=torch.uint8, device=dev)
+    nscale = sum(-(-a // 128) * -(-b // 128) for a, b in shapes)
+    scales = torch.empty(nscale, dtype=torch.float32, device=dev)
+    jobs, off, soff = [], 0, 0
     for a, b in shapes:
-        s = torch.empty((-(-a // 128), -(-b // 128)), dtype=torch.float32, device=dev)
-        jobs.append((src[off:off + a * b].view(a, b), dst[off:off + a * b].view(a, b), s))
-        off += a * b
-    prog = fp8_triton.QuantProgram(jobs)
+        br, bc = -(-a // 128), -(-b // 128)
+        jobs.append((src[off:off + a * b].view(a, b), dst[off:off + a * b].view(a, b).view(torch.float8_e4m3fn),
+                     scales[soff:soff + br * bc].view(br, bc)))
+        off, soff = off + a * b, soff + br * bc
     copy_dst = torch.empty_like(src)
-    res = {"preset": ns.preset, "tensors": len(jobs), "bf16_bytes": 2 * numel,
-           "fp8_plus_scale_bytes": prog.nbytes, "launches": len(prog._launches)}
+    res: dict = {"preset": ns.preset, "tensors": len(jobs), "bf16_bytes": 2 * numel}
     res["flat_copy_s"] = _time(lambda: copy_dst.copy_(src), ns.reps)
     del copy_dst
-    check = jobs[:7] + jobs[-7:]
-    want = []
-    for w, q, s in check:
-        rq, rs = torch.empty_like(q), torch.empty_like(s)
-        quantize_bands(w, rq, rs)
-        want.append((rq.view(torch.uint8), rs))
-    variants, exact_of = {}, {}
-    combos = [(16, True, st, fd) for st in (False, True) for fd in (False, True)]
-    combos += [(w, True, False, fd) for w in (8, 32) for fd in (False, True)]
-    combos += [(16, False, False, fd) for fd in (False, True)]
-    for warps, narrow, stream, fast in combos:
-        prog.num_warps, prog.narrow_amax, prog.stream, prog.fast_div = warps, narrow, stream, fast
-        name = f"warps={warps},narrow_amax={int(narrow)},stream={int(stream)},fast_div={int(fast)}"
-        for _, q, s in check:  # poisoned, so a tile left unwritten shows
-            q.view(torch.uint8).fill_(0x7F)
-            s.fill_(float("nan"))
-        variants[name] = _time(lambda: prog.run(), ns.reps)
-        torch.cuda.synchronize()
-        exact_of[name] = all(torch.equal(q.view(torch.uint8), rq) and torch.equal(s, rs)
-                             for (_, q, s), (rq, rs) in zip(check, want))
-    res["quantize_s"] = variants
-    res["bit_exact"] = exact_of
-    best = min((n for n in variants if exact_of[n]), key=variants.get)
-    res["best"] = best
-    res["best_quantize_s"] = variants[best]
-    exact = all(exact_of.values())
-    res["bit_exact_vs_band_quantizer"] = bool(exact)  # every variant, on the checked layers
+    # The oracle's bytes for the whole model (plain torch, one band of blocks at a time).
+    want_q = torch.empty_like(dst)
+    want_s = torch.empty_like(scales)
+    off, soff = 0, 0
+    for a, b in shapes:
+        br, bc = -(-a // 128), -(-b // 128)
+        quantize_bands(src[off:off + a * b].view(a, b), want_q[off:off + a * b].view(a, b).view(torch.float8_e4m3fn),
+                       want_s[soff:soff + br * bc].view(br, bc))
+        off, soff = off + a * b, soff + br * bc
+    _sync()
+    res["oracle_s"] = round(time.perf_counter() - t_start, 2)
+    fp8_triton.configure(kernel="tile")
+    prog = fp8_triton.QuantProgram(jobs)
+    res["fp8_plus_scale_bytes"] = prog.nbytes
+    res["launches"] = {"tile": len(prog._launches), "persist": prog.persist.launches}
+    variants: dict[str, float] = {}
+    exact_of: dict[str, bool] = {}
+    errors: dict[str, str] = {}
+    skipped: list[str] = []
+    for group in sweep():
+        names = [g[0] if isinstance(g, tuple) else g.name() for g in group]
+        if time.perf_counter() - t_start > ns.budget_s:
+            skipped += names
+            continue
+        for item, name in zip(group, names):
+            if isinstance(item, tuple):
+                kw = item[1]
+                prog.kernel, prog.num_warps, prog.fast_div, prog.stream = "tile", kw["num_warps"], kw["fast_div"], \
+                    kw["stream"]
+            else:
+                prog.kernel, prog.persist.variant = "persist", item
+            dst.fill_(0x7F)  # poisoned (NaN), so a tile left unwritten shows
+            scales.fill_(float("nan"))
+            try:
+                variants[name] = _time(prog.run if dev.type == "cuda" else prog.launch, ns.reps)
+            except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a result row
+                errors[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                _sync()
+                break  # the rest of the group shares the compile
+            _sync()
+            exact_of[name] = bool(torch.equal(dst, want_q) and torch.equal(scales, want_s))
     rw = 2 * numel + prog.nbytes
+    res["quantize_ms"] = {n: round(v * 1e3, 3) for n, v in variants.items()}
+    res["bit_exact"] = exact_of
+    res["all_exact"] = all(exact_of.values())
+    res["errors"] = errors
+    res["skipped"] = skipped
+    res["quantize_s"] = variants
+    exact = [n for n in variants if exact_of[n]]
+    if exact:
+        best = min(exact, key=variants.get)
+        res["best"] = best
+        res["best_quantize_s"] = variants[best]
+        res["best_quantize_gbps"] = rw / variants[best] / 1e9
+        res["best_quantize_over_flat_copy"] = variants[best] / res["flat_copy_s"]
+        old = [n for n in exact if not n.startswith("kernel=persist")]
+        if old:
+            res["best_tile"] = min(old, key=variants.get)
+            res["best_tile_s"] = variants[res["best_tile"]]
     res["flat_copy_gbps"] = 2 * 2 * numel / res["flat_copy_s"] / 1e9
-    res["best_quantize_gbps"] = rw / res["best_quantize_s"] / 1e9
-    res["best_quantize_over_flat_copy"] = res["best_quantize_s"] / res["flat_copy_s"]
-    text = json.dumps(res, indent=2)
+    res["kernel_at_flat_copy_rate_s"] = rw / (res["flat_copy_gbps"] * 1e9)
+    res["wall_s"] = round(time.perf_counter() - t_start, 1)
+    text = json.dumps(res, indent=1)
     print(text)
     if ns.json:
         Path(ns.json).write_text(text + "\n")
-    return 0
+    return 0 if exact else 1
 
 
 if __name__ == "__main__":

@@ -109,9 +109,7 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
         if a["kernel"]:
             from policyworker.ops import fp8_triton
 
-            kw = dict(x.split("=") for x in a["kernel"].split(","))
-            fp8_triton.configure(num_warps=int(kw["warps"]), narrow_amax=kw["narrow_amax"] == "1",
-                                 stream=kw["stream"] == "1", fast_div=kw.get("fast_div") == "1")
+            fp8_triton.configure_from_string(a["kernel"])
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     config = get_preset(a["preset"])
     dtype = torch.bfloat16
@@ -238,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--refits", type=int, default=5)
     p.add_argument("--timeout-s", type=float, default=120.0)
-    p.add_argument("--kernel", default="", help="fp8 kernel variant, e.g. warps=16,narrow_amax=1,stream=0,fast_div=1")
+    p.add_argument("--kernel", default="", help="fp8 kernel variant as bench_fp8_kernel.py names it, e.g. "
+                   "kernel=persist,warps=8,stages=1,prefetch=1,grid=2,fast_div=1,stream=0")
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
     res = run(ns.preset, ns.device, ns.refits, ns.timeout_s, ns.kernel)

@@ -90,3 +90,12 @@ def test_zmq_fp8_refit_over_cuda_ipc(options):
     rollout = results[1]
     assert [o.get("exact") for o in rollout["outcomes"]] == [True, True], rollout["outcomes"]
     assert all(o["bytes"] == rollout["expected_bytes"] for o in rollout["outcomes"])
+
+
+def test_every_kernel_variant_equals_the_oracle_on_the_gpu():
+    """The interpreter check of test_fp8_kernels.py, here with the GPU's own fp8
+    conversion, 128-blocks, NaN and inf blocks (NaN bytes compare as NaN)."""
+    from policyworker.ops.fp8_check import check
+
+    res = check("cuda:0", 128, specials=True)
+    assert len(res) >= 6 and all(res.values()), res

@@ -247,7 +247,8 @@ class PersistProgram:
             q_f32 = q0.dtype == torch.float32
             _persist_kernel[grid](tiles, ntiles, src0, q0, s0, BLOCK=self.block, SRC_RS=srs, DST_RS=drs,
                                   SRC_ALIGN=sa, DST_ALIGN=da, FAST_DIV=v.fast_div, STREAM=v.stream,
-                                  STAGES=v.stages, PREFETCH=v.prefetch, Q_F32=q_f32, num_warps=v.num_warps)
+                                  STAGES=v.stages, PREFETCH=v.prefetch, Q_F32=q_f32, num_warps=v.num_warps,
+                                  num_stages=v.stages)  # prefetch: stages=1, no second pipeline
         for tiles, ntiles, (src0, q0, s0) in self._edges:
             _edge_kernel[(ntiles,)](tiles, src0, q0, s0, BLOCK=self.block, FAST_DIV=v.fast_div,
                                     Q_F32=q0.dtype == torch.float32, num_warps=8)
