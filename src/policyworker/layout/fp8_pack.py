@@ -197,12 +197,19 @@ class QuantJobs:
     def __len__(self) -> int:
         return len(self.jobs)
 
-    def run(self, *, join: bool = True) -> int:
+    def fence(self) -> None:
+        """CUDA: order the coming `run(fenced=True)` after the current stream's work so
+        far, not after what is issued between (no-op on CPU)."""
+        if self._cuda is not None:
+            self._cuda.fence()
+
+    def run(self, *, join: bool = True, fenced: bool = False) -> int:
         """Quantize every job; returns the bytes written (fp8 + scales). On CUDA the
         launch goes on a side stream; ``join=False`` leaves the current stream free to
-        run other copies meanwhile (the caller synchronizes the device before use)."""
+        run other copies meanwhile (the caller synchronizes the device before use);
+        ``fenced``: ordered by the last `fence` instead of by everything issued so far."""
         if self._cuda is not None:
-            self._cuda.run(join=join)
+            self._cuda.run(join=join, fenced=fenced)
         else:
             for src, q, s in self.jobs:
                 quantize_into(src, q, s, self.block)

@@ -263,15 +263,24 @@ class QuantProgram:
                                          STREAM=self.stream, FAST_DIV=self.fast_div,
                                          Q_F32=q0.dtype == torch.float32, num_warps=self.num_warps)
 
-    def run(self, *, join: bool = True) -> None:
+    def fence(self) -> None:
+        """Order the side stream after the current stream's work so far (what `run`
+        does first unless told ``fenced``)."""
+        if self._launches:
+            _side_stream(self.device).wait_stream(torch.cuda.current_stream(self.device))
+
+    def run(self, *, join: bool = True, fenced: bool = False) -> None:
         """Launch every job on the device's side stream, after the current stream's
-        work so far; with ``join`` the current stream then waits for it (else the
-        caller synchronizes the device before using the results)."""
+        work so far (``fenced``: after it as of the caller's last `fence`, so that
+        work issued since, e.g. unrelated copies, need not finish first); with
+        ``join`` the current stream then waits for it (else the caller synchronizes
+        the device before using the results)."""
         if not self._launches:
             return
         cur = torch.cuda.current_stream(self.device)
         side = _side_stream(self.device)
-        side.wait_stream(cur)
+        if not fenced:
+            side.wait_stream(cur)
         with torch.cuda.stream(side):
             self.launch()
         if join:

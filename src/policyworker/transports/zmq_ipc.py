@@ -531,11 +531,15 @@ class ZmqIpcTransport(Transport):
         st["touched"] = ctx.touched = True  # bytes land in the live tensors from here on
         nbytes = 0
         # fp8 hook (issue 16): one fused read of each quantized source, on its own stream
-        # on a GPU, overlapping the plain copies below; joined into our stream before the wait.
-        nbytes += quant.run(join=False)
+        # on a GPU, overlapping the plain copies; joined into our stream before the wait.
+        # The plain copies are issued first (the quantization is ordered after our
+        # stream's earlier work only, by the fence): a kernel that keeps every SM busy
+        # to its end would otherwise leave them queued behind it, unoverlapped.
+        quant.fence()
         for src, dst in runs:
             dst.copy_(src, non_blocking=True)
             nbytes += dst.numel() * dst.element_size()
+        nbytes += quant.run(join=False, fenced=True)
         for seq, bucket in enumerate(buckets):
             msg = chan.expect(deadline, "waiting for a BucketReady", w.BucketReady)
             if msg.version != offer.version or msg.seq != seq or not 0 <= msg.slot < len(ring):
