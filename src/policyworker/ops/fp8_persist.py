@@ -37,8 +37,6 @@ import triton.language as tl
 
 __all__ = ["PersistProgram", "PersistVariant"]
 
-_TINY = 1.1754943508222875e-38  # smallest normal float32
-_HUGE = 3.4028234663852886e38  # largest finite float32
 
 
 @triton.jit
@@ -53,7 +51,7 @@ def _quant(x, FAST_DIV: tl.constexpr):
     s = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)  # not amax * 0: inf * 0 is NaN
     s = tl.where(amax > 0.0, s, 1.0)  # NaN and 0 blocks: 1, as the oracle
     xf = x.to(tl.float32)
-    if FAST_DIV and s >= 1.1754943508222875e-38 and s <= 3.4028234663852886e38:
+    if FAST_DIV and ((s >= 1.1754943508222875e-38) & (s <= 3.4028234663852886e38)):  # 2 terms: Triton's BoolOp
         # r = RN(1/s); q0 = RN(x r); q <- q + (x - q s) r twice, the remainder exact by
         # fma; computed as -(q s - x) so that q = -0 stays -0 (-0 + -0 = -0).
         r = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
@@ -72,8 +70,11 @@ def _persist_kernel(tiles_ptr, ntiles, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.const
                     DST_RS: tl.constexpr, SRC_ALIGN: tl.constexpr, DST_ALIGN: tl.constexpr,
                     FAST_DIV: tl.constexpr, STREAM: tl.constexpr, STAGES: tl.constexpr,
                     PREFETCH: tl.constexpr, Q_F32: tl.constexpr):
-    # tiles: int64 [ntiles, 3] = (source offset, destination offset, scale offset) in
-    # elements from the three base pointers; strides are constants of this launch.
+    # tiles: int64 [ntiles, 3] = (source offset / SRC_ALIGN, destination offset /
+    # DST_ALIGN, scale offset), offsets in elements from the three base pointers; the
+    # multiplication tells the compiler every row is 16-byte aligned (a multiple_of hint
+    # on the loaded value is lost when the pipeliner moves that load); strides are
+    # constants of this launch.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     rb = tl.arange(0, BLOCK)
@@ -84,8 +85,8 @@ def _persist_kernel(tiles_ptr, ntiles, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.const
         # The last request of each program repeats a valid tile (clamped index) rather
         # than branching; it is loaded and dropped.
         row = tiles_ptr + pid.to(tl.int64) * 3
-        so = tl.multiple_of(tl.load(row), SRC_ALIGN)
-        do = tl.multiple_of(tl.load(row + 1), DST_ALIGN)
+        so = tl.load(row) * SRC_ALIGN
+        do = tl.load(row + 1) * DST_ALIGN
         co = tl.load(row + 2)
         if STREAM:
             x = tl.load(src_ptr + so + offs_s, eviction_policy="evict_first")
@@ -94,8 +95,8 @@ def _persist_kernel(tiles_ptr, ntiles, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.const
         for t in range(pid, ntiles, nprog):
             tn = tl.minimum(t + nprog, ntiles - 1)
             row = tiles_ptr + tn.to(tl.int64) * 3
-            so_n = tl.multiple_of(tl.load(row), SRC_ALIGN)
-            do_n = tl.multiple_of(tl.load(row + 1), DST_ALIGN)
+            so_n = tl.load(row) * SRC_ALIGN
+            do_n = tl.load(row + 1) * DST_ALIGN
             co_n = tl.load(row + 2)
             if STREAM:
                 x_n = tl.load(src_ptr + so_n + offs_s, eviction_policy="evict_first")
@@ -113,8 +114,8 @@ def _persist_kernel(tiles_ptr, ntiles, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.const
     else:
         for t in tl.range(pid, ntiles, nprog, num_stages=STAGES):
             row = tiles_ptr + t * 3  # int32 is enough: < 2**31 / 3 tiles
-            so = tl.multiple_of(tl.load(row), SRC_ALIGN)
-            do = tl.multiple_of(tl.load(row + 1), DST_ALIGN)
+            so = tl.load(row) * SRC_ALIGN
+            do = tl.load(row + 1) * DST_ALIGN
             co = tl.load(row + 2)
             if STREAM:
                 x = tl.load(src_ptr + so + offs_s, eviction_policy="evict_first")
@@ -221,8 +222,9 @@ class PersistProgram:
             base = items[0][0]
             es, ed = base[0].element_size(), base[1].element_size()
             t = torch.cat([x for _, x in items])
+            # offsets in 16-byte units for the two tiles, in float32 elements for the scale
             t = (t - torch.tensor([base[0].data_ptr(), base[1].data_ptr(), base[2].data_ptr()])) // torch.tensor(
-                [es, ed, 4])
+                [16, 16, 4])
             self._groups.append((t.contiguous().to(self.device), t.shape[0], base, srs, drs, 16 // es, 16 // ed))
         for _, items in edge.items():
             base = items[0][0]

@@ -102,7 +102,7 @@ def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.c
     s = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)  # not amax * 0 + 448: inf * 0 is NaN
     s = tl.where(amax > 0.0, s, 1.0)
     xf = x.to(tl.float32)
-    if FAST_DIV and s >= 1.1754943508222875e-38 and s <= 3.4028234663852886e38:
+    if FAST_DIV and ((s >= 1.1754943508222875e-38) & (s <= 3.4028234663852886e38)):  # 2 terms: Triton's BoolOp
         # x / s correctly rounded without a division per element: r = RN(1/s) once per
         # tile, q = RN(x * r), then two Markstein corrections q += (x - q*s) * r with
         # exact fma remainders (one makes q faithful, the next correctly rounded).
