@@ -220,8 +220,8 @@ class QuantProgram:
             if src.numel():
                 groups.setdefault(src.dtype == torch.bfloat16, []).append((src, q, s, br, bc))
             self.nbytes += q.numel() + 4 * s.numel()
-        # The persistent kernel's tables (built anyway: cheap, and a benchmark may switch).
-        self.persist = PersistProgram(jobs, block, PERSIST)
+        self._persist: PersistProgram | None = None
+        self._persist_variant = PERSIST
         for is_bf16, items in groups.items():
             esize = 2 if is_bf16 else 4
             for src, q, *_ in items:
@@ -251,6 +251,13 @@ class QuantProgram:
                 self._launches.append((tiles.to(device), table.to(device), tiles.shape[0], is_bf16, flag,
                                        (src0, q0, s0)))
         self.device = device
+
+    @property
+    def persist(self) -> PersistProgram:
+        """The persistent kernel's program over the same jobs (tables built on first use)."""
+        if self._persist is None:
+            self._persist = PersistProgram(self._keep, self.block, self._persist_variant)
+        return self._persist
 
     def launch(self) -> None:
         """Issue every launch on the current stream (on CPU: Triton's interpreter)."""
@@ -297,5 +304,6 @@ def quantize_jobs(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     for tiles, table, *_ in prog._launches:
         tiles.record_stream(side)
         table.record_stream(side)
-    for table in prog.persist.tables:
-        table.record_stream(side)
+    if prog._persist is not None:
+        for table in prog._persist.tables:
+            table.record_stream(side)
