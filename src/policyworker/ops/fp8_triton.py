@@ -13,6 +13,11 @@ round-to-nearest-even to e4m3. Not covered: blocks whose float32 scale would be
 subnormal (``amax < 448 * 2**-126``, about 5e-36), where Triton's libdevice division
 may flush to zero; no weight block is that small, and the GPU test does not go there.
 
+``configure(kernel="persist")`` (or ``configure_from_string`` with a name printed by
+``benchmarks/bench_fp8_kernel.py``) makes programs launch :mod:`.fp8_persist`'s
+persistent kernel over the same jobs instead; both take a block with a NaN to
+``s = 1`` and keep the sign of zeros, as the oracle does (:mod:`.fp8_check`).
+
 Launches go on a side stream per device (after it waits for the current stream,
 and the current stream then waits for it), so the quantization overlaps other
 copies of the refit while everything issued later on the current stream still
