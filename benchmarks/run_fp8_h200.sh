@@ -18,7 +18,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 if [ "${SWEEP:-1}" = 1 ]; then
   timeout 100 python3 benchmarks/bench_fp8_kernel.py --budget-s 65 --json "$OUT/fp8_kernel_h200.json" > "$OUT/fp8_kernel_h200.log" 2>&1
   echo "kernel sweep rc=$?"
-  python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(k, v, "ms", "exact" if d["bit_exact"].get(k) else "NOT EXACT") for k,v in sorted(d["quantize_ms"].items(), key=lambda kv: kv[1])]; print(json.dumps({k: d.get(k) for k in ("flat_copy_s","kernel_at_flat_copy_rate_s","best","best_quantize_s","best_quantize_gbps","flat_copy_gbps","best_tile","best_tile_s","all_exact","errors","skipped","wall_s")}))' "$OUT/fp8_kernel_h200.json" || tail -30 "$OUT/fp8_kernel_h200.log"
+  python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(k, v, "ms", "exact" if d["bit_exact"].get(k) else "NOT EXACT") for k,v in sorted(d["quantize_ms"].items(), key=lambda kv: kv[1])]; print(json.dumps({k: d.get(k) for k in ("flat_copy_s","kernel_at_flat_copy_rate_s","best","best_quantize_s","best_quantize_gbps","flat_copy_gbps","best_tile","best_tile_s","with_bf16_copies","all_exact","errors","skipped","wall_s")}))' "$OUT/fp8_kernel_h200.json" || tail -30 "$OUT/fp8_kernel_h200.log"
   BEST=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["best"])' "$OUT/fp8_kernel_h200.json" 2>/dev/null)
 fi
 KERNEL=${KERNEL:-${BEST:-}}
