@@ -19,7 +19,10 @@ is only its parameters (the preset's shapes, allocated on the GPU and refilled f
 seeded generator per version, outside the timing); the rollout holds a full copy. The
 timed region is ``sglang_refit`` (it returns after the engine's copies finished on the
 GPU); the rollout is compared with the trainer's tensors afterwards. The ceiling is one
-flat device-to-device ``copy_`` of the same byte count, in the same process.
+flat device-to-device ``copy_`` of the same byte count, in the same process. The engine
+answers each bucket once its copies are queued (the trainer orders its repack after
+them on the device; the last bucket waits for every copy before it commits);
+``--answer-finished`` makes it answer after they finished, as SGLang does.
 
 zmq: ``policyworker.cli.zmq_bench.run_zmq_bench`` (one trainer, one rollout, same device)
 when it can be imported; its own same-run ceiling is reported beside it.
@@ -146,7 +149,7 @@ def _gpu_rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
                 at += nb
         else:
             r.params = {n: torch.zeros_like(p) for n, p in params.items()}
-        engine = InProcessSglangEngine([r])
+        engine = InProcessSglangEngine([r], answer_queued=a.get("answer_queued", True))
         rows = []
         for version in range(1, a["refits"] + 1):
             _fill_(params, version)
@@ -191,11 +194,13 @@ def _median_spans(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
 
 
 def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5,
-                   buffers: int = 2, device: str = "cuda", flat_rollout: bool = False) -> dict[str, Any]:
+                   buffers: int = 2, device: str = "cuda", flat_rollout: bool = False,
+                   answer_queued: bool = True) -> dict[str, Any]:
     from policyworker.cli.procs import free_port, run_world
 
     a = dict(preset=preset, dtype=dtype, refits=refits, bucket_bytes=bucket_bytes, port=free_port(),
-             ceiling_rounds=ceiling_rounds, buffers=buffers, device=device, flat_rollout=flat_rollout)
+             ceiling_rounds=ceiling_rounds, buffers=buffers, device=device, flat_rollout=flat_rollout,
+             answer_queued=answer_queued)
     (res,) = run_world(_gpu_rank, 1, (a,), timeout_s=600)
     rows = res["rows"]
     nbytes = rows[-1]["bytes"]
@@ -206,7 +211,7 @@ def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceil
             "device": "cuda:0" if device == "cuda" else "cpu",
             "gpu": torch.cuda.get_device_name(0) if device == "cuda" and torch.cuda.is_available() else None,
             "preset": preset, "dtype": dtype, "bytes_landed": nbytes, "bucket_bytes": bucket_bytes, "buffers": buffers,
-            "flat_rollout": flat_rollout, "buckets": rows[-1]["buckets"], "buffer_bytes_per_rank": rows[-1]["buffer_bytes"],
+            "flat_rollout": flat_rollout, "answer_queued": answer_queued, "buckets": rows[-1]["buckets"], "buffer_bytes_per_rank": rows[-1]["buffer_bytes"],
             "peak_extra_bytes": max(r["peak_extra_bytes"] for r in rows[1:] or rows),
             "first_refit_s": rows[0]["seconds"], "refits_s": steady, "gbps_median": gbps,
             "ceiling_s": res["ceiling_s"], "ceiling_gbps": ceiling, "ratio_to_ceiling": gbps / ceiling,
@@ -256,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buffers", type=int, default=2, help="sglang_ipc pipeline buffers per rank (1: no overlap)")
     p.add_argument("--flat-rollout", action="store_true",
                    help="single/cuda: the rollout's params are views of one arena (one load copy per bucket)")
+    p.add_argument("--answer-finished", action="store_true",
+                   help="single/cuda: the in-process engine answers a bucket after its copies finished "
+                        "(SGLang's behaviour) instead of once they are queued")
     p.add_argument("--single", action="store_true",
                    help="on cpu: the GPU layout (one trainer, tp=1 engine in its process) instead of 2 processes")
     p.add_argument("--json", default=None, help="also write the JSON here")
@@ -263,11 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.device == "cuda":
         bucket = (1 << 30) if ns.bucket_bytes is None else ns.bucket_bytes
         out = {"sglang_ipc": run_sglang_gpu(ns.preset, ns.dtype, ns.refits, bucket, buffers=ns.buffers,
-                                            flat_rollout=ns.flat_rollout)}
+                                            flat_rollout=ns.flat_rollout, answer_queued=not ns.answer_finished)}
     elif ns.single:
         bucket = (64 << 20) if ns.bucket_bytes is None else ns.bucket_bytes
         out = {"sglang_ipc": run_sglang_gpu(ns.preset, ns.dtype, ns.refits, bucket, buffers=ns.buffers, device="cpu",
-                                            flat_rollout=ns.flat_rollout)}
+                                            flat_rollout=ns.flat_rollout, answer_queued=not ns.answer_finished)}
     else:
         bucket = (64 << 20) if ns.bucket_bytes is None else ns.bucket_bytes
         out = {"sglang_ipc": run_sglang(ns.preset, ns.dtype, ns.refits, bucket, buffers=ns.buffers)}

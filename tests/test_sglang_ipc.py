@@ -313,3 +313,45 @@ def test_adapter_loads_bit_exact_through_cached_plans_flat_or_not(flat):
     else:
         assert copies == len(shapes)
     engine.close()
+
+
+@pytest.mark.parametrize("change", ["reshaped", "bigger"])
+def test_one_rank_refit_repacks_when_the_model_changed_under_it(change):
+    # One rank: bucket 0 is queued before the start checks. A model whose tensor changed
+    # shape (the early copy still succeeds: (256,) broadcasts into the old (1, 256) view) or
+    # size (the early copy fails) must reconnect, repack and land bit exact.
+    from policyworker import RolloutWorker, TorchPolicyWorker
+    from policyworker.sglang_engine import InProcessSglangEngine
+
+    gen = torch.Generator().manual_seed(3)
+    params = {"a": torch.randn(1, 256, generator=gen).to(torch.bfloat16)}
+    params |= {f"w{i}": torch.randn(256, generator=gen).to(torch.bfloat16) for i in range(3)}
+
+    class Trainer(TorchPolicyWorker):
+        def _named_tensors(self):
+            return params
+
+    async def main():
+        w = Trainer(torch.nn.Linear(1, 1), rank=0, world_size=1, device="cpu", timeout_s=30.0)
+        w.sglang_options = {"bucket_bytes": 1024, "buffers": 2}
+        await w.init_collective("127.0.0.1", free_port(), 1, train_world_size=1)
+        await w.connect_sglang_rollout_engines(engine_gpu_counts=[1])
+        r = RolloutWorker(rank=0, gen_world_size=1, device="cpu")
+        r.params = {n: torch.zeros_like(t) for n, t in params.items()}
+        engine = InProcessSglangEngine([r])
+        try:
+            rep = await w.sglang_refit(engine=engine, refit_timeout_s=30.0)
+            assert rep.buckets == 2 and all(torch.equal(r.weights()[n], t) for n, t in params.items())
+            new = torch.randn(256 if change == "reshaped" else 1024, generator=gen).to(torch.bfloat16)
+            params["a"] = new
+            r.params["a"] = torch.zeros_like(new)
+            rep = await w.sglang_refit(engine=engine, refit_timeout_s=30.0)
+            assert rep.buckets == (2 if change == "reshaped" else 3)
+            assert r.weight_version == 2 and not r.torn
+            assert all(torch.equal(r.weights()[n], t) for n, t in params.items())
+        finally:
+            engine.close()
+            await r.shutdown()
+            await w.shutdown()
+
+    asyncio.run(main())

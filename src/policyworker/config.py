@@ -16,6 +16,7 @@ dataclass's own ``__post_init__`` to check.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Mapping
@@ -56,6 +57,12 @@ def _check_type(value: Any, hint: Any) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=256)
+def _type_hints(cls: type) -> dict[str, Any]:
+    # Evaluated once per class: parse() runs on every refit's options.
+    return typing.get_type_hints(cls)
+
+
 def parse(cls: type[T], values: Mapping[str, Any], *, what: str) -> T:
     """``cls(**values)`` with every key and simple type checked; ``ConfigError`` otherwise.
 
@@ -68,7 +75,7 @@ def parse(cls: type[T], values: Mapping[str, Any], *, what: str) -> T:
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(f"{what}: unknown key(s) {', '.join(map(repr, unknown))}; accepted: {accepted}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     for name, value in values.items():
         hint = hints.get(name, Any)
         if not _check_type(value, hint):

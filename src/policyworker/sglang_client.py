@@ -77,10 +77,18 @@ class UpdateWeightsFromTensorRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EngineResult(msgspec.Struct, frozen=True, kw_only=True):
-    """SGLang's answer: ``success`` and ``message``."""
+    """SGLang's answer: ``success`` and ``message``.
+
+    ``reading`` is ours, in process only (never over HTTP): an engine that shares the
+    trainer's process and device may answer once its copies out of the bucket's buffer
+    are *queued*, with a ``torch.cuda.Event`` recorded after them; the buffer may then be
+    repacked by work ordered after that event on the device. None: the engine is done
+    reading (SGLang's own answer, and every answer over HTTP).
+    """
 
     success: bool
     message: str = ""
+    reading: Any = None
 
 
 @runtime_checkable

@@ -17,8 +17,14 @@ storage (a flat arena) are loaded as one byte copy; other loaders get one call p
 tensor. On CUDA the copies run on the adapter's own stream, which waits (on the
 device) for the current stream at a refit's first bucket; the answer to a bucket is
 what allows the trainer ranks to repack their buffers, so the adapter waits for an
-event after its copies (not a stream or device sync) before it answers. ``close()``
-lets go of the opened buffers (call it before the trainers exit).
+event after its copies (not a stream or device sync) before it answers — except with
+``answer_queued`` (default), when a bucket's copies all run on one device: it then
+answers once they are queued, handing the event over (``EngineResult.reading``), and
+the trainer orders its repack of that buffer after the event on the device, so no
+host waits for a load (the GPU never idles between buckets for it). The bucket that
+carries ``weight_version`` always waits (its commit needs every byte landed), as does
+a failed one. ``close()`` lets go of the opened buffers (call it before the trainers
+exit).
 
 Versions go through each worker's :class:`~policyworker.ledger.WeightLedger` — the
 one commit path: the first bucket of a refit begins it (``weights()`` refuses while
@@ -65,6 +71,8 @@ class InProcessSglangEngine:
     ``loader`` writes a received (full) tensor into a worker (default: exact copy of
     the same name; a sharding loader may narrow it to the worker's shard and then
     ``check_shapes=False``). ``require_all``: commit only when every param was received.
+    ``answer_queued``: on CUDA, answer a bucket once its copies are queued (see the module
+    docstring); False: once they finished, as SGLang does.
     """
 
     wants_serialized = False
@@ -76,6 +84,7 @@ class InProcessSglangEngine:
         loader: Loader = direct_loader,
         check_shapes: bool = True,
         require_all: bool = True,
+        answer_queued: bool = True,
     ) -> None:
         self.workers = list(workers)
         if not self.workers or not all(isinstance(w, RolloutWorker) for w in self.workers):
@@ -83,6 +92,7 @@ class InProcessSglangEngine:
         self.loader = loader
         self.check_shapes = check_shapes
         self.require_all = require_all
+        self.answer_queued = bool(answer_queued)
         self._buffers: dict[BufferHandle, torch.Tensor] = {}
         self._next_bucket = 0
         self._seen: list[set[str]] = []
@@ -133,7 +143,7 @@ class InProcessSglangEngine:
             self._used = set()
         self._used.update(request.buffers)
         try:
-            self._apply(request)
+            reading = self._apply(request)
         except (PolicyWorkerError, RuntimeError, ValueError) as exc:
             self._next_bucket = -1
             for worker in self.workers:
@@ -142,9 +152,10 @@ class InProcessSglangEngine:
             # SGLang answers (False, message) when a load fails; so do we, and the
             # transport raises it on every trainer rank of this engine.
             return EngineResult(success=False, message=f"{type(exc).__name__}: {exc}")
-        return EngineResult(success=True, message="Success")
+        return EngineResult(success=True, message="Success", reading=reading)
 
-    def _apply(self, request: UpdateWeightsFromTensorRequest) -> None:
+    def _apply(self, request: UpdateWeightsFromTensorRequest) -> torch.cuda.Event | None:
+        """Load one bucket; returns the event its queued copies end at (None: they finished)."""
         n = len(self.workers)
         if request.load_format != "flattened_bucket":
             raise ValueError(f"load_format {request.load_format!r} is not supported in process")
@@ -158,8 +169,10 @@ class InProcessSglangEngine:
         # is first seen; later refits only confirm that the same destinations are still there.
         plans = [self._plan(i, h, request) for i, h in enumerate(request.buffers)]
         tick = self._span("check", tick)
+        reading = None
         try:
             streams: dict[torch.device, torch.cuda.Stream] = {}
+            loaded = False
             try:
                 with torch.no_grad():
                     for i, plan in enumerate(plans):
@@ -178,18 +191,27 @@ class InProcessSglangEngine:
                             self._load(self.workers[i], plan)
                         self._seen[i].update(plan.names)
                         self._bytes += plan.nbytes
+                loaded = True
             finally:
                 tick = self._span("load", tick)
                 # Also after a failed load: the trainers repack the buffer once we answer.
                 # This bucket's copies only (an event on our own stream), not a stream sync.
+                events = []
                 for stream in streams.values():
                     event = torch.cuda.Event()
                     event.record(stream)
-                    event.synchronize()
+                    events.append(event)
+                if (loaded and self.answer_queued and len(events) == 1
+                        and request.weight_version is None):
+                    reading = events[0]  # the trainer waits for it on the device
+                else:
+                    for event in events:
+                        event.synchronize()
                 self._span("load_wait", tick)
             self._next_bucket += 1
             if request.weight_version is not None:
                 self._commit(request)
+            return reading
         except BaseException:
             self._next_bucket = -1  # a failed refit: only a new one (bucket 0) is accepted
             for worker in self.workers:

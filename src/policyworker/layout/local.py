@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -40,12 +41,19 @@ def as_plan(plan: Any) -> ReshardPlan:
     return out
 
 
-def is_dtensor(t: Any) -> bool:
+@functools.cache
+def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # very old torch: no DTensor, so nothing is one
-        return False
-    return isinstance(t, DTensor)
+        return None
+    return DTensor
+
+
+def is_dtensor(t: Any) -> bool:
+    # Called once per tensor on every refit: the import is looked up once, not per call.
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
 
 
 def plan_for_source(

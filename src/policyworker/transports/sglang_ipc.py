@@ -25,7 +25,8 @@ CPU tensors travel on the groups: the bulk never leaves the device.
 One refit of version v (every rank, in this order):
   0. start: all-gather (v, digest, connected); the source adds whether it has an engine
      and whether the engine wants SGLang's pickled blobs. Any rank not connected (or a
-     changed model) makes every rank run ``connect`` again, so collectives stay paired;
+     changed model) makes every rank run ``connect`` again, so collectives stay paired.
+     The digest is hashed again only when a tensor object, shape or dtype changed;
   per bucket k, into buffer ``k % buffers`` (``buffers`` = 2 by default):
   1. pack k into its buffer (copies into views built once at connect) — on the GPU an
      asynchronous copy on the refit's stream, recorded by an event; the engine may
@@ -46,6 +47,14 @@ One refit of version v (every rank, in this order):
      thread while this one packs k+1. No bucket is sent after a refused one.
   After the last bucket: its answer and a last round as in 3.
   An engine group of one rank (tp=1) makes no collective call at all.
+
+An engine in this process may answer a bucket with its copies only queued, handing
+over a CUDA event (``EngineResult.reading``; the in-process adapter does). In a
+one-rank group the repack of that buffer then waits for the event on the device
+(``Stream.wait_event``), so no host waits for a load and the GPU always has the next
+load queued while the host packs; with more ranks the source waits for the event
+before the round that acknowledges the bucket (the other ranks repack after it).
+Events still pending when a refit fails are waited for before it returns.
 """
 
 from __future__ import annotations
@@ -370,11 +379,13 @@ class SglangIpcTransport(Transport):
                 ctx.deadline.check()  # a fired deadline is a RefitTimeout
             raise
 
-    def _start(self, ctx: TransportContext, version: int, deadline: float) -> bool:
-        """The start round; returns whether the engine wants blobs (raises on disagreement)."""
+    def _start(self, ctx: TransportContext, version: int, deadline: float, settle: Any = None) -> tuple[bool, bool]:
+        """The start round; returns (the engine wants blobs, connected again); raises on disagreement.
+        ``settle``: a CUDA event of copies already queued into the buffers, waited for before a
+        reconnect may let go of them."""
         state, group = ctx.state, ctx.state["group"]
         engine = ctx.option("engine")
-        digest = manifest_digest(ctx.params)
+        digest = _digest(state, ctx.params)
         connected = state.get("connected_group") is group and state.get("digest") == digest
         mine = torch.tensor([version, digest, int(connected), int(engine is not None),
                              int(bool(getattr(engine, "wants_serialized", True)))], dtype=torch.int64)
@@ -390,34 +401,46 @@ class SglangIpcTransport(Transport):
         if not rows[0][3]:
             raise ConfigError(f"the gather source (trainer rank {state.get('gather_src')}) of engine "
                               f"{state.get('engine_index')} was given no engine", rank=ctx.rank, transport=NAME)
-        if not all(r[2] for r in rows) or any(r[1] != rows[0][1] for r in rows):
+        again = not all(r[2] for r in rows) or any(r[1] != rows[0][1] for r in rows)
+        if again:
+            if settle is not None:
+                settle.synchronize()
             self._connect(ctx)  # every rank takes this branch: the rows are the same everywhere
-        return bool(rows[0][4])
+        return bool(rows[0][4]), again
 
     def _refit_body(self, ctx: TransportContext, version: int) -> RefitReport:
         t0 = time.perf_counter()
         spans = Spans()
         state, group = ctx.state, ctx.state["group"]
         deadline = self._deadline(ctx)
-        wants_blobs = self._start(ctx, version, deadline)
+        early = None
+        if group.world_size == 1 and state.get("connected_group") is group and state.get("buckets"):
+            # One rank: nothing to agree on before the first copy, so bucket 0 is queued before
+            # the start checks (their host time would leave the GPU idle). Its copies write only
+            # this rank's buffer: a changed model costs a repack, never a wrong byte sent.
+            early = self._pack(ctx, 0, 0, self._pack_stream(state), [None])
+        wants_blobs, again = self._start(ctx, version, deadline, settle=None if early is None else early[0])
+        if early is not None and (again or early[1] is not None):
+            if early[0] is not None:
+                early[0].synchronize()
+            early = None  # packed again below, into the buffers of the new connect
         spans.mark("start")
-        buckets, bufs, views = state["buckets"], state["buffers"], state["pack_views"]
+        buckets, bufs = state["buckets"], state["buffers"]
         is_src = group.rank == 0
         cuda = bufs[0].device.type == "cuda"
         stream = None
         if cuda:
-            # Packing runs on the transport's own stream, after whatever the trainer queued
-            # on its stream (the weights are final there), so it can overlap the engine's
-            # load of the previous bucket instead of queueing behind it.
-            stream = state.get("stream")
-            if stream is None or stream.device != bufs[0].device:
-                stream = state["stream"] = torch.cuda.Stream(bufs[0].device)
-            stream.wait_stream(torch.cuda.current_stream(bufs[0].device))
+            stream = state["stream"] if early is not None else self._pack_stream(state)
         # On the GPU the pack is asynchronous: bucket k+1's copies are queued before the
         # engine is called for bucket k, on this thread, and the two overlap on the device.
         # On the CPU the pack is this thread's own work, so the engine call goes to a helper.
         inline = cuda
         pending: Any = None  # the engine call of the previous bucket: a Future, or a deferred call (inline)
+        # An in-process engine on this device may answer with its copies only queued
+        # (EngineResult.reading). With no other rank to tell, the repack of that slot waits
+        # for them on the device and no host waits for a load; otherwise the host waits.
+        reading: list[Any] = [None] * len(bufs)
+        device_acks = cuda and group.world_size == 1
         total = 0
         try:
             for layout in buckets:
@@ -426,27 +449,20 @@ class SglangIpcTransport(Transport):
                 payload, failure, done = b"", None, None
                 if len(bufs) == 1 and k > 0:
                     # One buffer: the engine must have answered for bucket k-1 before it is repacked.
-                    answer, pending = self._answer(pending, deadline), None
+                    answer, pending = self._take(pending, deadline, reading, k - 1, device_acks), None
                     spans.mark("engine")
                     self._round(ctx, version, k - 1, False, 0, answer, deadline)
                     spans.mark("round")
-                try:
-                    names, dsts = views[slot][k]
-                    if cuda:
-                        with torch.cuda.stream(stream):
-                            copy_tensors(dsts, [ctx.params[n] for n in names])
-                        done = torch.cuda.Event()
-                        done.record(stream)
-                    else:
-                        copy_tensors(dsts, [ctx.params[n] for n in names])
-                except (RuntimeError, ValueError, KeyError, PolicyWorkerError) as exc:
-                    failure = exc
+                if k == 0 and early is not None:
+                    done, failure = early
+                else:
+                    done, failure = self._pack(ctx, k, slot, stream, reading)
                 spans.mark("pack")
                 answer = (0, "")
                 if len(bufs) > 1 and k > 0:
                     # Bucket k's slot was bucket k-2's, answered a round ago; k-1 is answered
                     # now, after k was packed, so the pack overlapped the engine's load of k-1.
-                    answer, pending = self._answer(pending, deadline), None
+                    answer, pending = self._take(pending, deadline, reading, k - 1, device_acks), None
                     spans.mark("engine")
                 try:
                     if done is not None:
@@ -472,7 +488,7 @@ class SglangIpcTransport(Transport):
                 spans.mark("submit")
                 total += layout.nbytes
             if buckets:
-                answer, pending = self._answer(pending, deadline), None
+                answer, pending = self._take(pending, deadline, reading, buckets[-1].index, False), None
                 spans.mark("engine")
                 self._round(ctx, version, buckets[-1].index, False, 0, answer, deadline)
                 spans.mark("round")
@@ -480,28 +496,85 @@ class SglangIpcTransport(Transport):
             if isinstance(pending, concurrent.futures.Future):
                 # An error above: let the engine call finish before the buffers are reused.
                 pending.cancel() or concurrent.futures.wait([pending], timeout=max(0.0, deadline - time.monotonic()))
+            for event in reading:
+                if event is not None:  # an error above: the engine's queued copies end before we leave
+                    event.synchronize()
         state["last_spans"] = spans.seconds
         return RefitReport(transport=NAME, role="send", version=version, bytes=total,
                            seconds=time.perf_counter() - t0, buckets=len(buckets),
                            peak_extra_bytes=int(sum(b.numel() for b in bufs)))
+
+    @staticmethod
+    def _pack_stream(state: dict) -> torch.cuda.Stream | None:
+        """The transport's copy stream (None for CPU buffers), ordered after the current stream."""
+        device = state["buffers"][0].device
+        if device.type != "cuda":
+            return None
+        # Packing runs on the transport's own stream, after whatever the trainer queued
+        # on its stream (the weights are final there), so it can overlap the engine's
+        # load of the previous bucket instead of queueing behind it.
+        stream = state.get("stream")
+        if stream is None or stream.device != device:
+            stream = state["stream"] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
+
+    @staticmethod
+    def _pack(ctx: TransportContext, k: int, slot: int, stream: Any, reading: list[Any]) -> tuple[Any, Any]:
+        """Copy bucket ``k`` into buffer ``slot`` (queued on ``stream`` on the GPU, after the
+        engine's copies out of that slot when it handed over their event).
+
+        Returns (the CUDA event after the copies, or None on the CPU; the error, or None).
+        """
+        names, dsts = ctx.state["pack_views"][slot][k]
+        done = failure = None
+        try:
+            if stream is None:
+                copy_tensors(dsts, [ctx.params[n] for n in names])
+            else:
+                with torch.cuda.stream(stream):
+                    if reading[slot] is not None:
+                        stream.wait_event(reading[slot])  # the engine's copies out of this slot
+                        reading[slot] = None
+                    try:
+                        copy_tensors(dsts, [ctx.params[n] for n in names])
+                    finally:  # also after a failed copy: what was queued ends before the buffer is let go
+                        done = torch.cuda.Event()
+                        done.record(stream)
+        except (RuntimeError, ValueError, KeyError, PolicyWorkerError) as exc:
+            failure = exc
+        return done, failure
 
     def _engine_caller(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._caller is None:
             self._caller = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="policyworker-sglang-call")
         return self._caller
 
+    @classmethod
+    def _take(cls, pending: Any, deadline: float, reading: list[Any], index: int, on_device: bool) -> tuple[int, str]:
+        """The engine's (code, message) for bucket ``index``; a handed-over CUDA event is kept
+        in ``reading`` for that bucket's slot when ``on_device``, else waited for here."""
+        code, message, event = cls._answer(pending, deadline)
+        if isinstance(event, torch.cuda.Event):
+            if on_device and not code:
+                reading[index % len(reading)] = event
+            else:
+                event.synchronize()  # bounded: device work already queued
+        return code, message
+
     @staticmethod
-    def _answer(pending: Any, deadline: float) -> tuple[int, str]:
-        """The engine's (code, message) for the previous bucket; (0, "") on ranks that call no engine."""
+    def _answer(pending: Any, deadline: float) -> tuple[int, str, Any]:
+        """The engine's (code, message, reading event) for the previous bucket; (0, "", None) on
+        ranks that call no engine."""
         if pending is None:
-            return 0, ""
+            return 0, "", None
         if not isinstance(pending, concurrent.futures.Future):
             fn, *args = pending
             return fn(*args)  # bounded: the engine gets the time left as its timeout
         try:
             return pending.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
-            return _code_of(RefitTimeout("x")), "the engine did not answer before the deadline"
+            return _code_of(RefitTimeout("x")), "the engine did not answer before the deadline", None
 
     def _round(self, ctx: TransportContext, version: int, index: int, failed: bool, length: int,
                answer: tuple[int, str], deadline: float) -> int:
@@ -531,7 +604,7 @@ class SglangIpcTransport(Transport):
                                  transport=NAME)
         return length
 
-    def _call_engine(self, ctx, version, layout, gathered, wants_blobs, deadline) -> tuple[int, str]:
+    def _call_engine(self, ctx, version, layout, gathered, wants_blobs, deadline) -> tuple[int, str, Any]:
         from ..sglang_client import UpdateWeightsFromTensorRequest
 
         state = ctx.state
@@ -558,16 +631,35 @@ class SglangIpcTransport(Transport):
                 raise RefitTimeout("no time left for the engine call")
             result = ctx.option("engine").update_weights_from_tensor(request, timeout_s=remaining)
         except PolicyWorkerError as exc:
-            return _code_of(exc), f"{type(exc).__name__}: {exc}"
+            return _code_of(exc), f"{type(exc).__name__}: {exc}", None
+        reading = getattr(result, "reading", None)
         if not result.success:
-            return 1, f"the engine refused it: {result.message}"
-        return 0, ""
+            return 1, f"the engine refused it: {result.message}", reading
+        return 0, "", reading
 
     async def aclose(self) -> None:
         self._closed = True
         caller, self._caller = self._caller, None
         if caller is not None:
             caller.shutdown(wait=False)
+
+
+def _digest(state: dict, params) -> int:
+    """``manifest_digest(params)``, hashed again only when a tensor object, shape or dtype changed.
+
+    Every refit starts with it and the GPU idles meanwhile: hashing 400 names, shapes and
+    dtypes costs ~1 ms of host time, checking that the same tensors are there ~0.1 ms.
+    Weak references, so a replaced model is not kept alive here.
+    """
+    names = tuple(params)
+    seen = state.get("digest_of")
+    if seen is not None and seen[1] == names and all(
+            ref() is t and t.shape == shape and t.dtype == dtype
+            for t, (ref, shape, dtype) in zip(params.values(), seen[2])):
+        return seen[0]
+    digest = manifest_digest(params)
+    state["digest_of"] = (digest, names, tuple((weakref.ref(t), t.shape, t.dtype) for t in params.values()))
+    return digest
 
 
 # -- small collectives on the engine group ------------------------------------------
