@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call: sglang_ipc GPU tests, then the qwen3-8b refit into the in-process engine
 # (tp=1 on the trainer's GPU): 1 GiB buckets with 2 and 1 buffers, 256 MiB buckets, a flat
-# rollout arena (one load copy per bucket), and zmq in the first run as the reference.
+# rollout arena (one load copy per bucket), the engine answering after its copies finished
+# (--answer-finished: SGLang's behaviour, a host wait per bucket), and zmq in the first run.
 # Each run reports its same-run flat device-to-device copy ("ceiling") and per-step host spans.
 # Usage (from the repository root, wheels for pyzmq/msgspec in .whl/): bash benchmarks/run_sglang_h200.sh OUTDIR
 set -u
@@ -30,6 +31,7 @@ n = s["buckets"]
 ms = lambda v: round(v * 1e3, 3)
 print(json.dumps({
     "buffers": s["buffers"], "bucket_bytes": s["bucket_bytes"], "buckets": n, "flat_rollout": s.get("flat_rollout"),
+    "answer_queued": s.get("answer_queued"),
     "median_refit_ms": ms(statistics.median(s["refits_s"])), "first_refit_ms": ms(s["first_refit_s"]),
     "ceiling_ms": ms(statistics.median(s["ceiling_s"])), "ratio_to_ceiling": round(s["ratio_to_ceiling"], 3),
     "gbps": round(s["gbps_median"], 1), "bit_exact": s["bit_exact"], "peak_extra_bytes": s["peak_extra_bytes"],
@@ -46,3 +48,4 @@ bench sg_b2_1g 100 --buffers 2
 bench sg_b1_1g 50 --buffers 1 --no-zmq
 bench sg_b2_256m 50 --buffers 2 --bucket-bytes 268435456 --no-zmq
 bench sg_b2_1g_flat 50 --buffers 2 --flat-rollout --no-zmq
+bench sg_b2_1g_finished 50 --buffers 2 --answer-finished --no-zmq
