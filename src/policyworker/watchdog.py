@@ -99,7 +99,10 @@ class RefitWatchdog:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="policyworker-watchdog", daemon=True)
                 self._thread.start()
-            self._wake.notify()
+            if self._heap[0][2] is deadline:
+                # The timer sleeps until the earliest entry; only a new earliest one must wake
+                # it (waking it on every refit costs the refit thread a GIL hand-off).
+                self._wake.notify()
         return deadline
 
     def disarm(self, deadline: Deadline) -> bool:

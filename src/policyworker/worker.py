@@ -127,6 +127,8 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
     def _local_tensors(self, plan: ReshardPlan | None) -> dict[str, torch.Tensor]:
         """What a refit over ``plan`` (None: plan-less) moves, DTensors read as their local shards."""
         tensors = self._named_tensors() if plan is None else self._plan_tensors(plan)
+        if not any(map(is_dtensor, tensors.values())):  # runs every refit: no per-tensor branch
+            return dict(tensors)
         return {k: (v.to_local() if is_dtensor(v) else v) for k, v in tensors.items()}
 
     def _adopt_plan(self, name: str, plan: Any) -> Any:
