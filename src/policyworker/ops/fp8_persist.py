@@ -40,14 +40,35 @@ __all__ = ["PersistProgram", "PersistVariant"]
 
 
 @triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+def _max_int(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _abs_max(x):
+    """max |x| of a 2-D bf16 or float32 tile, as float32; NaN if the tile holds a NaN.
+
+    On the bit patterns with the sign cleared, in the source's width: for non-NaN
+    floats of one sign the integer order is the float order, and every NaN pattern
+    lies above inf's, so an integer max is exact and NaN-propagating with no float
+    max at all. (Not ``tl.maximum(..., propagate_nan=ALL)`` on the floats: Triton
+    3.6 promotes bf16 operands of ``tl.maximum`` to float32, and a combine function
+    returning float32 for bf16 inputs does not compile there.)"""
+    if x.dtype.primitive_bitwidth == 16:
+        bits = x.to(tl.int16, bitcast=True) & 0x7FFF
+        m = tl.reduce(tl.reduce(bits, 1, _max_int), 0, _max_int)
+        amax = m.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    else:
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        m = tl.reduce(tl.reduce(bits, 1, _max_int), 0, _max_int)
+        amax = m.to(tl.float32, bitcast=True)
+    return amax
 
 
 @triton.jit
 def _quant(x, FAST_DIV: tl.constexpr):
     """(y, s): y = RN_f32(x / s) as float32 (not yet fp8), s the tile's scale."""
-    amax = tl.reduce(tl.reduce(tl.abs(x), 1, _max_nan), 0, _max_nan).to(tl.float32)
+    amax = _abs_max(x)
     s = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)  # not amax * 0: inf * 0 is NaN
     s = tl.where(amax > 0.0, s, 1.0)  # NaN and 0 blocks: 1, as the oracle
     xf = x.to(tl.float32)

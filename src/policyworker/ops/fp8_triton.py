@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from policyworker.errors import ConfigError
-from policyworker.ops.fp8_persist import PersistProgram, PersistVariant
+from policyworker.ops.fp8_persist import PersistProgram, PersistVariant, _abs_max
 
 __all__ = ["QuantProgram", "configure", "configure_from_string", "quantize_jobs"]
 
@@ -98,9 +98,9 @@ def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.c
         mask = (rb[:, None] < n - bi * BLOCK) & (rb[None, :] < k - bj * BLOCK)
         x = tl.load(src_t + offs_s, mask=mask, other=0.0)
     # max |x| with NaN propagating (tl.max drops NaNs): a NaN block gets s = 1, as the oracle's
-    # amax > 0 test gives; narrow: in the source dtype (exact), the tile stays narrow in registers
+    # amax > 0 test gives; narrow: on the source's bits (exact), the tile stays narrow in registers
     if NARROW_AMAX:
-        amax = tl.reduce(tl.reduce(tl.abs(x), 1, _max_nan), 0, _max_nan).to(tl.float32)
+        amax = _abs_max(x)
     else:
         x = x.to(tl.float32)
         amax = tl.reduce(tl.reduce(tl.abs(x), 1, _max_nan), 0, _max_nan)
