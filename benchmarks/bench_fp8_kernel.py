@@ -116,11 +116,11 @@ def sweep() -> list[list]:
     # registers, so 2 programs per SM with 2-3 tiles each in flight).
     groups: list[list] = [
         [_tile(16, False)], [_tile(8, True)],
-        _persist_group(16, 3, False, grids=(1, 2, 3)), _persist_group(8, 1, True), _persist_group(16, 4, False, grids=(1, 2)),
+        _persist_group(16, 3, False, grids=(1, 2, 3)), _persist_group(8, 1, True, grids=(1, 2, 3, 4, 6)), _persist_group(16, 4, False, grids=(1, 2)),
         _persist_group(8, 3, False, grids=(1, 2, 3)), _persist_group(16, 1, True, grids=(1, 2)),
         _persist_group(16, 2, False, grids=(2, 3, 4)), _persist_group(8, 4, False, grids=(1, 2)),
-        _persist_group(8, 2, False), _persist_group(4, 1, True, grids=(2, 4)), _persist_group(4, 3, False, grids=(2, 4)),
-        _persist_group(16, 3, False, stream=True, grids=(1, 2)), _persist_group(8, 1, True, stream=True, grids=(2,)),
+        _persist_group(8, 2, False), _persist_group(4, 1, True, grids=(2, 4, 6, 8)), _persist_group(4, 3, False, grids=(2, 4)),
+        _persist_group(16, 3, False, stream=True, grids=(1, 2)), _persist_group(8, 1, True, stream=True, grids=(2, 4)),
         _persist_group(16, 3, False, fast=False, grids=(2,)), _persist_group(8, 1, True, fast=False, grids=(2,)),
         [_tile(16, True)], [_tile(32, False)], [_tile(16, False, stream=True)],
     ]

@@ -66,23 +66,34 @@ def _abs_max(x):
 
 
 @triton.jit
+def _div_scale(xf, s, FAST_DIV: tl.constexpr):
+    """RN_f32(xf / s) for a float32 tile and its scale, ``-0`` kept as ``-0``."""
+    if FAST_DIV and ((s >= 1.1754943508222875e-38) & (s <= 3.4028234663852886e38)):  # 2 terms: Triton's BoolOp
+        # r = RN(1/s); q0 = RN(x r); then twice q <- q - (q s - x) r, the remainder exact
+        # by fma (one step makes q faithful, the next correctly rounded). Normal s only:
+        # 1/s must not overflow (tiny tiles take the division below). The remainder is
+        # q s - x, not x - q s, so that q = -0 stays -0 (-0 + -0 = -0). Negation by
+        # multiplying by -1, never unary minus: Triton 3.6 lowers -v to 0 - v, which
+        # makes -(+0) = +0 (the zero's sign lost on the GPU, not in the interpreter).
+        nr = tl.math.div_rn(tl.zeros_like(s) - 1.0, s)  # -RN(1/s), exactly
+        sv = tl.zeros_like(xf) + s
+        nrv = tl.zeros_like(xf) + nr
+        nx = xf * -1.0
+        q = xf * (nr * -1.0)
+        q = tl.math.fma(tl.math.fma(q, sv, nx), nrv, q)
+        y = tl.math.fma(tl.math.fma(q, sv, nx), nrv, q)
+    else:
+        y = tl.math.div_rn(xf, tl.zeros_like(xf) + s)
+    return y
+
+
+@triton.jit
 def _quant(x, FAST_DIV: tl.constexpr):
     """(y, s): y = RN_f32(x / s) as float32 (not yet fp8), s the tile's scale."""
     amax = _abs_max(x)
     s = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)  # not amax * 0: inf * 0 is NaN
     s = tl.where(amax > 0.0, s, 1.0)  # NaN and 0 blocks: 1, as the oracle
-    xf = x.to(tl.float32)
-    if FAST_DIV and ((s >= 1.1754943508222875e-38) & (s <= 3.4028234663852886e38)):  # 2 terms: Triton's BoolOp
-        # r = RN(1/s); q0 = RN(x r); q <- q + (x - q s) r twice, the remainder exact by
-        # fma; computed as -(q s - x) so that q = -0 stays -0 (-0 + -0 = -0).
-        r = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
-        sv = tl.zeros_like(xf) + s
-        rv = tl.zeros_like(xf) + r
-        q = xf * rv
-        q = tl.math.fma(-tl.math.fma(q, sv, -xf), rv, q)
-        y = tl.math.fma(-tl.math.fma(q, sv, -xf), rv, q)
-    else:
-        y = tl.math.div_rn(xf, tl.zeros_like(xf) + s)
+    y = _div_scale(x.to(tl.float32), s, FAST_DIV)
     return y, s
 
 

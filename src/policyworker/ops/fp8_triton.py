@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from policyworker.errors import ConfigError
-from policyworker.ops.fp8_persist import PersistProgram, PersistVariant, _abs_max
+from policyworker.ops.fp8_persist import PersistProgram, PersistVariant, _abs_max, _div_scale
 
 __all__ = ["QuantProgram", "configure", "configure_from_string", "quantize_jobs"]
 
@@ -106,21 +106,7 @@ def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.c
         amax = tl.reduce(tl.reduce(tl.abs(x), 1, _max_nan), 0, _max_nan)
     s = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)  # not amax * 0 + 448: inf * 0 is NaN
     s = tl.where(amax > 0.0, s, 1.0)
-    xf = x.to(tl.float32)
-    if FAST_DIV and ((s >= 1.1754943508222875e-38) & (s <= 3.4028234663852886e38)):  # 2 terms: Triton's BoolOp
-        # x / s correctly rounded without a division per element: r = RN(1/s) once per
-        # tile, q = RN(x * r), then two Markstein corrections q += (x - q*s) * r with
-        # exact fma remainders (one makes q faithful, the next correctly rounded).
-        # Normal s only: 1/s must not overflow (tiny tiles take the division below).
-        r = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
-        q = xf * r
-        # The remainder negated, -(q*s - x): then q = -0 stays -0 (-0 + -0 = -0), where
-        # x - q*s would turn it into +0 (x / s keeps the sign of a zero), with no select.
-        sv, rv = s + tl.zeros_like(xf), r + tl.zeros_like(xf)
-        q = tl.math.fma(-tl.math.fma(q, sv, -xf), rv, q)
-        y = tl.math.fma(-tl.math.fma(q, sv, -xf), rv, q)
-    else:
-        y = tl.math.div_rn(xf, tl.zeros_like(xf) + s)
+    y = _div_scale(x.to(tl.float32), s, FAST_DIV)
     # NaN-propagating clamp: NaN stays NaN, as the oracle's torch.clamp
     y = tl.minimum(tl.maximum(y, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
                    propagate_nan=tl.PropagateNan.ALL)
