@@ -196,7 +196,7 @@ class PersistVariant:
     num_warps: int = 8
     stages: int = 1
     prefetch: bool = True
-    grid: int = 2
+    grid: int = 6
     fast_div: bool = True
     stream: bool = False
 

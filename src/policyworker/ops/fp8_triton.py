@@ -124,7 +124,7 @@ def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.c
 
 # Launch settings (measured on one H200, benchmarks/bench_fp8_kernel.py); `configure`
 # changes them for programs made afterwards (benchmarks compare variants).
-KERNEL = "tile"  # "tile": one program per tile (this module); "persist": ops.fp8_persist
+KERNEL = "persist"  # "tile": one program per tile (this module); "persist": ops.fp8_persist
 NUM_WARPS = 16  # per 128x128 tile: 32 elements per thread
 NARROW_AMAX = True
 STREAM = False
