@@ -18,9 +18,12 @@ Variants not started within ``--budget-s`` (compiles dominate) are listed as ski
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +55,42 @@ def _time(fn, reps: int) -> float:
     return statistics.median(out)
 
 
+def _error_text(exc: BaseException, lines: int = 20) -> str:
+    """The last ``lines`` lines of ``exc`` and its causes: a CompilationError's message
+    starts with the kernel source around the failing line and ends with what failed
+    (MLIR's own diagnostics go to stderr, i.e. the sweep's log)."""
+    parts, seen = [], set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        parts.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    text = "\n-- caused by --\n".join(parts)  # the innermost cause last: it survives the cut
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def _stderr_tail(lines: int = 12):
+    """Tee file descriptor 2 (where MLIR and ptxas print their diagnostics, below
+    Python) through a temporary file; yields a one-item list that holds its last
+    ``lines`` lines once the block ends, and copies everything on to the real stderr."""
+    out = [""]
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield out
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            text = f.read().decode(errors="replace")
+            sys.stderr.write(text)
+            out[0] = "\n".join(text.rstrip().splitlines()[-lines:])
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -77,11 +116,11 @@ def sweep() -> list[list]:
     # registers, so 2 programs per SM with 2-3 tiles each in flight).
     groups: list[list] = [
         [_tile(16, False)], [_tile(8, True)],
-        _persist_group(16, 3, False, grids=(1, 2, 3)), _persist_group(8, 1, True), _persist_group(16, 4, False, grids=(1, 2)),
+        _persist_group(16, 3, False, grids=(1, 2, 3)), _persist_group(8, 1, True, grids=(1, 2, 3, 4, 6)), _persist_group(16, 4, False, grids=(1, 2)),
         _persist_group(8, 3, False, grids=(1, 2, 3)), _persist_group(16, 1, True, grids=(1, 2)),
         _persist_group(16, 2, False, grids=(2, 3, 4)), _persist_group(8, 4, False, grids=(1, 2)),
-        _persist_group(8, 2, False), _persist_group(4, 1, True, grids=(2, 4)), _persist_group(4, 3, False, grids=(2, 4)),
-        _persist_group(16, 3, False, stream=True, grids=(1, 2)), _persist_group(8, 1, True, stream=True, grids=(2,)),
+        _persist_group(8, 2, False), _persist_group(4, 1, True, grids=(2, 4, 6, 8)), _persist_group(4, 3, False, grids=(2, 4)),
+        _persist_group(16, 3, False, stream=True, grids=(1, 2)), _persist_group(8, 1, True, stream=True, grids=(2, 4)),
         _persist_group(16, 3, False, fast=False, grids=(2,)), _persist_group(8, 1, True, fast=False, grids=(2,)),
         [_tile(16, True)], [_tile(32, False)], [_tile(16, False, stream=True)],
     ]
@@ -194,9 +233,10 @@ def main(argv: list[str] | None = None) -> int:
             dst.fill_(0x7F)  # poisoned (NaN), so a tile left unwritten shows
             scales.fill_(float("nan"))
             try:
-                variants[name] = _time(prog.run if dev.type == "cuda" else prog.launch, ns.reps)
+                with _stderr_tail() as diag:
+                    variants[name] = _time(prog.run if dev.type == "cuda" else prog.launch, ns.reps)
             except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a result row
-                errors[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                errors[name] = _error_text(exc) + ("\n-- stderr --\n" + diag[0] if diag[0] else "")
                 _sync()
                 break  # the rest of the group shares the compile
             _sync()

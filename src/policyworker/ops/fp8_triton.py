@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from policyworker.errors import ConfigError
-from policyworker.ops.fp8_persist import PersistProgram, PersistVariant
+from policyworker.ops.fp8_persist import PersistProgram, PersistVariant, _abs_max, _div_scale
 
 __all__ = ["QuantProgram", "configure", "configure_from_string", "quantize_jobs"]
 
@@ -98,29 +98,15 @@ def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.c
         mask = (rb[:, None] < n - bi * BLOCK) & (rb[None, :] < k - bj * BLOCK)
         x = tl.load(src_t + offs_s, mask=mask, other=0.0)
     # max |x| with NaN propagating (tl.max drops NaNs): a NaN block gets s = 1, as the oracle's
-    # amax > 0 test gives; narrow: in the source dtype (exact), the tile stays narrow in registers
+    # amax > 0 test gives; narrow: on the source's bits (exact), the tile stays narrow in registers
     if NARROW_AMAX:
-        amax = tl.reduce(tl.reduce(tl.abs(x), 1, _max_nan), 0, _max_nan).to(tl.float32)
+        amax = _abs_max(x)
     else:
         x = x.to(tl.float32)
         amax = tl.reduce(tl.reduce(tl.abs(x), 1, _max_nan), 0, _max_nan)
     s = tl.math.div_rn(amax, tl.zeros_like(amax) + 448.0)  # not amax * 0 + 448: inf * 0 is NaN
     s = tl.where(amax > 0.0, s, 1.0)
-    xf = x.to(tl.float32)
-    if FAST_DIV and ((s >= 1.1754943508222875e-38) & (s <= 3.4028234663852886e38)):  # 2 terms: Triton's BoolOp
-        # x / s correctly rounded without a division per element: r = RN(1/s) once per
-        # tile, q = RN(x * r), then two Markstein corrections q += (x - q*s) * r with
-        # exact fma remainders (one makes q faithful, the next correctly rounded).
-        # Normal s only: 1/s must not overflow (tiny tiles take the division below).
-        r = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
-        q = xf * r
-        # The remainder negated, -(q*s - x): then q = -0 stays -0 (-0 + -0 = -0), where
-        # x - q*s would turn it into +0 (x / s keeps the sign of a zero), with no select.
-        sv, rv = s + tl.zeros_like(xf), r + tl.zeros_like(xf)
-        q = tl.math.fma(-tl.math.fma(q, sv, -xf), rv, q)
-        y = tl.math.fma(-tl.math.fma(q, sv, -xf), rv, q)
-    else:
-        y = tl.math.div_rn(xf, tl.zeros_like(xf) + s)
+    y = _div_scale(x.to(tl.float32), s, FAST_DIV)
     # NaN-propagating clamp: NaN stays NaN, as the oracle's torch.clamp
     y = tl.minimum(tl.maximum(y, -448.0, propagate_nan=tl.PropagateNan.ALL), 448.0,
                    propagate_nan=tl.PropagateNan.ALL)
@@ -138,7 +124,7 @@ def _fp8_block_kernel(tiles_ptr, jobs_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.c
 
 # Launch settings (measured on one H200, benchmarks/bench_fp8_kernel.py); `configure`
 # changes them for programs made afterwards (benchmarks compare variants).
-KERNEL = "tile"  # "tile": one program per tile (this module); "persist": ops.fp8_persist
+KERNEL = "persist"  # "tile": one program per tile (this module); "persist": ops.fp8_persist
 NUM_WARPS = 16  # per 128x128 tile: 32 elements per thread
 NARROW_AMAX = True
 STREAM = False
