@@ -40,7 +40,7 @@ def _cmd_transports(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        from .integrations.vllm_bench import run_vllm_demo
+        from ..integrations.vllm_bench import run_vllm_demo
 
         result = run_vllm_demo(refits=args.refits)
         _write_json(args.json, result)
@@ -58,7 +58,7 @@ def _write_json(path, result) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        from .integrations.vllm_bench import run_vllm_bench
+        from ..integrations.vllm_bench import run_vllm_bench
 
         result = run_vllm_bench(preset=args.preset, train=args.vllm_train, tp=args.vllm_tp, refits=args.refits,
                                 dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20), timeout_s=args.timeout,
