@@ -15,24 +15,28 @@ worker (one per tp rank) and is driven by vLLM's four calls:
 ``start_weight_update()``
     Fetches the trainers' plan from the store the first time (bounded by the group
     timeout), checks that it delivers exactly this rank's needs, and allocates the
-    receive buffers once (staging: vLLM's live weights are untouched until commit).
+    staging once (:class:`~.vllm_stage.VllmStage`: two sets of vLLM's parameters in the
+    shape its loaders fill, checked once against those loaders; vLLM's live weights
+    are untouched until commit).
 ``update_weights({"version": v})``
-    Receives one ``nccl_reshard`` refit point to point — each vLLM rank only its own
-    boxes — and waits for every rank's verdict (the update group's star). The
-    trainers' announced version must be ``v``. Any failure raises here, and vLLM
-    keeps serving the previous weights.
+    Refuses a ``v`` not newer than the served version before a byte moves. Receives
+    one ``nccl_reshard`` refit point to point — each vLLM rank only its own boxes,
+    straight into the staging set nothing live references — and waits for every
+    rank's verdict (the update group's star). The trainers' announced version must be
+    ``v``. Any failure raises here, and vLLM keeps serving the previous weights.
 ``finish_weight_update(weight_version)``
-    Commits: hands the received boxes to vLLM's own loader (``model.load_weights``
-    under its layerwise reload, which re-runs each layer's weight post-processing —
+    Commits: runs each layer's own post-processing (``process_weights_after_loading``:
     on CPU the linear layers prepack their weights and drop the parameter, so bytes
-    written into parameters in place would not be what the kernels read). vLLM's
-    ``weight_version`` is the string the controller passes here.
+    written into parameters in place would not be what the kernels read) on a copy of
+    the layer holding the staged tensors, then swaps the copies' state into the live
+    layers. vLLM's ``weight_version`` is the string the controller passes here.
 
 Failure semantics: a refit that fails in ``update_weights`` (trainer lost, timeout,
 bad bytes) changed nothing vLLM serves; vLLM closes the session, and the controller
 starts a new one (after rebuilding the groups with ``init_weight_transfer_engine``
 when a process died). ``finish_weight_update`` without a complete refit raises and
-commits nothing. Should vLLM's loader fail halfway, the engine is *torn*: every later
+commits nothing; a failure in the post-processing (before the swap) changes nothing
+either. Should the swap itself fail halfway, the engine is *torn*: every later
 ``finish_weight_update`` without a full refit raises ``TornWeights``.
 """
 
@@ -42,7 +46,6 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,12 +58,12 @@ from vllm.distributed.weight_transfer.base import (
 
 from ..ledger import WeightLedger
 from ..errors import ConfigError, PlanMismatch, PolicyWorkerError, ProtocolError, TornWeights, translate_comm_error
-from ..layout.apply import _region
 from ..layout.plan import ReshardPlan
 from .vllm_plan import NEEDS_KEY, PLAN_KEY, Need, Needs, encode_needs
+from .vllm_stage import VllmStage
 
 __all__ = ["BACKEND", "PolicyworkerInitInfo", "PolicyworkerUpdateInfo", "PolicyworkerWeightTransferEngine",
-           "needs_from_vllm_model", "register"]
+           "Target", "needs_from_vllm_model", "register", "vllm_targets"]
 
 BACKEND = "policyworker"
 logger = logging.getLogger(__name__)
@@ -86,8 +89,12 @@ def _box(shape: tuple[int, ...], dim: int | None, start: int, size: int) -> tupl
     return tuple(lo), tuple(hi)
 
 
-def _linear_needs(module: Any, pname: str, checkpoint: list[str], base: str) -> list[Need]:
-    """Boxes of the checkpoint tensors one vLLM linear layer's parameter ``pname`` loads."""
+def _linear_needs(module: Any, pname: str, checkpoint: list[str], base: str) -> list[tuple[Need, Any]]:
+    """Boxes of the checkpoint tensors one vLLM linear layer's parameter ``pname`` loads.
+
+    Each with the ``loaded_shard_id`` vLLM's model loader passes the layer's weight
+    loader for it (``"q"``/``"k"``/``"v"``, the index of a merged member, else None).
+    """
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         MergedColumnParallelLinear,
@@ -99,27 +106,28 @@ def _linear_needs(module: Any, pname: str, checkpoint: list[str], base: str) -> 
     tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
     in_size = module.input_size
     bias = pname == "bias"
-    out: list[Need] = []
+    out: list[tuple[Need, Any]] = []
 
-    def add(name: str, rows_total: int, dim: int | None, start: int, size: int) -> None:
+    def add(name: str, rows_total: int, dim: int | None, start: int, size: int, shard: Any = None) -> None:
         shape = (rows_total,) if bias else (rows_total, in_size)
         lo, hi = _box(shape, dim, start, size)
-        out.append(Need(f"{base}{name}.{pname}", shape, lo, hi))
+        out.append((Need(f"{base}{name}.{pname}", shape, lo, hi), shard))
 
     if isinstance(module, QKVParallelLinear):
         q, k, v = checkpoint
         hs = module.head_size
         vhs = getattr(module, "v_head_size", hs)
         kv_rank = tp_rank // module.num_kv_head_replicas
-        add(q, module.total_num_heads * hs, 0, tp_rank * module.num_heads * hs, module.num_heads * hs)
-        add(k, module.total_num_kv_heads * hs, 0, kv_rank * module.num_kv_heads * hs, module.num_kv_heads * hs)
-        add(v, module.total_num_kv_heads * vhs, 0, kv_rank * module.num_kv_heads * vhs, module.num_kv_heads * vhs)
+        add(q, module.total_num_heads * hs, 0, tp_rank * module.num_heads * hs, module.num_heads * hs, "q")
+        add(k, module.total_num_kv_heads * hs, 0, kv_rank * module.num_kv_heads * hs, module.num_kv_heads * hs, "k")
+        add(v, module.total_num_kv_heads * vhs, 0, kv_rank * module.num_kv_heads * vhs, module.num_kv_heads * vhs,
+            "v")
     elif isinstance(module, MergedColumnParallelLinear):
         if len(checkpoint) != len(module.output_sizes):
             raise ConfigError(f"{base}: {len(checkpoint)} packed names for {len(module.output_sizes)} outputs")
-        for name, total in zip(checkpoint, module.output_sizes):
+        for i, (name, total) in enumerate(zip(checkpoint, module.output_sizes)):
             per = total // tp_size
-            add(name, total, 0, tp_rank * per, per)
+            add(name, total, 0, tp_rank * per, per, i)
     elif isinstance(module, ColumnParallelLinear):
         (name,) = checkpoint
         per = module.output_size_per_partition
@@ -130,7 +138,7 @@ def _linear_needs(module: Any, pname: str, checkpoint: list[str], base: str) -> 
         # The bias of a row-parallel layer is added once, after the reduction: whole.
         lo, hi = _box(shape, None if bias else 1, tp_rank * module.input_size_per_partition,
                       module.input_size_per_partition)
-        out.append(Need(f"{base}{name}.{pname}", shape, lo, hi))
+        out.append((Need(f"{base}{name}.{pname}", shape, lo, hi), None))
     elif isinstance(module, ReplicatedLinear):
         (name,) = checkpoint
         add(name, module.output_size, None, 0, 0)
@@ -140,8 +148,18 @@ def _linear_needs(module: Any, pname: str, checkpoint: list[str], base: str) -> 
     return out
 
 
-def needs_from_vllm_model(model: torch.nn.Module, *, rank: int, dtype: Any) -> Needs:
-    """What this vLLM rank loads, read off vLLM's own layers.
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one `Need` goes: parameter ``pname`` of vLLM module ``module``, via ``shard``."""
+
+    need: Need
+    module: str
+    pname: str
+    shard: Any = None
+
+
+def vllm_targets(model: torch.nn.Module) -> list[Target]:
+    """What this vLLM rank loads, read off vLLM's own layers, and where each box goes.
 
     Per parameter of ``model`` (vLLM names; tied ones once): the checkpoint tensors its
     loader reads and the box of each — fused ``qkv_proj`` / ``gate_up_proj`` split into
@@ -157,8 +175,7 @@ def needs_from_vllm_model(model: torch.nn.Module, *, rank: int, dtype: Any) -> N
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    needs: list[Need] = []
-    tp_rank = tp_size = None
+    targets: list[Target] = []
     for name, param in model.named_parameters():
         mod_name, _, pname = name.rpartition(".")
         module = model.get_submodule(mod_name)
@@ -167,25 +184,30 @@ def needs_from_vllm_model(model: torch.nn.Module, *, rank: int, dtype: Any) -> N
             raise ConfigError(f"{mod_name} is quantized ({type(module.quant_method).__name__}); the policyworker "
                               "backend moves unquantized weights only", param=name)
         if isinstance(module, LinearBase):
-            tp_rank, tp_size = getattr(module, "tp_rank", 0), getattr(module, "tp_size", 1)
             parent, _, leaf = mod_name.rpartition(".")
             base = f"{parent}." if parent else ""
-            needs += _linear_needs(module, pname, packed.get(leaf, [leaf]), base)
+            targets += [Target(need, mod_name, pname, shard)
+                        for need, shard in _linear_needs(module, pname, packed.get(leaf, [leaf]), base)]
         elif isinstance(module, VocabParallelEmbedding):
             si = module.shard_indices
             shape = (module.org_vocab_size, module.embedding_dim)
-            needs.append(Need(name, shape, (si.org_vocab_start_index, 0), (si.org_vocab_end_index, shape[1])))
+            need = Need(name, shape, (si.org_vocab_start_index, 0), (si.org_vocab_end_index, shape[1]))
+            targets.append(Target(need, mod_name, pname))
         elif isinstance(module, (RMSNorm, torch.nn.LayerNorm)):
             shape = tuple(param.shape)
-            needs.append(Need(name, shape, (0,) * len(shape), shape))
+            targets.append(Target(Need(name, shape, (0,) * len(shape), shape), mod_name, pname))
         else:
             raise ConfigError(f"vLLM layer {type(module).__name__} ({mod_name}) is not supported by the "
                               "policyworker backend yet", param=name)
+    return targets
+
+
+def needs_from_vllm_model(model: torch.nn.Module, *, rank: int, dtype: Any) -> Needs:
+    """What this vLLM rank loads (:func:`vllm_targets`' boxes), as published to the trainers."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    return Needs(rank=rank, tp_rank=get_tensor_model_parallel_rank() if tp_rank is None else tp_rank,
-                 tp_size=get_tensor_model_parallel_world_size() if tp_size is None else tp_size,
-                 dtype=str(dtype).removeprefix("torch."), needs=needs)
+    return Needs(rank=rank, tp_rank=get_tensor_model_parallel_rank(), tp_size=get_tensor_model_parallel_world_size(),
+                 dtype=str(dtype).removeprefix("torch."), needs=[t.need for t in vllm_targets(model)])
 
 
 # -- typed init / update info -------------------------------------------------------------
@@ -233,29 +255,6 @@ class PolicyworkerUpdateInfo(WeightTransferUpdateInfo):
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1:
             raise ConfigError(f"update_info.version must be an int >= 1, got {self.version!r}")
-
-
-def _reprocess_tied_layers(model: torch.nn.Module) -> None:
-    """Re-run post-processing of layers that only borrow another layer's parameter.
-
-    With tied embeddings ``lm_head`` holds ``embed_tokens.weight`` but loads nothing
-    itself, so vLLM's layerwise reload processes only the embedding; on CPU the head
-    keeps a GEMM prepacked from the *old* weight (measured: wrong tokens without this).
-    Processing it again from the new, shared weight is what a fresh load would do.
-    """
-    owners: dict[int, list[torch.nn.Module]] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(module)
-    done: set[int] = set()
-    for mods in owners.values():
-        for module in mods[1:]:
-            method = getattr(module, "quant_method", None)
-            weight = getattr(module, "weight", None)
-            if id(module) in done or method is None or weight is None or weight.numel() == 0:
-                continue
-            done.add(id(module))
-            method.process_weights_after_loading(module)
 
 
 def _typed(method: Any) -> Any:
@@ -310,7 +309,12 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
 
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
-        self.needs = needs_from_vllm_model(model, rank=self.tp_rank, dtype=vllm_config.model_config.dtype)
+        self._targets = vllm_targets(model)
+        self.needs = Needs(rank=self.tp_rank, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                           dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
+                           needs=[t.need for t in self._targets])
+        self._stage: VllmStage | None = None
+        self._prepared_for: int | None = None
         self._loop: _Loop | None = None
         self._worker: Any = None
         self._info: PolicyworkerInitInfo | None = None
@@ -393,7 +397,15 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         if set(got) != set(want) or any(got[k] != (want[k].start, want[k].stop) for k in want):
             raise PlanMismatch(f"the trainers' plan does not deliver what vLLM rank {worker.rank} loads",
                                rank=worker.rank)
-        worker.load_refit_plan(plan)
+        wire = {}
+        for local in mine.values():
+            for p in local.pieces:
+                wire[plan.params[p.param].name] = local.dtype
+        if self._stage is None or self._stage.wire_dtypes != wire:
+            stage = VllmStage(self.model, self._targets, device=self.device, wire_dtypes=wire)
+            stage.check_with_vllm_loaders()
+            self._stage = stage
+        worker.load_refit_plan(plan, params=self._stage.receive_views())
         self._plan = plan
         self._plan_loaded = True
 
@@ -423,7 +435,15 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         if not self._plan_loaded:
             raise ConfigError("call start_weight_update before update_weights")
         self._received = None
+        served = self.ledger.version
+        if update_info.version <= served:
+            # Refused before a byte moves: this version could never commit (vLLM serves
+            # `served` already), so receiving it would only waste the wire.
+            raise ConfigError(f"update_info.version {update_info.version} is not newer than the version vLLM "
+                              f"rank {worker.rank} serves ({served}); nothing received", rank=worker.rank)
         timeout = update_info.refit_timeout_s or self._info.refit_timeout_s
+        # Into the staging set that nothing live references (it alternates per commit).
+        worker.load_refit_plan(self._plan, params=self._stage.receive_views())
         report = self._call(worker.receive_nccl_reshard_refit(refit_timeout_s=timeout),
                             timeout if timeout is not None else self._info.timeout_s)
         if report.version != update_info.version:
@@ -431,45 +451,26 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
                                 f"{update_info.version}; nothing committed", rank=worker.rank)
         self._received = report.version
 
-    def _checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The received boxes as checkpoint-shaped tensors for vLLM's loaders.
-
-        A box that is the whole tensor goes as is. Otherwise the box is copied into an
-        uninitialised tensor of the full shape, and vLLM's loader reads exactly that
-        box back out (the box *is* what it reads: see `needs_from_vllm_model`); pages
-        outside the box are never touched, and the layerwise reload frees each layer's
-        tensors once that layer is processed.
-        """
-        plan = self._plan
-        params = self._worker.weights()
-        shapes = {p.name: p.shape for p in plan.params}
-        for need in self.needs.needs:
-            local = params[need.name]
-            full = tuple(shapes[need.name])
-            if tuple(local.shape) == full:
-                yield need.name, local
-                continue
-            carrier = torch.empty(full, dtype=local.dtype, device=local.device)
-            _region(carrier, need.start, need.start, need.stop).copy_(local)
-            yield need.name, carrier
-
     @_typed
     def finish_weight_update(self) -> None:
+        """Post-process the received set with vLLM's own code off the live layers, then swap.
+
+        Runs only after a complete refit whose verdict was good on every rank (else it
+        raises and commits nothing). A failure while post-processing leaves vLLM's live
+        layers untouched (version intact); only a failure in the swap itself marks torn.
+        """
         if self._received is None:
             state = "torn" if self.torn else f"version {self.committed_version}"
             raise (TornWeights if self.torn else ConfigError)(
                 f"vLLM rank {self.tp_rank}: no complete refit was received in this weight update; nothing "
                 f"committed (vLLM keeps {state})", rank=self.tp_rank)
-        from vllm.model_executor.model_loader.reload.inplace import reload_weights
-
         version, self._received = self._received, None
+        prepared = self._stage.prepare()
         self.ledger.begin(version)
         try:
-            reload_weights(self.vllm_config, self.model, weights_iterator=self._checkpoint_tensors(),
-                           weights_path=None, is_checkpoint_format=True)
-            _reprocess_tied_layers(self.model)
+            self._stage.commit(prepared)
         except BaseException:
-            self.ledger.fail(True)  # the reload writes vLLM's live parameters layer by layer
+            self.ledger.fail(True)  # some layers may already hold the new version
             raise
         self.ledger.commit(version)
 

@@ -1,0 +1,241 @@
+"""vLLM's next weights, received and post-processed off the live model, swapped in at commit.
+
+A refit into vLLM must end with vLLM's kernels reading the new weights. On CPU its
+linear layers *prepack* at load (oneDNN / sgl kernels copy the weight into their own
+layout and drop the parameter), so the bytes have to go through the layer's own
+post-processing (``quant_method.process_weights_after_loading``); elsewhere (GPU,
+norms, embeddings) the runtime reads the parameter as is. vLLM's generic layerwise
+reload does both, but per refit it also re-creates every parameter from meta tensors,
+buffers each loader call and copies every byte twice (loader in, kernel tensors back):
+measured on CPU, ~45% of its time was copies and bookkeeping, the rest the prepack.
+
+:class:`VllmStage` keeps, per vLLM parameter, **two** staging tensors of the shape vLLM
+loads (its restore metadata: the parameter before post-processing, e.g. the fused
+``qkv_proj`` of this tp rank, the padded vocabulary shard) — set A and set B:
+
+* receive: the refit's boxes land straight in views of the free set (each box is a run
+  of rows of its fused parameter: `receive_views`), so no byte is copied after the wire;
+* prepare (after every rank's verdict, before the commit): each layer is shallow-copied
+  with the free set's tensors as its parameters and vLLM's own
+  ``process_weights_after_loading`` runs on that copy — the live layer is untouched, so
+  a failure here leaves vLLM serving the previous version;
+* commit: the copy's parameters, buffers and attributes (``cpu_linear`` with its packed
+  weight, an emptied ``weight``) replace the live layer's — pointer moves, no copies.
+
+Two sets, not one: whatever vLLM's post-processing keeps of a staging tensor (a norm
+weight as is, a kernel that aliases the weight) stays live after the commit, and the
+next refit writes into the *other* set, which nothing live references any more.
+
+Where each box lands is checked once against vLLM's own weight loaders
+(:meth:`VllmStage.check_with_vllm_loaders`): random boxes go through the layer's
+``weight_loader`` (as vLLM's model loader calls it, with its shard id) into a scratch
+tensor and must equal what the views put in place, bit for bit — a layer whose loader
+places a box elsewhere is refused before any refit.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, PlanMismatch
+
+__all__ = ["Prepared", "VllmStage"]
+
+_MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
+
+
+@dataclass
+class _Slot:
+    """One live vLLM parameter (shared by tied layers): its two staging tensors."""
+
+    owners: list[tuple[torch.nn.Module, str]]
+    meta: torch.Tensor            # the parameter as vLLM loads it (meta device or live)
+    sets: tuple[torch.Tensor, torch.Tensor]
+    targets: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Prepared:
+    """One post-processed version, per layer, ready to be swapped in."""
+
+    which: int
+    layers: list[tuple[torch.nn.Module, torch.nn.Module]]
+
+
+def _loaded_form(module: torch.nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
+    """The parameter as vLLM's loaders fill it: its restore metadata, else the live one."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    info = LAYERWISE_INFO.get(module)
+    meta = info.restore_metadata[0].get(pname) if info is not None else None
+    return meta if meta is not None else live
+
+
+def _materialize(like: torch.Tensor, module: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor of ``like``'s shape with its class and loader attributes (vLLM's way)."""
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    with torch.device(device):
+        tensor = materialize_meta_tensor(like) if like.is_meta else _wrap(torch.empty_like(like), like)
+    return restore_layer_refs(tensor, module).zero_()
+
+
+def _wrap(data: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``data`` (shared storage) as a tensor of ``like``'s class with a copy of its attributes."""
+    out = data.detach().view_as(data)
+    out.__class__ = like.__class__
+    out.__dict__ = like.__dict__.copy()
+    return out
+
+
+class VllmStage:
+    """Two staging sets for a vLLM model; see the module docstring.
+
+    ``targets``: `vllm_targets(model)` (what each rank loads and where). ``dtypes``:
+    the wire dtype of each need (the trainers'); a box whose wire dtype differs from
+    vLLM's is received into its own buffer and cast into the staging view at prepare.
+    """
+
+    def __init__(self, model: torch.nn.Module, targets: Sequence[Any], *, device: torch.device,
+                 wire_dtypes: Mapping[str, str]) -> None:
+        self.model = model
+        self.wire_dtypes = dict(wire_dtypes)
+        self.live = 0  # the set that the live layers may reference; refits land in the other
+        slots: dict[int, _Slot] = {}
+        for mod_name, module in model.named_modules(remove_duplicate=False):
+            for pname, param in module._parameters.items():
+                if param is None:
+                    continue
+                slot = slots.get(id(param))
+                if slot is None:
+                    meta = _loaded_form(module, pname, param)
+                    sets = (_materialize(meta, module, device), _materialize(meta, module, device))
+                    slot = slots[id(param)] = _Slot([], meta, sets)
+                if (module, pname) not in slot.owners:
+                    slot.owners.append((module, pname))
+        self._slots = list(slots.values())
+        by_owner = self._by_owner = {(id(m), p): s for s in self._slots for m, p in s.owners}
+        for t in targets:
+            slot = by_owner.get((id(model.get_submodule(t.module)), t.pname))
+            if slot is None:
+                raise ConfigError(f"vLLM has no parameter {t.module}.{t.pname}", param=t.need.name)
+            slot.targets.append(t)
+        self._layers = list({id(m): m for s in self._slots for m, _ in s.owners}.values())
+        self._views = [self._place(k, wire_dtypes) for k in (0, 1)]
+
+    # -- where the boxes land ----------------------------------------------------------
+    def _place(self, k: int, wire_dtypes: Mapping[str, str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """{need name: (receive tensor, staging view)} of set ``k``: a fused parameter's boxes
+        are consecutive runs of its rows, in vLLM's member order (q, k, v / gate, up)."""
+        out = {}
+        for slot in self._slots:
+            stage, row = slot.sets[k], 0
+            for t in slot.targets:
+                shape = tuple(b - a for a, b in zip(t.need.start, t.need.stop))
+                if len(shape) != stage.dim() or tuple(shape[1:]) != tuple(stage.shape[1:]) \
+                        or row + shape[0] > stage.shape[0]:
+                    raise ConfigError(f"{t.need.name}'s box {list(shape)} does not fit vLLM's "
+                                      f"{t.module}.{t.pname} {list(stage.shape)}", param=t.need.name)
+                view = stage.narrow(0, row, shape[0])
+                row += shape[0]
+                wire = wire_dtypes.get(t.need.name, str(stage.dtype).removeprefix("torch."))
+                recv = view if wire == str(stage.dtype).removeprefix("torch.") else \
+                    torch.zeros(shape, dtype=getattr(torch, wire), device=stage.device)
+                out[t.need.name] = (recv, view)
+        return out
+
+    def receive_views(self) -> dict[str, torch.Tensor]:
+        """The receive destinations of the next refit (in the set nothing live references)."""
+        return {name: recv for name, (recv, _view) in self._views[1 - self.live].items()}
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of both staging sets (plus cast buffers): the memory this costs."""
+        sets = sum(2 * s.sets[0].numel() * s.sets[0].element_size() for s in self._slots)
+        casts = sum(r.numel() * r.element_size() for v in self._views for r, view in v.values() if r is not view)
+        return sets + casts
+
+    def check_with_vllm_loaders(self, seed: int = 0) -> None:
+        """Random boxes through vLLM's weight loaders must land where the views put them.
+
+        Runs on both sets (zeroed again afterwards), one parameter at a time; the
+        live model is not touched. ``PlanMismatch`` names the first parameter that differs.
+        """
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        gen = torch.Generator().manual_seed(seed)
+        for slot in self._slots:
+            module = slot.owners[0][0]
+            scratch = _materialize(slot.meta, module, slot.sets[0].device)
+            loader = getattr(scratch, "weight_loader", default_weight_loader)
+            for t in slot.targets:
+                shape = tuple(b - a for a, b in zip(t.need.start, t.need.stop))
+                box = torch.randn(shape, generator=gen).to(scratch.dtype)
+                carrier = torch.zeros(t.need.shape, dtype=scratch.dtype, device=scratch.device)
+                carrier[tuple(slice(a, b) for a, b in zip(t.need.start, t.need.stop))] = box
+                with torch.no_grad():
+                    loader(scratch, carrier) if t.shard is None else loader(scratch, carrier, t.shard)
+                for k in (0, 1):
+                    self._views[k][t.need.name][1].copy_(box)
+            for stage in slot.sets:
+                same = torch.equal(stage, scratch)
+                stage.zero_()
+                if not same:
+                    name = slot.targets[0].need.name if slot.targets else "?"
+                    raise PlanMismatch(f"vLLM's loader places {name} (and its fused members) elsewhere than the "
+                                       "policyworker backend receives it; this layer is not supported")
+
+    # -- prepare and commit --------------------------------------------------------------
+    def prepare(self) -> Prepared:
+        """Post-process the received set with vLLM's own code, on copies of the layers."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        k = 1 - self.live
+        with torch.no_grad():
+            for _name, (recv, view) in self._views[k].items():
+                if recv is not view:
+                    view.copy_(recv)  # vLLM's loaders cast the wire dtype the same way (copy_)
+        # A fresh wrapper per refit (one per parameter, so tied layers still share it):
+        # post-processing may rebind its .data (sgl: bias -> float32), never the staging.
+        fresh = {id(s): _wrap(s.sets[k], s.sets[k]) for s in self._slots}
+        layers = []
+        for module in self._layers:
+            shadow = copy.copy(module)
+            for slot_name in _MODULE_SLOTS:
+                object.__setattr__(shadow, slot_name, dict(getattr(module, slot_name)))
+            for pname, param in module._parameters.items():
+                if param is not None:
+                    shadow._parameters[pname] = fresh[id(self._by_owner[(id(module), pname)])]
+            shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
+            method = getattr(shadow, "quant_method", None)
+            if isinstance(method, QuantizeMethodBase):
+                with torch.no_grad():
+                    method.process_weights_after_loading(shadow)
+                if hasattr(shadow, "update_param_tp_status"):
+                    shadow.update_param_tp_status()
+            layers.append((module, shadow))
+        return Prepared(which=k, layers=layers)
+
+    def commit(self, prepared: Prepared) -> None:
+        """Swap a prepared version in (attribute moves only; call after every verdict)."""
+        for module, shadow in prepared.layers:
+            for key, value in shadow.__dict__.items():
+                if key in _MODULE_SLOTS:
+                    continue
+                if module.__dict__.get(key, _MISSING) is not value:
+                    module.__dict__[key] = value
+            for slot_name in ("_parameters", "_buffers"):
+                live, new = getattr(module, slot_name), getattr(shadow, slot_name)
+                for name, tensor in new.items():
+                    if live.get(name) is not tensor:
+                        live[name] = tensor
+        self.live = prepared.which
+
+
+_MISSING = object()
