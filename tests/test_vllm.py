@@ -69,3 +69,28 @@ def test_trainer_killed_mid_refit_then_replacement_commits(world):
     assert got == world.oracle(v + 1) and got != world.history[v]
     assert world.llm.get_weight_version() == str(v + 1)
     world.version, world.history[v + 1] = v + 1, got
+
+
+@pytest.mark.timeout(240)
+def test_version_not_newer_than_served_is_refused_before_a_byte_moves(world):
+    if world.version == 0:  # run alone: connect and commit a first version
+        world.history[0] = world.tokens()
+        world.connect(version=0)
+        assert world.refit(1)[0] is None
+        world.version, world.history[1] = 1, world.tokens()
+    v = world.version
+    # The trainers are not told to send: a refused update must not wait for their bytes.
+    for stale in (v, v - 1):
+        if stale < 1:
+            continue
+        world.llm.start_weight_update()
+        with pytest.raises(Exception, match=r"ConfigError: update_info.version .* not newer"):
+            world.llm.update_weights({"update_info": {"version": stale}})
+    assert world.tokens() == world.history[v]
+    assert world.llm.get_weight_version() == str(v)
+    # The groups are intact (nothing was posted): the next version commits.
+    error, replies = world.refit(v + 1)
+    assert error is None and [r["version"] for r in replies] == [v + 1, v + 1], replies
+    got = world.tokens()
+    assert got == world.oracle(v + 1) and got != world.history[v]
+    world.version, world.history[v + 1] = v + 1, got
