@@ -376,6 +376,13 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
                 raise
             return worker
 
+        if self._stage is None:
+            # Once per engine, before joining: both staging sets, checked against
+            # vLLM's own weight loaders (no refit pays for this; the trainers' group
+            # formation waits up to timeout_s for this rank).
+            stage = VllmStage(self.model, self._targets, device=self.device)
+            stage.check_with_vllm_loaders()
+            self._stage = stage
         self._worker = self._call(build(), 2 * init_info.timeout_s)
         self._info = init_info
         self._plan_loaded = False
@@ -401,10 +408,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         for local in mine.values():
             for p in local.pieces:
                 wire[plan.params[p.param].name] = local.dtype
-        if self._stage is None or self._stage.wire_dtypes != wire:
-            stage = VllmStage(self.model, self._targets, device=self.device, wire_dtypes=wire)
-            stage.check_with_vllm_loaders()
-            self._stage = stage
+        if self._stage.wire_dtypes != wire:
+            self._stage.set_wire_dtypes(wire)
         worker.load_refit_plan(plan, params=self._stage.receive_views())
         self._plan = plan
         self._plan_loaded = True

@@ -9,7 +9,7 @@ The bench measures, in the same run:
 * **refit**: the controller's wall time of ``start_weight_update`` → ``update_weights``
   → ``finish_weight_update`` (the trainers send concurrently); ``transfer`` is the
   ``update_weights`` part (bytes on the wire + the verdict), ``apply`` the commit
-  through vLLM's loader;
+  (each layer's own vLLM post-processing on a staged copy, then the swap);
 * **ceiling**: plain gloo sends of exactly the plan's bytes, from the same trainer
   processes to a receiver per vLLM rank (in this process), all pairs at once;
 * **checkpoint**: what users do without a sync library — trainer rank 0 saves a

@@ -97,15 +97,13 @@ def _wrap(data: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class VllmStage:
     """Two staging sets for a vLLM model; see the module docstring.
 
-    ``targets``: `vllm_targets(model)` (what each rank loads and where). ``dtypes``:
-    the wire dtype of each need (the trainers'); a box whose wire dtype differs from
-    vLLM's is received into its own buffer and cast into the staging view at prepare.
+    ``targets``: `vllm_targets(model)` (what each rank loads and where). Built once per
+    engine (it allocates both sets); :meth:`set_wire_dtypes` follows the trainers' plan.
     """
 
-    def __init__(self, model: torch.nn.Module, targets: Sequence[Any], *, device: torch.device,
-                 wire_dtypes: Mapping[str, str]) -> None:
+    def __init__(self, model: torch.nn.Module, targets: Sequence[Any], *, device: torch.device) -> None:
         self.model = model
-        self.wire_dtypes = dict(wire_dtypes)
+        self.wire_dtypes: dict[str, str] = {}
         self.live = 0  # the set that the live layers may reference; refits land in the other
         slots: dict[int, _Slot] = {}
         for mod_name, module in model.named_modules(remove_duplicate=False):
@@ -127,12 +125,13 @@ class VllmStage:
                 raise ConfigError(f"vLLM has no parameter {t.module}.{t.pname}", param=t.need.name)
             slot.targets.append(t)
         self._layers = list({id(m): m for s in self._slots for m, _ in s.owners}.values())
-        self._views = [self._place(k, wire_dtypes) for k in (0, 1)]
+        self._views = [self._place(k) for k in (0, 1)]
+        self._recv = [dict(v) for v in self._views]
 
     # -- where the boxes land ----------------------------------------------------------
-    def _place(self, k: int, wire_dtypes: Mapping[str, str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """{need name: (receive tensor, staging view)} of set ``k``: a fused parameter's boxes
-        are consecutive runs of its rows, in vLLM's member order (q, k, v / gate, up)."""
+    def _place(self, k: int) -> dict[str, torch.Tensor]:
+        """{need name: staging view} of set ``k``: a fused parameter's boxes are consecutive
+        runs of its rows, in vLLM's member order (q, k, v / gate, up)."""
         out = {}
         for slot in self._slots:
             stage, row = slot.sets[k], 0
@@ -144,21 +143,30 @@ class VllmStage:
                                       f"{t.module}.{t.pname} {list(stage.shape)}", param=t.need.name)
                 view = stage.narrow(0, row, shape[0])
                 row += shape[0]
-                wire = wire_dtypes.get(t.need.name, str(stage.dtype).removeprefix("torch."))
-                recv = view if wire == str(stage.dtype).removeprefix("torch.") else \
-                    torch.zeros(shape, dtype=getattr(torch, wire), device=stage.device)
-                out[t.need.name] = (recv, view)
+                out[t.need.name] = view
         return out
+
+    def set_wire_dtypes(self, wire_dtypes: Mapping[str, str]) -> None:
+        """The trainers' dtype per need: a box whose wire dtype is not vLLM's lands in its own
+        buffer and is cast into the staging view at prepare (as vLLM's loaders would)."""
+        self.wire_dtypes = dict(wire_dtypes)
+        for k in (0, 1):
+            for name, view in self._views[k].items():
+                wire = self.wire_dtypes.get(name, str(view.dtype).removeprefix("torch."))
+                same = wire == str(view.dtype).removeprefix("torch.")
+                self._recv[k][name] = view if same else torch.zeros(view.shape, dtype=getattr(torch, wire),
+                                                                     device=view.device)
 
     def receive_views(self) -> dict[str, torch.Tensor]:
         """The receive destinations of the next refit (in the set nothing live references)."""
-        return {name: recv for name, (recv, _view) in self._views[1 - self.live].items()}
+        return dict(self._recv[1 - self.live])
 
     @property
     def staged_bytes(self) -> int:
         """Bytes of both staging sets (plus cast buffers): the memory this costs."""
         sets = sum(2 * s.sets[0].numel() * s.sets[0].element_size() for s in self._slots)
-        casts = sum(r.numel() * r.element_size() for v in self._views for r, view in v.values() if r is not view)
+        casts = sum(r.numel() * r.element_size() for k in (0, 1) for name, r in self._recv[k].items()
+                    if r is not self._views[k][name])
         return sets + casts
 
     def check_with_vllm_loaders(self, seed: int = 0) -> None:
@@ -182,7 +190,7 @@ class VllmStage:
                 with torch.no_grad():
                     loader(scratch, carrier) if t.shard is None else loader(scratch, carrier, t.shard)
                 for k in (0, 1):
-                    self._views[k][t.need.name][1].copy_(box)
+                    self._views[k][t.need.name].copy_(box)
             for stage in slot.sets:
                 same = torch.equal(stage, scratch)
                 stage.zero_()
@@ -198,7 +206,8 @@ class VllmStage:
 
         k = 1 - self.live
         with torch.no_grad():
-            for _name, (recv, view) in self._views[k].items():
+            for name, view in self._views[k].items():
+                recv = self._recv[k][name]
                 if recv is not view:
                     view.copy_(recv)  # vLLM's loaders cast the wire dtype the same way (copy_)
         # A fresh wrapper per refit (one per parameter, so tied layers still share it):
