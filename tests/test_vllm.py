@@ -86,6 +86,10 @@ def test_version_not_newer_than_served_is_refused_before_a_byte_moves(world):
         world.llm.start_weight_update()
         with pytest.raises(Exception, match=r"ConfigError: update_info.version .* not newer"):
             world.llm.update_weights({"update_info": {"version": stale}})
+    with pytest.raises(Exception, match=r"init_info.commit must be"):
+        world.llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "update_port": 1,
+                                                              "stage_ports": [2], "trainers_per_stage": [2],
+                                                              "commit": "in-place"}})
     assert world.tokens() == world.history[v]
     assert world.llm.get_weight_version() == str(v)
     # The groups are intact (nothing was posted): the next version commits.

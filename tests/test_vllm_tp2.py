@@ -23,7 +23,9 @@ def world(tmp_path_factory):
 def test_three_refits_into_vllm_tp2_generate_like_hf(world):
     previous = world.tokens()
     assert previous == world.oracle(0)
-    replies = world.connect(version=0)
+    # Commit by copying into vLLM's live tensors (the CUDA-graph / compiled-model way);
+    # test_vllm.py covers the default (swap) on this eager CPU engine.
+    replies = world.connect(version=0, commit="copy")
     assert all(r["ok"] for r in replies), replies
     for version in (1, 2, 3):
         error, replies = world.refit(version)

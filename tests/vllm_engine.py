@@ -44,9 +44,11 @@ class VllmWorld:
     def oracle(self, version: int) -> list[list[int]]:
         return greedy_tokens(hf_model(self.spec, version), PROMPTS, MAX_TOKENS)
 
-    def connect(self, version: int) -> list[dict[str, Any]]:
-        """Every trainer and the engine join fresh groups (also the recovery path)."""
-        info = self.pool.connect(gen_world_size=self.tp, version=version)
+    def connect(self, version: int, **init: Any) -> list[dict[str, Any]]:
+        """Every trainer and the engine join fresh groups (also the recovery path).
+
+        ``init``: more ``init_info`` keys for the engine."""
+        info = {**self.pool.connect(gen_world_size=self.tp, version=version), **init}
         self.llm.init_weight_transfer_engine({"init_info": info})
         return self.pool.replies(self.spec.timeout_s)
 

@@ -232,8 +232,14 @@ class PolicyworkerInitInfo(WeightTransferInitInfo):
     timeout_s: float = 120.0
     refit_timeout_s: float | None = 120.0
     reshard_options: dict[str, Any] = field(default_factory=dict)
+    #: How the commit puts the post-processed state in place: ``"swap"`` installs it
+    #: (no copies), ``"copy"`` copies into live tensors of unchanged shape (what CUDA
+    #: graphs and compiled models need), ``"auto"``: swap only for eager models on CPU.
+    commit: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.commit not in ("auto", "swap", "copy"):
+            raise ConfigError(f"init_info.commit must be 'auto', 'swap' or 'copy', got {self.commit!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError(f"init_info.host must be a non-empty string, got {self.host!r}")
         n = len(self.stage_ports)
@@ -383,10 +389,19 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             stage = VllmStage(self.model, self._targets, device=self.device)
             stage.check_with_vllm_loaders()
             self._stage = stage
+        self._stage.copy_into_live = self._copy_into_live(init_info.commit)
         self._worker = self._call(build(), 2 * init_info.timeout_s)
         self._info = init_info
         self._plan_loaded = False
         self._received = None
+
+    def _copy_into_live(self, mode: str) -> bool:
+        if mode != "auto":
+            return mode == "copy"
+        from vllm.config import CompilationMode
+
+        # Captured graphs (CUDA graphs; compiled code) read the storage they saw: copy.
+        return self.device.type != "cpu" or self.vllm_config.compilation_config.mode != CompilationMode.NONE
 
     def _load_plan(self) -> None:
         worker = self._worker

@@ -20,7 +20,10 @@ loads (its restore metadata: the parameter before post-processing, e.g. the fuse
   ``process_weights_after_loading`` runs on that copy — the live layer is untouched, so
   a failure here leaves vLLM serving the previous version;
 * commit: the copy's parameters, buffers and attributes (``cpu_linear`` with its packed
-  weight, an emptied ``weight``) replace the live layer's — pointer moves, no copies.
+  weight, an emptied ``weight``) replace the live layer's — pointer moves, no copies —
+  or, with ``copy_into_live`` (CUDA graphs, compiled models: they keep reading the
+  storage they captured), a tensor of unchanged shape and dtype is copied into the live
+  storage, as vLLM's own reload does.
 
 Two sets, not one: whatever vLLM's post-processing keeps of a staging tensor (a norm
 weight as is, a kernel that aliases the weight) stays live after the commit, and the
@@ -104,6 +107,8 @@ class VllmStage:
     def __init__(self, model: torch.nn.Module, targets: Sequence[Any], *, device: torch.device) -> None:
         self.model = model
         self.wire_dtypes: dict[str, str] = {}
+        #: Commit by copying into live tensors of unchanged shape (else: install the new ones).
+        self.copy_into_live = False
         self.live = 0  # the set that the live layers may reference; refits land in the other
         slots: dict[int, _Slot] = {}
         for mod_name, module in model.named_modules(remove_duplicate=False):
@@ -242,9 +247,20 @@ class VllmStage:
             for slot_name in ("_parameters", "_buffers"):
                 live, new = getattr(module, slot_name), getattr(shadow, slot_name)
                 for name, tensor in new.items():
-                    if live.get(name) is not tensor:
+                    old = live.get(name)
+                    if old is tensor:
+                        continue
+                    if self.copy_into_live and _same_kind(old, tensor):
+                        with torch.no_grad():
+                            old.data.copy_(tensor)
+                    else:
                         live[name] = tensor
         self.live = prepared.which
 
 
 _MISSING = object()
+
+
+def _same_kind(old: torch.Tensor | None, new: torch.Tensor | None) -> bool:
+    return old is not None and new is not None and old.numel() > 0 and old.shape == new.shape \
+        and old.dtype == new.dtype and old.device == new.device
