@@ -166,14 +166,6 @@ class VllmStage:
         """The receive destinations of the next refit (in the set nothing live references)."""
         return dict(self._recv[1 - self.live])
 
-    @property
-    def staged_bytes(self) -> int:
-        """Bytes of both staging sets (plus cast buffers): the memory this costs."""
-        sets = sum(2 * s.sets[0].numel() * s.sets[0].element_size() for s in self._slots)
-        casts = sum(r.numel() * r.element_size() for k in (0, 1) for name, r in self._recv[k].items()
-                    if r is not self._views[k][name])
-        return sets + casts
-
     def check_with_vllm_loaders(self, seed: int = 0) -> None:
         """Random boxes through vLLM's weight loaders must land where the views put them.
 
