@@ -20,6 +20,7 @@ timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rA tests/test
 P=${PRESET:-qwen3-8b}; R=${REFITS:-8}
 bench() {  # name, timeout, args...
   local name=$1 limit=$2; shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi  # ONLY="a b": just those runs
   timeout "$limit" python3 benchmarks/bench_sglang_vs_zmq.py --device cuda --preset "$P" --refits "$R" "$@" \
     --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "== $name rc=$?"
