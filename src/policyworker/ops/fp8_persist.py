@@ -98,6 +98,27 @@ def _quant(x, FAST_DIV: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(ptrs, STREAM: tl.constexpr):
+    if STREAM:  # read once, never again: do not keep it in L2
+        x = tl.load(ptrs, eviction_policy="evict_first")
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _quant_store(x, dst_ptrs, sc_ptr, FAST_DIV: tl.constexpr, STREAM: tl.constexpr, Q_F32: tl.constexpr):
+    y, s = _quant(x, FAST_DIV)
+    if Q_F32:  # the interpreter's check: float32 out, torch converts (see fp8_check)
+        tl.store(dst_ptrs, y)
+    elif STREAM:
+        tl.store(dst_ptrs, y.to(tl.float8e4nv), cache_modifier=".cs")
+    else:
+        tl.store(dst_ptrs, y.to(tl.float8e4nv))
+    tl.store(sc_ptr, s)
+
+
+@triton.jit
 def _persist_kernel(tiles_ptr, ntiles, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.constexpr, SRC_RS: tl.constexpr,
                     DST_RS: tl.constexpr, SRC_ALIGN: tl.constexpr, DST_ALIGN: tl.constexpr,
                     FAST_DIV: tl.constexpr, STREAM: tl.constexpr, STAGES: tl.constexpr,
@@ -120,28 +141,15 @@ def _persist_kernel(tiles_ptr, ntiles, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.const
         so = tl.load(row) * SRC_ALIGN
         do = tl.load(row + 1) * DST_ALIGN
         co = tl.load(row + 2)
-        if STREAM:
-            x = tl.load(src_ptr + so + offs_s, eviction_policy="evict_first")
-        else:
-            x = tl.load(src_ptr + so + offs_s)
+        x = _load_tile(src_ptr + so + offs_s, STREAM)
         for t in range(pid, ntiles, nprog):
             tn = tl.minimum(t + nprog, ntiles - 1)
             row = tiles_ptr + tn.to(tl.int64) * 3
             so_n = tl.load(row) * SRC_ALIGN
             do_n = tl.load(row + 1) * DST_ALIGN
             co_n = tl.load(row + 2)
-            if STREAM:
-                x_n = tl.load(src_ptr + so_n + offs_s, eviction_policy="evict_first")
-            else:
-                x_n = tl.load(src_ptr + so_n + offs_s)
-            y, s = _quant(x, FAST_DIV)
-            if Q_F32:
-                tl.store(dst_ptr + do + offs_d, y)
-            elif STREAM:
-                tl.store(dst_ptr + do + offs_d, y.to(tl.float8e4nv), cache_modifier=".cs")
-            else:
-                tl.store(dst_ptr + do + offs_d, y.to(tl.float8e4nv))
-            tl.store(sc_ptr + co, s)
+            x_n = _load_tile(src_ptr + so_n + offs_s, STREAM)
+            _quant_store(x, dst_ptr + do + offs_d, sc_ptr + co, FAST_DIV, STREAM, Q_F32)
             x, do, co = x_n, do_n, co_n
     else:
         for t in tl.range(pid, ntiles, nprog, num_stages=STAGES):
@@ -149,18 +157,8 @@ def _persist_kernel(tiles_ptr, ntiles, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.const
             so = tl.load(row) * SRC_ALIGN
             do = tl.load(row + 1) * DST_ALIGN
             co = tl.load(row + 2)
-            if STREAM:
-                x = tl.load(src_ptr + so + offs_s, eviction_policy="evict_first")
-            else:
-                x = tl.load(src_ptr + so + offs_s)
-            y, s = _quant(x, FAST_DIV)
-            if Q_F32:
-                tl.store(dst_ptr + do + offs_d, y)
-            elif STREAM:
-                tl.store(dst_ptr + do + offs_d, y.to(tl.float8e4nv), cache_modifier=".cs")
-            else:
-                tl.store(dst_ptr + do + offs_d, y.to(tl.float8e4nv))
-            tl.store(sc_ptr + co, s)
+            x = _load_tile(src_ptr + so + offs_s, STREAM)
+            _quant_store(x, dst_ptr + do + offs_d, sc_ptr + co, FAST_DIV, STREAM, Q_F32)
 
 
 @triton.jit
