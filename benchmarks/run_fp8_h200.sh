@@ -7,13 +7,7 @@
 set -u
 OUT=${1:-out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed; using src/"
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+source benchmarks/device_env.sh
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 if [ "${SWEEP:-1}" = 1 ]; then
   timeout 100 python3 benchmarks/bench_fp8_kernel.py --budget-s 65 --json "$OUT/fp8_kernel_h200.json" > "$OUT/fp8_kernel_h200.log" 2>&1

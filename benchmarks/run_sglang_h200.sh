@@ -8,13 +8,7 @@
 set -u
 OUT=${1:-out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed; using src/"
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+source benchmarks/device_env.sh
 python3 -c 'import torch; print("torch", torch.__version__)'
 timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rA tests/test_sglang_gpu.py 2>&1 | tee "$OUT/sglang_gpu_tests.log" | tail -8
 P=${PRESET:-qwen3-8b}; R=${REFITS:-8}
