@@ -44,13 +44,18 @@ def test_three_refits_into_vllm_generate_like_hf(world):
         world.version = version
 
 
-@pytest.mark.timeout(240)
-def test_trainer_killed_mid_refit_then_replacement_commits(world):
-    if world.version == 0:  # run alone: connect and commit a first version
+def _served_at_least_v1(world) -> None:
+    """A test run alone: connect and commit a first version."""
+    if world.version == 0:
         world.history[0] = world.tokens()
         world.connect(version=0)
         assert world.refit(1)[0] is None
         world.version, world.history[1] = 1, world.tokens()
+
+
+@pytest.mark.timeout(240)
+def test_trainer_killed_mid_refit_then_replacement_commits(world):
+    _served_at_least_v1(world)
     v = world.version
     error, replies = world.refit(v + 1, die={1: 3})
     assert error is not None and "PeerLost" in str(error), error
@@ -73,11 +78,7 @@ def test_trainer_killed_mid_refit_then_replacement_commits(world):
 
 @pytest.mark.timeout(240)
 def test_version_not_newer_than_served_is_refused_before_a_byte_moves(world):
-    if world.version == 0:  # run alone: connect and commit a first version
-        world.history[0] = world.tokens()
-        world.connect(version=0)
-        assert world.refit(1)[0] is None
-        world.version, world.history[1] = 1, world.tokens()
+    _served_at_least_v1(world)
     v = world.version
     # The trainers are not told to send: a refused update must not wait for their bytes.
     for stale in (v, v - 1):
