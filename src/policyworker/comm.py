@@ -36,9 +36,12 @@ import torch.distributed as dist
 from .comm_setup import _first_line, _quiet_cpp_stderr, _rendezvous, nccl_device
 from .errors import ConfigError, PeerLost, RefitAborted, RefitTimeout, translate_comm_error
 
-__all__ = ["DEFAULT_TIMEOUT_S", "CommGroup", "group_on_store", "nccl_device", "new_group", "share_token"]
+__all__ = ["DEFAULT_TIMEOUT_S", "CommGroup", "backend_for", "group_on_store", "nccl_device", "new_group", "share_token"]
 
 DEFAULT_TIMEOUT_S = 120.0
+
+# The barrier's point-to-point tag (gloo); other p2p tags of ours stay below 1 << 21.
+_TAG_BARRIER = 1 << 21
 
 # Poll backoff for work handles: start tight (small messages finish in microseconds),
 # grow to 1 ms so a long transfer does not burn a core spinning.
@@ -62,6 +65,17 @@ def _check_rank(rank: int, world_size: int) -> None:
         raise ConfigError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside [0, {world_size})")
+
+
+def _failed(exc: BaseException | None) -> Future:
+    """An already finished work: failed with ``exc`` (a peer gone at issue), or done."""
+    future: Future = Future()
+    future.set_running_or_notify_cancel()
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+    return future
 
 
 class _Waiter:
@@ -206,7 +220,7 @@ class CommGroup:
         """
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
-        if self.backend == "nccl":
+        if self.backend == "nccl" and not isinstance(work, Future):
             self._poll(work, deadline, what)
             return
         future = work if isinstance(work, Future) else self._completion(work)
@@ -275,42 +289,117 @@ class CommGroup:
                   what="all_gather")
 
     def barrier(self, *, deadline: float | None = None) -> None:
-        # A tiny all_reduce instead of pg.barrier(): the same on every backend, and abortable.
-        self.all_reduce(torch.zeros(1, dtype=torch.int32, device=self.device), deadline=deadline)
+        """No rank returns before every rank called it. Abortable, bounded.
+
+        NCCL: a tiny all_reduce (one kernel). gloo: a star — every rank → rank 0, then
+        rank 0 → every rank, all messages of a hop posted at once — because gloo's
+        all_reduce is a chain of 2·(n-1) dependent hops that lets ranks out up to
+        milliseconds apart on a busy host, and a barrier is a start line.
+        """
+        if self.backend == "nccl" or self.world_size == 1:
+            self.all_reduce(torch.zeros(1, dtype=torch.int32, device=self.device), deadline=deadline)
+            return
+        token = torch.zeros(1, dtype=torch.int32)
+        if self.rank == 0:
+            peers = range(1, self.world_size)
+            inboxes = [torch.zeros(1, dtype=torch.int32) for _ in peers]
+            self.wait_all(self.batch_isend_irecv([("recv", t, p) for t, p in zip(inboxes, peers)], _TAG_BARRIER),
+                          deadline=deadline, what="barrier")
+            self.wait_all(self.batch_isend_irecv([("send", token, p) for p in peers], _TAG_BARRIER),
+                          deadline=deadline, what="barrier")
+        else:
+            works = self.batch_isend_irecv([("send", token, 0), ("recv", torch.zeros(1, dtype=torch.int32), 0)],
+                                           _TAG_BARRIER)
+            self.wait_all(works, deadline=deadline, what="barrier")
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
-        """Start a point-to-point send; complete it with :meth:`wait`."""
+        """Start a point-to-point send; complete it with :meth:`wait`.
+
+        NCCL: a batch of one (:meth:`batch_isend_irecv`), so it runs on the group's own
+        communicator; a lone NCCL send would create a 2-rank communicator per pair.
+        """
+        if self.backend == "nccl":
+            return self.batch_isend_irecv([("send", tensor, dst)], tag)[0]
         return self._track(self._issue(self.pg.send, [tensor], dst, tag, what="send"))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0):
-        """Start a point-to-point receive; complete it with :meth:`wait`."""
+        """Start a point-to-point receive; complete it with :meth:`wait` (NCCL: as :meth:`isend`)."""
+        if self.backend == "nccl":
+            return self.batch_isend_irecv([("recv", tensor, src)], tag)[0]
         return self._track(self._issue(self.pg.recv, [tensor], src, tag, what="recv"))
 
-    def batch_isend_irecv(self, ops: Sequence[tuple[str, torch.Tensor, int]], tag: int = 0) -> list:
-        """Start several point-to-point ops at once: ``("send" | "recv", tensor, peer)``.
+    def batch_isend_irecv(self, ops: Sequence[tuple], tag: int = 0) -> list:
+        """Start several point-to-point ops at once: ``("send" | "recv", tensor, peer[, tag])``.
 
-        NCCL: one coalesced group call on the group's own (eagerly initialized)
-        communicator — no lazy 2-rank communicator per pair created inside an issue
-        call that an abort cannot reach. gloo: the ops one by one. Complete the
-        returned works with :meth:`wait_all`.
+        Returns one work per op, in order; complete them with :meth:`wait`. NCCL: one
+        coalesced group call on the group's own communicator, created eagerly when the
+        group formed (no lazy 2-rank communicator per pair inside an issue call that an
+        abort cannot reach); every op's work is then the batch's one work (they finish
+        together). gloo: the ops one by one, each handed to the waiter thread at once.
+
+        A peer that is already gone does not raise here: its op's work is a future that
+        fails with ``PeerLost`` when waited on, like a peer lost mid-transfer — so a
+        caller keeps one path for both. An aborted or closed group raises
+        ``RefitAborted`` at once.
         """
-        if self.backend != "nccl":
-            return [self.isend(t, peer, tag) if kind == "send" else self.irecv(t, peer, tag) for kind, t, peer in ops]
         self._guard()
+        if self.backend != "nccl":
+            works = []
+            for kind, t, peer, *own in ops:
+                op = self.pg.send if kind == "send" else self.pg.recv
+                try:
+                    works.append(self._track(self._issue(op, [t], peer, own[0] if own else tag, what=kind)))
+                except PeerLost as exc:
+                    works.append(_failed(exc))
+            return works
         torch.cuda.set_device(self.device)
         pg = self.pg
         try:
             # On the backend object (our pg) the coalescing calls take no device: the
             # group's own device was set above (checked on an H200, torch 2.11).
             pg._start_coalescing()
-            for kind, t, peer in ops:
-                (pg.send if kind == "send" else pg.recv)([t], peer, tag)
+            for kind, t, peer, *own in ops:
+                (pg.send if kind == "send" else pg.recv)([t], peer, own[0] if own else tag)
             work = pg._end_coalescing()
         except Exception as exc:  # torch raises RuntimeError/DistBackendError subclasses
             if self._aborted.is_set():
                 raise RefitAborted(f"batch p2p on group {self.name!r} was aborted", rank=self.rank) from exc
-            raise translate_comm_error(exc, rank=self.rank, what=f"batch p2p on group {self.name!r}") from exc
-        return [] if work is None else [work]
+            err = translate_comm_error(exc, rank=self.rank, what=f"batch p2p on group {self.name!r}")
+            if not isinstance(err, PeerLost):
+                raise err from exc
+            work = _failed(err)
+        if work is None:  # nothing to do (no ops): an already finished work
+            work = _failed(None)
+        return [work] * len(ops)
+
+    def read(self, tensor: torch.Tensor, *, deadline: float | None = None, what: str = "read") -> torch.Tensor:
+        """``tensor`` on the host, once the work that filled it (waited on) landed.
+
+        CPU: the tensor itself. CUDA: a copy into pinned memory on the current stream,
+        waited for by polling one event against the abort flag and the deadline — no
+        device-wide (or blocking stream) synchronize inside a refit's window.
+        """
+        if tensor.device.type != "cuda":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensor.device))
+        self.wait_event(event, deadline=deadline, what=what)
+        return host
+
+    def wait_event(self, event, *, deadline: float | None = None, what: str = "GPU work") -> None:
+        """Poll a CUDA event until it completed; ``RefitAborted`` / ``RefitTimeout`` otherwise."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
+        pause = _POLL_MIN_S
+        while not event.query():
+            if self._aborted.is_set():
+                raise RefitAborted(f"{what} on group {self.name!r} was aborted", rank=self.rank)
+            if time.monotonic() >= deadline:
+                raise RefitTimeout(f"{what} on group {self.name!r} did not finish in time", rank=self.rank)
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
 
     def _issue(self, op, *args, what: str):
         """Start ``op``; a backend error at issue time (gloo raises there when a pair is
@@ -335,6 +424,19 @@ class CommGroup:
         return f"CommGroup({self.name!r}, rank={self.rank}/{self.world_size}, {self.backend}, {state})"
 
 
+def backend_for(device: torch.device | int | str | None) -> str:
+    """The backend of a worker's groups: nccl on a CUDA device, gloo on the CPU."""
+    if device is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if isinstance(device, int) and not isinstance(device, bool):
+        return "nccl"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"not a device: {device!r}") from exc
+    return "nccl" if kind == "cuda" else "gloo"
+
+
 def new_group(
     *,
     host: str,
@@ -349,9 +451,10 @@ def new_group(
 ) -> CommGroup:
     """Build an independent group; rank 0 hosts the store at ``(host, port)``.
 
-    ``device`` (NCCL): the worker's own GPU; default the calling thread's current one.
-
-    ``backend`` defaults to nccl when CUDA is available, else gloo. With ``verify`` a
+    ``device``: the worker's own device (pass it: an NCCL group then lives on that GPU,
+    never on whichever device is current on the calling thread). ``backend`` defaults
+    to :func:`backend_for` ``(device)``: nccl for a CUDA device, gloo for a CPU one, and
+    without a device nccl when CUDA is available, else gloo. With ``verify`` a
     warm-up runs: rank 0 broadcasts (magic, world_size, nonce); every rank checks the
     world size matches its own and all-reduces its verdict, so every rank knows every
     rank agreed. Raises ``ConfigError`` (bad arguments, port in use, disagreement) or
@@ -364,7 +467,7 @@ def new_group(
     if not isinstance(host, str) or not host:
         raise ConfigError(f"host must be a non-empty string, got {host!r}")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend_for(device)
     if backend not in ("gloo", "nccl"):
         raise ConfigError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     timeout = _dt.timedelta(seconds=timeout_s)
@@ -410,18 +513,7 @@ def group_on_store(
         if backend == "gloo":
             pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         else:
-            dev = nccl_device(device)
-            torch.cuda.set_device(dev)
-            # A stuck collective is ours to end (deadline → abort → RefitTimeout): NCCL's
-            # watchdog only cleans up (2 = CleanUpOnly), never tears the process down, and
-            # its own timeout lies past every deadline of ours.
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = _dt.timedelta(seconds=2 * timeout_s + 60)
-            pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
-            eager = getattr(pg, "eager_connect_single_device", None)
-            if eager is not None:
-                eager(dev)  # the communicator now, bound to our device; not lazily inside a send
+            pg = _nccl_backend(store, rank, world_size, nccl_device(device), timeout_s)
     except Exception as exc:  # torch raises RuntimeError / DistError with backend text
         raise translate_comm_error(exc, rank=rank, transport=transport, what=f"creating group {name!r}") from exc
     group = CommGroup(pg, store, rank=rank, world_size=world_size, backend=backend, name=name,
@@ -434,6 +526,39 @@ def group_on_store(
             group.close()
             raise
     return group
+
+
+_ENV_LOCK = threading.Lock()
+
+
+def _nccl_backend(store: dist.Store, rank: int, world_size: int, dev: torch.device, timeout_s: float):
+    """A ProcessGroupNCCL bound to ``dev`` whose communicator exists before this returns.
+
+    ``eager_connect_single_device(dev)`` is what ``init_process_group(device_id=dev)``
+    does: the group's one communicator is created here, on our device, and every
+    point-to-point op (batched, see :meth:`CommGroup.batch_isend_irecv`) runs on it.
+
+    A stuck op is ours to end (deadline → ``abort()`` → ``RefitTimeout``). NCCL reads
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` once per group, at construction: ours is built
+    with 2 (CleanUpOnly: its watchdog may abort the communicator, never the process),
+    whatever the process's setting, which is restored at once for the user's own
+    groups. NCCL's own timeout lies past every deadline of ours.
+    """
+    torch.cuda.set_device(dev)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = _dt.timedelta(seconds=2 * timeout_s + 60)
+    with _ENV_LOCK:
+        before = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        try:
+            pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        finally:
+            if before is None:
+                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+            else:
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = before
+    pg.eager_connect_single_device(dev)
+    return pg
 
 
 _MAGIC = 0x50574B31  # "PWK1"

@@ -202,7 +202,7 @@ class WorkerCore(DeviceQueries):
         elif old is not None:  # the executor is still inside it: leave it aborted, never close under it
             self._leaked.append(old)
         group = await self._run(new_group, host=ip, port=port, rank=group_rank, world_size=world_size,
-                                name="model_update", timeout_s=self.timeout_s)
+                                name="model_update", timeout_s=self.timeout_s, device=self.device)
         self._set_update_group(group)
         self.control_token = await self._run(share_token, group)
 

@@ -70,6 +70,7 @@ class RolloutWorker(WorkerCore):
         self.kv_scales: dict[str, float] | None = None
         self.params: dict[str, torch.Tensor] = dict(params or {})
         self.last_report: RefitReport | None = None
+        self._ready = None  # the last refit's ready event (CUDA), see weights()
         self.ledger = WeightLedger(rank=rank, what="rollout")
 
     reshard_options = property(lambda self: self.transport_options("nccl_reshard"),
@@ -90,8 +91,16 @@ class RolloutWorker(WorkerCore):
         return self.ledger.torn
 
     def weights(self) -> Mapping[str, torch.Tensor]:
-        """The live weights for serving; ``TornWeights`` while torn, ``RefitInProgress`` mid-refit."""
+        """The live weights for serving; ``TornWeights`` while torn, ``RefitInProgress`` mid-refit.
+
+        On CUDA the calling thread's current stream is first made to wait (on the GPU,
+        not the host) for the last refit's ready event, so kernels it queues read the
+        committed bytes.
+        """
         self.ledger.check_servable()
+        ready = self._ready
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
         return self.params
 
     # -- the road's hooks ----------------------------------------------------------------
@@ -123,6 +132,7 @@ class RolloutWorker(WorkerCore):
     def _after_refit(self, att: Attachment, ctx: TransportContext, report: RefitReport) -> None:
         self.kv_scales = ctx.state.get("kv_scales")
         self.last_report = report
+        self._ready = ctx.ready
 
     # -- collectives -----------------------------------------------------------------------
     async def init_collective(
@@ -165,7 +175,7 @@ class RolloutWorker(WorkerCore):
         for stage, (ip, port, n_train) in enumerate(zip(pp_ips, pp_ports, trainers_per_stage)):
             groups[stage] = await self._run(
                 new_group, host=ip, port=port, rank=n_train + self.rank, world_size=n_train + self.gen_world_size,
-                name=f"reshard_pp{stage}", timeout_s=self.timeout_s,
+                name=f"reshard_pp{stage}", timeout_s=self.timeout_s, device=self.device,
             )
         state["seed_groups"] = groups
 

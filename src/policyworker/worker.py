@@ -208,6 +208,7 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
             world_size=sub_world_size,
             name=f"reshard_pp{my_pp_stage}",
             timeout_s=self.timeout_s,
+            device=self.device,
         )
         state.update(seed_group=group, pp_stage=my_pp_stage, pp_size=pp_size, rank_in_group=my_rank_in_group)
 

@@ -26,6 +26,9 @@ class MutedGroup:
     def isend(self, tensor, dst: int, tag: int = 0) -> None:
         return None
 
+    def batch_isend_irecv(self, ops, tag: int = 0) -> list:
+        return [None] * len(ops)
+
     def wait(self, work, **_kw: Any) -> None:
         return None
 
@@ -43,6 +46,12 @@ class FlippingGroup:
             self._armed = False
             tensor[0] ^= 0xFF
         return self._group.isend(tensor, dst, tag)
+
+    def batch_isend_irecv(self, ops, tag: int = 0) -> list:
+        if self._armed and ops:
+            self._armed = False
+            ops[0][1][0] ^= 0xFF
+        return self._group.batch_isend_irecv(ops, tag)
 
     def wait(self, work, **kw: Any) -> None:
         self._group.wait(work, **kw)

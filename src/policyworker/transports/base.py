@@ -115,6 +115,11 @@ class TransportContext:
     #: Receiver: None = unknown (assumed touched on failure), False = live bytes intact,
     #: True = live bytes were (possibly) overwritten.
     touched: bool | None = None
+    #: Receiver on CUDA: a ``torch.cuda.Event`` recorded on the transport's stream after
+    #: its last write; the received bytes are in place once it completed. The worker
+    #: makes the stream that reads the weights wait on it (never a device synchronize).
+    #: None: the bytes were in place when the transport returned.
+    ready: Any = None
 
     async def blocking(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the refit executor thread (or a fresh thread when none is set)."""

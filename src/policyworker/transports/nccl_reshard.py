@@ -13,8 +13,10 @@ One refit, both sides:
    hash) then the transfer's buckets (``bucket_copies``: at most ``bucket_bytes``
    each). Every message has a global key ``(round, src, dst)`` — round -1 for the
    header, then the bucket index — and **both sides issue their messages in
-   increasing key order** with at most ``in_flight`` outstanding. The pending
-   message with the smallest key is then posted on both of its ends, so it
+   increasing key order** with at most ``in_flight`` outstanding, posted in
+   batches (one ``batch_isend_irecv`` per group: on NCCL one coalesced call on the
+   group's own communicator; a batch holds headers or buckets, never both). The
+   pending message with the smallest key is then posted on both of its ends, so it
    completes: no cycle of waits, whatever the layouts (the deadlock hazard of
    point-to-point schedules).
 2. Sender: a message whose single source region is contiguous goes out as a view of
@@ -23,10 +25,15 @@ One refit, both sides:
    contiguous destination region, else through its ring and ``unpack``. Copies of
    1 MiB and more travel as their own messages so that they can go direct; smaller
    ones share packed buckets. Up to ``in_flight`` messages are outstanding per rank.
-3. After the bulk, over ``model_update_group``: trainer rank 0 broadcasts the
-   ``kv_scales`` (msgpack bytes, never pickle), then every rank all-reduces its
-   verdict. A receiver commits only when every expected byte arrived and every
-   rank's verdict is good; the trainer's refit succeeds only then too.
+3. After the bulk, over ``model_update_group`` (:func:`exchange_leftovers`): every
+   rank sends its verdict to rank 0, which answers everyone with (failures,
+   version, kv-scales as msgpack bytes — never pickle — lost peers). A receiver
+   commits only when every expected byte arrived and every rank's verdict is good;
+   the trainer's refit succeeds only then too.
+
+On CUDA the refit runs on the transport's own stream; headers are read through an
+event on it (no device sync inside the window) and the consumer gets an event
+(``ctx.ready``) after which the received bytes are in place.
 
 Bytes land in place as they arrive, so a receiver that fails after the first
 bucket is *torn* (the worker marks it and refuses to serve until a full refit).
@@ -172,6 +179,33 @@ def _direct_view(plan: ReshardPlan, copies: list[Copy], tensors: Mapping[str, to
     if storage is None:
         return None
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, start - base, (end - start,), (1,))
+
+
+def _header_rows(ctx: TransportContext, version: int, checksum: bool, schedule: list[_Msg]) -> dict[int, torch.Tensor]:
+    """Every header of this refit (schedule index → row), made before the window opens.
+
+    On CUDA one pinned host tensor goes to the device in one asynchronous copy on the
+    transport's stream: a header made per message from a Python list would be a
+    pageable copy, which waits for the stream, inside the send window.
+    """
+    hash63 = plan_hash63(ctx.plan)
+    totals = ctx.state["pair_bytes"]
+    index = [i for i, m in enumerate(schedule) if m.copies is None]
+    rows = torch.tensor([[_HEADER_MAGIC, version, totals.get((schedule[i].key[1], schedule[i].key[2]), 0),
+                          schedule[i].nbytes, hash63, int(checksum)] for i in index] or [[0] * _HEADER_LEN],
+                        dtype=torch.int64)
+    dev = schedule[index[0]].group.device if index else torch.device("cpu")
+    if dev.type == "cuda":
+        rows = rows.pin_memory().to(dev, non_blocking=True)
+    return {i: rows[j] for j, i in enumerate(index)}
+
+
+def _header_inbox(ctx: TransportContext, schedule: list[_Msg]) -> dict[int, torch.Tensor]:
+    """Receive buffers of every header (schedule index → row of one tensor per device)."""
+    index = [i for i, m in enumerate(schedule) if m.copies is None]
+    dev = schedule[index[0]].group.device if index else torch.device("cpu")
+    rows = torch.zeros((max(1, len(index)), _HEADER_LEN), dtype=torch.int64, device=dev)
+    return {i: rows[j] for j, i in enumerate(index)}
 
 
 def _completed(work: Any) -> bool:
@@ -366,6 +400,36 @@ class NcclReshardTransport(Transport):
         return [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
 
     def _refit(self, ctx: TransportContext, version: int | None) -> RefitReport:
+        """One refit on the transport's own CUDA stream (CPU: no stream).
+
+        The stream first waits for the device's default stream (where training writes
+        the weights and generation reads them, unless told otherwise): GPU-side, no host
+        wait. Every pack, unpack and NCCL op of the refit is ordered on it; at the end
+        an event recorded on it goes to the consumer as ``ctx.ready`` — the bytes are
+        in place once it completes, and the rollout makes the stream that reads its
+        weights wait on it. No ``torch.cuda.synchronize`` anywhere.
+        """
+        stream = self._stream(ctx)
+        if stream is None:
+            return self._refit_body(ctx, version)
+        stream.wait_stream(torch.cuda.default_stream(stream.device))
+        with torch.cuda.stream(stream):
+            report = self._refit_body(ctx, version)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        ctx.ready = ready
+        return report
+
+    def _stream(self, ctx: TransportContext):
+        device = self._groups(ctx)[0].device
+        if device.type != "cuda":
+            return None
+        stream = ctx.state.get("stream")
+        if stream is None or stream.device != device:
+            stream = ctx.state["stream"] = torch.cuda.Stream(device)
+        return stream
+
+    def _refit_body(self, ctx: TransportContext, version: int | None) -> RefitReport:
         t0 = time.perf_counter()
         ctx.state["touched"] = False
         ctx.touched = False
@@ -413,6 +477,24 @@ class NcclReshardTransport(Transport):
             peak_extra_bytes=sum(b.numel() for b in ctx.state["ring"]),
         )
 
+    def _post(self, batch: list, kind: str, pending: deque) -> None:
+        """Post ``batch`` ((msg, tensor, slot) in key order) at once: one
+        ``batch_isend_irecv`` per group; the works join ``pending`` in key order.
+
+        A batch holds messages of one kind (headers or buckets), so on NCCL — where a
+        batch's ops finish together — a header never waits for a bucket.
+        """
+        by_group: dict[int, list] = {}
+        for entry in batch:
+            by_group.setdefault(id(entry[0].group), []).append(entry)
+        works: dict[int, Any] = {}
+        for entries in by_group.values():
+            group = entries[0][0].group
+            posted = group.batch_isend_irecv([(kind, t, m.peer, m.tag) for m, t, _ in entries])
+            works.update((id(e), w) for e, w in zip(entries, posted))
+        pending.extend((works[id(e)], *e) for e in batch)
+        batch.clear()
+
     def _send_bulk(self, ctx: TransportContext, version: int):
         """Send every scheduled message; returns (bytes, buckets, failure).
 
@@ -422,63 +504,58 @@ class NcclReshardTransport(Transport):
         """
         plan, params, ring = ctx.plan, ctx.params, ctx.state["ring"]
         deadline = self._deadline(ctx)
-        hash63 = plan_hash63(plan)
-        pending: deque = deque()  # (work, group, slot or None, dst)
+        schedule = ctx.state["schedule"]
+        headers = _header_rows(ctx, version, self.checksum, schedule)
+        pending: deque = deque()  # (work, msg, tensor, slot or None), key order
+        batch: list = []  # messages collected but not posted yet
         free = list(range(len(ring)))
         total = buckets = 0
         lost: set[int] = set()
         failure: PeerLost | None = None
-        totals = ctx.state["pair_bytes"]
 
-        def settle(entry) -> None:
+        def settle() -> None:
             nonlocal failure
-            work, group, slot, dst = entry
+            work, m, _t, slot = pending.popleft()
             try:
-                if work is not None:
-                    group.wait(work, deadline=deadline, what="reshard send")
+                m.group.wait(work, deadline=deadline, what="reshard send")
             except PeerLost as exc:
-                lost.add(dst)
+                lost.add(m.key[2])
                 failure = failure or exc
             if slot is not None:
                 free.append(slot)
 
-        def issue(m: _Msg, tensor: torch.Tensor, slot: int | None) -> None:
-            nonlocal failure
-            try:
-                work = m.group.isend(tensor, m.peer, m.tag)
-            except PeerLost as exc:
-                lost.add(m.key[2])
-                failure = failure or exc
-                work = None
-            pending.append((work, m.group, slot, m.key[2]))
-
-        for m in ctx.state["schedule"]:
+        for i, m in enumerate(schedule):
             if m.key[2] in lost:
                 continue
-            while pending and (len(pending) >= self.in_flight or (m.copies is not None and not free)):
-                settle(pending.popleft())
-            if m.copies is None:
-                header = torch.tensor(
-                    [_HEADER_MAGIC, version, totals.get((m.key[1], m.key[2]), 0), m.nbytes, hash63, int(self.checksum)],
-                    dtype=torch.int64, device=m.group.device,
-                )
-                issue(m, header, None)
+            kind = m.copies is not None
+            if batch and (kind != (batch[0][0].copies is not None) or len(pending) + len(batch) >= self.in_flight):
+                self._post(batch, "send", pending)
+            while pending and len(pending) + len(batch) >= self.in_flight:
+                settle()
+            if not kind:
+                batch.append((m, headers[i], None))
                 continue
             direct = None if self.checksum else _direct_view(plan, m.copies, params, "src")
             if direct is not None:
-                issue(m, direct, None)
+                batch.append((m, direct, None))
             else:
+                if not free:
+                    self._post(batch, "send", pending)  # what is packed already goes out first
+                    while not free:
+                        settle()
                 slot = free.pop()
                 buf = self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0))
                 end = pack(plan, m.copies, params, buf)
                 if self.checksum:
                     buf.narrow(0, end, 8).view(torch.int64).fill_(_crc(buf.narrow(0, 0, end)))
                     end += 8
-                issue(m, buf.narrow(0, 0, end), slot)
+                batch.append((m, buf.narrow(0, 0, end), slot))
             total += m.nbytes
             buckets += 1
+        if batch:
+            self._post(batch, "send", pending)
         while pending:
-            settle(pending.popleft())
+            settle()
         return total, buckets, failure
 
     def _buffer(self, ctx: TransportContext, slot: int, size: int) -> torch.Tensor:
@@ -498,7 +575,10 @@ class NcclReshardTransport(Transport):
         plan, params, ring = ctx.plan, ctx.params, ctx.state["ring"]
         deadline = self._deadline(ctx)
         hash63 = plan_hash63(plan)
-        pending: deque = deque()  # (work, msg, slot or None, tensor)
+        schedule = ctx.state["schedule"]
+        inbox = _header_inbox(ctx, schedule)
+        pending: deque = deque()  # (work, msg, tensor, slot or None), key order
+        batch: list = []
         free = list(range(len(ring)))
         total = buckets = 0
         version: int | None = None
@@ -514,7 +594,8 @@ class NcclReshardTransport(Transport):
 
         def check_header(m: _Msg, tensor: torch.Tensor) -> None:
             nonlocal version
-            magic, v, nbytes, nb, h, ck = (int(x) for x in tensor.cpu().tolist())
+            row = m.group.read(tensor, deadline=deadline, what="reading a refit header")
+            magic, v, nbytes, nb, h, ck = (int(x) for x in row.tolist())
             src = m.key[1]
             if magic != _HEADER_MAGIC:
                 raise ProtocolError(f"bad refit header from train rank {src}", rank=ctx.rank, transport=self.name)
@@ -532,18 +613,17 @@ class NcclReshardTransport(Transport):
                 raise ProtocolError(f"train ranks disagree on the version ({version} vs {v})",
                                     rank=ctx.rank, transport=self.name)
 
-        def finish(entry) -> None:
+        def finish() -> None:
             nonlocal total, buckets, failure
-            work, m, slot, tensor = entry
+            work, m, tensor, slot = pending.popleft()
             try:
-                if work is not None:
-                    m.group.wait(work, deadline=deadline, what="reshard receive")
+                m.group.wait(work, deadline=deadline, what="reshard receive")
             except PeerLost as exc:
                 lost.add(m.key[1])
                 failure = failure if isinstance(failure, PeerLost) else exc
             if slot is not None:
                 free.append(slot)
-            if failure is not None or work is None:
+            if failure is not None:
                 return  # draining: bytes are discarded
             try:
                 if m.copies is None:
@@ -568,41 +648,40 @@ class NcclReshardTransport(Transport):
             total += m.nbytes
             buckets += 1
 
-        def issue(m: _Msg, tensor: torch.Tensor, slot: int | None) -> None:
-            nonlocal failure
-            try:
-                work = m.group.irecv(tensor, m.peer, m.tag)
-            except PeerLost as exc:
-                lost.add(m.key[1])
-                failure = failure if isinstance(failure, PeerLost) else exc
-                work = None
-            pending.append((work, m, slot, tensor))
-
         try:
-            for m in ctx.state["schedule"]:
+            for i, m in enumerate(schedule):
                 if m.key[1] in lost:
                     continue
-                while pending and (len(pending) >= self.in_flight or (m.copies is not None and not free)):
-                    finish(pending.popleft())
-                if m.copies is None:
-                    issue(m, torch.zeros(_HEADER_LEN, dtype=torch.int64, device=m.group.device), None)
+                kind = m.copies is not None
+                if batch and (kind != (batch[0][0].copies is not None) or len(pending) + len(batch) >= self.in_flight):
+                    self._post(batch, "recv", pending)
+                while pending and len(pending) + len(batch) >= self.in_flight:
+                    finish()
+                if not kind:
+                    batch.append((m, inbox[i], None))
                     continue
                 direct = None if (self.checksum or failure is not None) else _direct_view(plan, m.copies, params, "dst")
                 if direct is not None:
                     direct_srcs.add(m.key[1])
                     if m.key[1] in headers_seen:
                         ctx.state["touched"] = ctx.touched = True  # bytes land in the live tensor from here on
-                    issue(m, direct, None)
+                    batch.append((m, direct, None))
                 else:
+                    if not free:
+                        self._post(batch, "recv", pending)
+                        while not free:
+                            finish()
                     slot = free.pop()
-                    issue(m, self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0)), slot)
+                    batch.append((m, self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0)), slot))
+            if batch:
+                self._post(batch, "recv", pending)
             while pending:
-                finish(pending.popleft())
+                finish()
         finally:
             # Cut short (abort, deadline): a header that arrived but was not looked at yet
             # still means its sender's bytes may be landing.
-            for work, m, _slot, _t in pending:
-                if m.copies is None and work is not None and _completed(work):
+            for work, m, _t, _slot in pending:
+                if m.copies is None and _completed(work):
                     headers_seen.add(m.key[1])
             if direct_srcs & headers_seen:
                 ctx.state["touched"] = ctx.touched = True
@@ -632,7 +711,7 @@ def exchange_leftovers(group, *, is_source: bool, kv_scales: Mapping[str, float]
     failures, lost).
     """
     dev = group.device
-    mine = torch.tensor([0 if ok else 1, version if is_source else 0, 0, int(lost)], dtype=torch.int64, device=dev)
+    mine = torch.tensor([0 if ok else 1, version if is_source else 0, 0, int(lost)], dtype=torch.int64)
     payload = b""
     if group.rank == 0:
         if is_source and kv_scales is not None:
@@ -640,32 +719,46 @@ def exchange_leftovers(group, *, is_source: bool, kv_scales: Mapping[str, float]
             mine[2] = len(payload) + 1  # +1 so that {} still arrives as {}
         outcome = mine.clone()
         reachable = []
-        for peer in range(1, group.world_size):
-            inbox = torch.zeros(4, dtype=torch.int64, device=dev)
+        peers = list(range(1, group.world_size))
+        # Every verdict's receive is posted at once, every answer's send too: one hop's
+        # latency each, not one per peer.
+        inboxes = torch.zeros((max(1, len(peers)), 4), dtype=torch.int64, device=dev)
+        works = group.batch_isend_irecv([("recv", inboxes[i], p, _TAG_VERDICT) for i, p in enumerate(peers)])
+        got = []
+        for i, (peer, work) in enumerate(zip(peers, works)):
             try:
-                group.wait(group.irecv(inbox, peer, _TAG_VERDICT), deadline=deadline, what="verdict gather")
+                group.wait(work, deadline=deadline, what="verdict gather")
             except PeerLost:
                 outcome[0] += 1
                 outcome[3] += 1
                 continue
-            outcome[0] += inbox[0]
-            outcome[3] += inbox[3]
+            got.append(i)
             reachable.append(peer)
+        if got:
+            rows = group.read(inboxes, deadline=deadline, what="verdict gather")
+            for i in got:
+                outcome[0] += rows[i][0]
+                outcome[3] += rows[i][3]
+        answer = outcome.to(dev)
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev) if payload else None
-        for peer in reachable:
+        ops = [("send", answer, p, _TAG_OUTCOME) for p in reachable]
+        ops += [("send", buf, p, _TAG_SCALES) for p in reachable] if buf is not None else []
+        owners = reachable + (reachable if buf is not None else [])
+        gone = set()
+        for peer, work in zip(owners, group.batch_isend_irecv(ops)):
             try:
-                works = [group.isend(outcome, peer, _TAG_OUTCOME)]
-                if buf is not None:
-                    works.append(group.isend(buf, peer, _TAG_SCALES))
-                group.wait_all(works, deadline=deadline, what="verdict answer")
+                group.wait(work, deadline=deadline, what="verdict answer")
             except PeerLost:
-                outcome[3] += 1  # gone since it answered: its own error tells it
+                gone.add(peer)  # gone since it answered: its own error tells it
+        outcome[3] += len(gone)
     else:
-        outcome = torch.zeros(4, dtype=torch.int64, device=dev)
-        sent = group.isend(mine, 0, _TAG_VERDICT)
-        group.wait(group.irecv(outcome, 0, _TAG_OUTCOME), deadline=deadline, what="verdict answer")
+        answer = torch.zeros(4, dtype=torch.int64, device=dev)
+        sent, received = group.batch_isend_irecv([("send", mine.to(dev), 0, _TAG_VERDICT),
+                                                  ("recv", answer, 0, _TAG_OUTCOME)])
+        group.wait(received, deadline=deadline, what="verdict answer")
         group.wait(sent, deadline=deadline, what="verdict gather")
-    failures, version, length, lost_count = (int(x) for x in outcome.cpu().tolist())
+        outcome = group.read(answer, deadline=deadline, what="verdict answer")
+    failures, version, length, lost_count = (int(x) for x in outcome.tolist())
     scales = None
     if length:
         if group.rank == 0:
@@ -674,5 +767,6 @@ def exchange_leftovers(group, *, is_source: bool, kv_scales: Mapping[str, float]
             buf = torch.empty(length - 1, dtype=torch.uint8, device=dev)
             if buf.numel():
                 group.wait(group.irecv(buf, 0, _TAG_SCALES), deadline=deadline, what="kv scales")
-            scales = _KV_DECODER.decode(bytes(buf.cpu().numpy())).scales
+            host = group.read(buf, deadline=deadline, what="kv scales")
+            scales = _KV_DECODER.decode(bytes(host.numpy())).scales
     return scales, version, failures, lost_count
