@@ -16,7 +16,9 @@ def _world(spec: RefitSpec) -> list[dict]:
     spec.stage_ports = [free_port() for _ in range(spec.train_par.pp)]
     spec.train_port = free_port()
     n = spec.train_par.world_size + spec.gen_par.world_size
-    return run_world(refit_rank, n, (spec,), timeout_s=150)
+    # Below the per-test timeout (120 s), so that an overrunning world is reported by
+    # the harness — which ranks, and their stacks — rather than killed by pytest blind.
+    return run_world(refit_rank, n, (spec,), timeout_s=105)
 
 
 def _run_ok(preset, train, gen, **kw):

@@ -15,6 +15,8 @@ import datetime as _dt
 import os
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 
 import torch
@@ -53,6 +55,12 @@ def _first_line(exc: BaseException) -> str:
 _CPP_NOISE = ("frame #", "Exception raised from", "<omitting python frames>", "[c10d]")
 
 
+_QUIET_LOCK = threading.Lock()
+_quiet_depth = 0  # threads inside _quiet_cpp_stderr now (one redirect serves them all)
+_quiet_saved: int | None = None
+_quiet_tmp = None
+
+
 @contextlib.contextmanager
 def _quiet_cpp_stderr() -> Iterator[None]:
     """Hold back c10d's own stderr log (C++ frames) during a store call; other lines pass.
@@ -60,41 +68,70 @@ def _quiet_cpp_stderr() -> Iterator[None]:
     c10d logs a failed connect with a full C++ stack before it raises; the typed error
     we raise says what matters (address, missing rank). Lines from other code written
     meanwhile are re-emitted afterwards.
+
+    fd 2 is process-wide, so the redirect is too: threads that enter while it is on
+    share it (a count), and the last one out restores the real stderr. Two threads
+    each saving and restoring "their" stderr would restore in the wrong order and
+    leave fd 2 on a deleted file — every later line of the process, a hang's stack
+    dump included, lost. Keep it around short calls only.
     """
+    global _quiet_depth, _quiet_saved, _quiet_tmp
     try:
         fd = sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):  # no real stderr (captured): nothing to hold back
         yield
         return
-    sys.stderr.flush()
-    saved = os.dup(fd)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), fd)
-        try:
-            yield
-        finally:
-            os.dup2(saved, fd)
-            os.close(saved)
-            tmp.seek(0)
-            kept = [line for line in tmp.read().decode(errors="replace").splitlines()
-                    if line.strip() and not any(m in line for m in _CPP_NOISE)]
-            if kept:
-                sys.stderr.write("\n".join(kept) + "\n")
+    with _QUIET_LOCK:
+        if _quiet_depth == 0:
+            sys.stderr.flush()
+            _quiet_tmp = tempfile.TemporaryFile()
+            _quiet_saved = os.dup(fd)
+            os.dup2(_quiet_tmp.fileno(), fd)
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _QUIET_LOCK:
+            _quiet_depth -= 1
+            if _quiet_depth == 0:
+                os.dup2(_quiet_saved, fd)
+                os.close(_quiet_saved)
+                tmp, _quiet_tmp, _quiet_saved = _quiet_tmp, None, None
+                tmp.seek(0)
+                kept = [line for line in tmp.read().decode(errors="replace").splitlines()
+                        if line.strip() and not any(m in line for m in _CPP_NOISE)]
+                tmp.close()
+                if kept:
+                    sys.stderr.write("\n".join(kept) + "\n")
+
+
+# Check-in polling: fast at first (ranks usually arrive together), then at most 50 ms.
+_POLL_MIN_S, _POLL_MAX_S = 1e-3, 0.05
 
 
 def _rendezvous(store: dist.Store, *, rank: int, world_size: int, name: str, timeout_s: float,
                 transport: str | None) -> None:
-    """Every rank checks in on the store; on timeout, name the ranks that never did."""
+    """Every rank checks in on the store; on timeout, name the ranks that never did.
+
+    Polled with ``store.check`` (answers at once, logs nothing) rather than one
+    ``store.wait`` for the whole timeout: no C++ call blocks for up to ``timeout_s``,
+    and no stderr redirect is held meanwhile (it would swallow every other thread's
+    output — a stack dump of a hang elsewhere in the process included).
+    """
     keys = [f"joined/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    pause = _POLL_MIN_S
     try:
-        with _quiet_cpp_stderr():
-            store.set(keys[rank], "1")
-            store.wait(keys, _dt.timedelta(seconds=timeout_s))
-    except Exception as exc:  # DistStoreError / RuntimeError: a timeout, or the store went away
-        try:
-            with _quiet_cpp_stderr():
+        store.set(keys[rank], "1")
+        while not store.check(keys):
+            if time.monotonic() >= deadline:
                 missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        except Exception:  # noqa: BLE001 - the store itself is gone: the host (rank 0) is missing
-            missing = [0]
-        raise RefitTimeout(f"group {name!r}: rank(s) {missing} of {world_size} did not join within "
-                           f"{timeout_s:g} s ({_first_line(exc)})", rank=rank, transport=transport) from None
+                raise RefitTimeout(f"group {name!r}: rank(s) {missing} of {world_size} did not join within "
+                                   f"{timeout_s:g} s", rank=rank, transport=transport)
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
+    except RefitTimeout:
+        raise
+    except Exception as exc:  # DistStoreError / RuntimeError: the store (rank 0, its host) went away
+        raise RefitTimeout(f"group {name!r}: the store went away while rank {rank} waited for the others to "
+                           f"join (rank 0 is missing: {_first_line(exc)})", rank=rank, transport=transport) from None

@@ -13,6 +13,7 @@ multiprocessing's own pipe between a parent and the children it spawned.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import queue as _queue
@@ -38,6 +39,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _child(target: Callable[..., Any], rank: int, args: tuple, results, env: dict[str, str]) -> None:
     os.environ.update(env)
+    # A world that overruns gets SIGUSR1 before it is killed: every thread's stack goes to
+    # this process's stderr as it was at start (a dup, so a later redirect of fd 2
+    # cannot swallow it), and a hang says where it hung.
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        faulthandler.register(signal.SIGUSR1, file=os.fdopen(os.dup(2), "w"), all_threads=True)
     try:
         value = target(rank, *args)
         results.put((rank, True, value))
@@ -74,7 +80,8 @@ class World:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 for r in pending:
-                    failures[r] = "did not finish in time"
+                    failures[r] = "did not finish in time (its threads' stacks: stderr, 'Current thread')"
+                self._dump_stacks(pending)
                 break
             if on_tick is not None:
                 on_tick()
@@ -100,6 +107,14 @@ class World:
             detail = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items()))
             raise ProcessFailed(f"{len(failures)} process(es) failed:\n{detail}", failures=failures)
         return out
+
+    def _dump_stacks(self, ranks) -> None:
+        """Ask live ranks for their stacks (SIGUSR1, see ``_child``); give them a moment."""
+        alive = [r for r in ranks if self.procs[r].is_alive()]
+        for r in alive:
+            self.signal(r, signal.SIGUSR1)
+        if alive:
+            time.sleep(1.0)
 
     def close(self) -> None:
         for p in self.procs:
