@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
 import os
 import sys
 import tempfile

@@ -50,7 +50,6 @@ from typing import Any
 
 from ..config import positive_int
 
-import msgspec
 import torch
 
 from ..errors import ConfigError, PeerLost, PlanMismatch, ProtocolError, RefitAborted, TransportError
@@ -59,8 +58,9 @@ from ..layout.apply import _region, bucket_copies, copy_nbytes, pack, unpack
 from ..layout.parallelism import Parallelism
 from ..layout.plan import Copy, ReshardPlan
 from .base import RefitReport, Transport, TransportContext
+from .nccl_verdict import exchange_leftovers
 
-__all__ = ["NcclReshardTransport", "stage_members"]
+__all__ = ["NcclReshardTransport", "exchange_leftovers", "stage_members"]
 
 _HEADER_MAGIC = 0x5057524546495431  # "PWREFIT1"
 _HEADER_LEN = 6  # magic, version, nbytes, nbuckets, plan hash (63 bits), checksum flag
@@ -245,15 +245,6 @@ def _completed(work: Any) -> bool:
 def _crc(buf: torch.Tensor) -> int:
     data = buf if buf.device.type == "cpu" else buf.cpu()
     return zlib.crc32(memoryview(data.numpy())) & 0x7FFFFFFF
-
-
-class KvScales(msgspec.Struct, frozen=True):
-    """FP8 KV-cache scales sent after the bulk: name → float."""
-
-    scales: dict[str, float]
-
-
-_KV_DECODER = msgspec.msgpack.Decoder(KvScales)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -722,81 +713,3 @@ class NcclReshardTransport(Transport):
 
     async def aclose(self) -> None:
         self._closed = True
-
-
-# -- leftovers over model_update_group (after the bulk) --------------------------------
-_TAG_VERDICT, _TAG_OUTCOME, _TAG_SCALES = 1 << 20, (1 << 20) + 1, (1 << 20) + 2
-
-
-def exchange_leftovers(group, *, is_source: bool, kv_scales: Mapping[str, float] | None, deadline: float,
-                       version: int, ok: bool, lost: bool = False) -> tuple[dict[str, float] | None, int, int, int]:
-    """Gather every rank's verdict on rank 0; rank 0 answers (failures, version, scales, lost).
-
-    Every rank of the update group calls it; rank 0 (a trainer, ``is_source``)
-    contributes the version and the kv scales. A star of point-to-point messages:
-    two hops, about half the latency of an all-reduce among 4–8 processes (measured
-    on gloo). Rank 0 counts a peer it cannot reach as a failed and lost one and still
-    answers the others, so a dead process is known to every live rank at once; a rank
-    that cannot reach rank 0 raises ``PeerLost``. Returns (kv_scales, version,
-    failures, lost).
-    """
-    dev = group.device
-    mine = torch.tensor([0 if ok else 1, version if is_source else 0, 0, int(lost)], dtype=torch.int64)
-    payload = b""
-    if group.rank == 0:
-        if is_source and kv_scales is not None:
-            payload = msgspec.msgpack.encode(KvScales(dict(kv_scales)))
-            mine[2] = len(payload) + 1  # +1 so that {} still arrives as {}
-        outcome = mine.clone()
-        reachable = []
-        peers = list(range(1, group.world_size))
-        # Every verdict's receive is posted at once, every answer's send too: one hop's
-        # latency each, not one per peer.
-        inboxes = torch.zeros((max(1, len(peers)), 4), dtype=torch.int64, device=dev)
-        works = group.batch_isend_irecv([("recv", inboxes[i], p, _TAG_VERDICT) for i, p in enumerate(peers)])
-        got = []
-        for i, (peer, work) in enumerate(zip(peers, works)):
-            try:
-                group.wait(work, deadline=deadline, what="verdict gather")
-            except PeerLost:
-                outcome[0] += 1
-                outcome[3] += 1
-                continue
-            got.append(i)
-            reachable.append(peer)
-        if got:
-            rows = group.read(inboxes, deadline=deadline, what="verdict gather")
-            for i in got:
-                outcome[0] += rows[i][0]
-                outcome[3] += rows[i][3]
-        answer = outcome.to(dev)
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev) if payload else None
-        ops = [("send", answer, p, _TAG_OUTCOME) for p in reachable]
-        ops += [("send", buf, p, _TAG_SCALES) for p in reachable] if buf is not None else []
-        owners = reachable + (reachable if buf is not None else [])
-        gone = set()
-        for peer, work in zip(owners, group.batch_isend_irecv(ops)):
-            try:
-                group.wait(work, deadline=deadline, what="verdict answer")
-            except PeerLost:
-                gone.add(peer)  # gone since it answered: its own error tells it
-        outcome[3] += len(gone)
-    else:
-        answer = torch.zeros(4, dtype=torch.int64, device=dev)
-        sent, received = group.batch_isend_irecv([("send", mine.to(dev), 0, _TAG_VERDICT),
-                                                  ("recv", answer, 0, _TAG_OUTCOME)])
-        group.wait(received, deadline=deadline, what="verdict answer")
-        group.wait(sent, deadline=deadline, what="verdict gather")
-        outcome = group.read(answer, deadline=deadline, what="verdict answer")
-    failures, version, length, lost_count = (int(x) for x in outcome.tolist())
-    scales = None
-    if length:
-        if group.rank == 0:
-            scales = dict(kv_scales) if kv_scales is not None else {}
-        else:
-            buf = torch.empty(length - 1, dtype=torch.uint8, device=dev)
-            if buf.numel():
-                group.wait(group.irecv(buf, 0, _TAG_SCALES), deadline=deadline, what="kv scales")
-            host = group.read(buf, deadline=deadline, what="kv scales")
-            scales = _KV_DECODER.decode(bytes(host.numpy())).scales
-    return scales, version, failures, lost_count
