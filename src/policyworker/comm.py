@@ -40,9 +40,6 @@ __all__ = ["DEFAULT_TIMEOUT_S", "CommGroup", "backend_for", "group_on_store", "n
 
 DEFAULT_TIMEOUT_S = 120.0
 
-# The barrier's point-to-point tag (gloo); other p2p tags of ours stay below 1 << 21.
-_TAG_BARRIER = 1 << 21
-
 # Poll backoff for work handles: start tight (small messages finish in microseconds),
 # grow to 1 ms so a long transfer does not burn a core spinning.
 _POLL_MIN_S = 20e-6
@@ -289,28 +286,8 @@ class CommGroup:
                   what="all_gather")
 
     def barrier(self, *, deadline: float | None = None) -> None:
-        """No rank returns before every rank called it. Abortable, bounded.
-
-        NCCL: a tiny all_reduce (one kernel). gloo: a star — every rank → rank 0, then
-        rank 0 → every rank, all messages of a hop posted at once — because gloo's
-        all_reduce is a chain of 2·(n-1) dependent hops that lets ranks out up to
-        milliseconds apart on a busy host, and a barrier is a start line.
-        """
-        if self.backend == "nccl" or self.world_size == 1:
-            self.all_reduce(torch.zeros(1, dtype=torch.int32, device=self.device), deadline=deadline)
-            return
-        token = torch.zeros(1, dtype=torch.int32)
-        if self.rank == 0:
-            peers = range(1, self.world_size)
-            inboxes = [torch.zeros(1, dtype=torch.int32) for _ in peers]
-            self.wait_all(self.batch_isend_irecv([("recv", t, p) for t, p in zip(inboxes, peers)], _TAG_BARRIER),
-                          deadline=deadline, what="barrier")
-            self.wait_all(self.batch_isend_irecv([("send", token, p) for p in peers], _TAG_BARRIER),
-                          deadline=deadline, what="barrier")
-        else:
-            works = self.batch_isend_irecv([("send", token, 0), ("recv", torch.zeros(1, dtype=torch.int32), 0)],
-                                           _TAG_BARRIER)
-            self.wait_all(works, deadline=deadline, what="barrier")
+        # A tiny all_reduce instead of pg.barrier(): the same on every backend, and abortable.
+        self.all_reduce(torch.zeros(1, dtype=torch.int32, device=self.device), deadline=deadline)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
         """Start a point-to-point send; complete it with :meth:`wait`.
