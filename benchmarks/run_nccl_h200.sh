@@ -7,13 +7,7 @@
 set -u
 OUT=${1:-out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed; using src/"
-export PYTHONPATH=$PWD/src:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+source benchmarks/device_env.sh
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
 timeout 220 python3 -m pytest -q -p no:cacheprovider -o addopts="" -p no:randomly -rA \
   --junitxml="$OUT/nccl_gpu_tests.xml" tests/test_nccl_reshard_gpu.py tests/test_comm_gpu.py \
