@@ -190,8 +190,14 @@ print(json.dumps(out))
 
 
 def _uuid0() -> str | None:
-    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
-    return None if uuid is None else f"GPU-{uuid}"
+    """GPU 0's uuid as CUDA_VISIBLE_DEVICES takes it ("GPU-…"), from nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [line.strip() for line in out.stdout.splitlines() if line.strip().startswith("GPU-")]
+    return lines[0] if lines else None
 
 
 @pytest.mark.timeout(240)
@@ -203,7 +209,7 @@ def test_worker_groups_follow_the_workers_device_under_visible_device_settings(v
     elif visible == "uuid":
         uuid = _uuid0()
         if uuid is None:
-            pytest.skip("this torch does not report device uuids")
+            pytest.skip("nvidia-smi gives no device uuid here")
         env["CUDA_VISIBLE_DEVICES"] = uuid
     else:
         env["CUDA_VISIBLE_DEVICES"] = visible
