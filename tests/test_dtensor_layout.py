@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from datetime import timedelta
 from math import prod
@@ -16,6 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from policyworker.cli.procs import free_port
 from policyworker.errors import PlanError
 from policyworker.layout import (
     Parallelism,
@@ -133,12 +133,6 @@ def test_plan_from_placements_is_exact(case: tuple, tp: int) -> None:
 
 # -- real DTensors, two processes over gloo ----------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dtensor_worker(rank: int, port: int) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -179,7 +173,7 @@ def _dtensor_worker(rank: int, port: int) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_real_dtensors_two_processes() -> None:
-    ctx = mp.start_processes(_dtensor_worker, args=(_free_port(),), nprocs=2, join=False,
+    ctx = mp.start_processes(_dtensor_worker, args=(free_port(),), nprocs=2, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + 75
     try:

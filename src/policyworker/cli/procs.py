@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import queue as _queue
 import signal
+import random
 import socket
 import time
 import traceback
@@ -31,7 +32,22 @@ __all__ = ["ProcessFailed", "World", "free_port", "run_world", "start_world"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+    """A TCP port that was free a moment ago.
+
+    Drawn at random below the kernel's ephemeral range (Linux: 32768-60999), where the
+    OS never hands ports to outgoing connections: a port the OS picked (``bind(0)``)
+    comes from that range and can be taken by any client socket (a store client, a
+    gloo pair) before our server binds it — seen once on the H200 as "port ... is
+    already in use". Falls back to the OS's pick if no port there is free."""
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(20000, 32768)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
