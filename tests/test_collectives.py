@@ -168,6 +168,6 @@ def _raiser(rank: int) -> None:
 
 def test_harness_reports_child_tracebacks():
     with pytest.raises(ProcessFailed) as info:
-        run_world(_raiser, 2, timeout_s=30)
+        run_world(_raiser, 2, timeout_s=90)
     assert set(info.value.failures) == {0, 1}
     assert "failed on purpose" in info.value.failures[1]
