@@ -181,20 +181,13 @@ def _hold_after_waits(k: int, held: threading.Event, release: threading.Event, b
     The refit's executor thread stops mid-transfer; the actor's loop keeps answering.
     """
     from policyworker.comm import CommGroup
+    from policyworker.testing.faults import after_calls
 
-    real_wait = CommGroup.wait
-    count = 0
+    def hold() -> None:
+        held.set()
+        release.wait(bound_s)
 
-    def wait(self, work, **kw: Any) -> None:
-        nonlocal count
-        count += 1
-        if count == k:
-            CommGroup.wait = real_wait  # type: ignore[method-assign]
-            held.set()
-            release.wait(bound_s)
-        return real_wait(self, work, **kw)
-
-    CommGroup.wait = wait  # type: ignore[method-assign]
+    after_calls(CommGroup, "wait", k, hold)
 
 
 def _cause(exc: BaseException) -> str:

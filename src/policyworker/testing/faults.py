@@ -63,18 +63,7 @@ def die_after_waits(k: int, sig: int = signal.SIGKILL) -> None:
     SIGKILL: the process dies mid-refit. SIGSTOP: it freezes mid-refit until someone
     sends SIGCONT. The patch removes itself once it fired.
     """
-    real_wait = CommGroup.wait
-    count = 0
-
-    def wait(self, work, **kw: Any) -> None:
-        nonlocal count
-        count += 1
-        if count == k:
-            CommGroup.wait = real_wait  # type: ignore[method-assign]
-            os.kill(os.getpid(), sig)
-        return real_wait(self, work, **kw)
-
-    CommGroup.wait = wait  # type: ignore[method-assign]
+    after_calls(CommGroup, "wait", k, signal_self(sig))
 
 
 def after_calls(cls: type, attr: str, k: int, action) -> None:
