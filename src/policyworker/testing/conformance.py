@@ -91,6 +91,16 @@ async def _bounded(aw: Awaitable, seconds: float, what: str):
         _fail(f"{what} did not finish within {seconds:.0f} s")
 
 
+async def _connected(factory) -> TransportPair:
+    """A fresh pair from ``factory``, both ends connected (bounded)."""
+    pair = await factory()
+    if not isinstance(pair.sender, Transport) or not isinstance(pair.receiver, Transport):
+        raise ConfigError("factory must return Transport instances")
+    await _bounded(asyncio.gather(pair.sender.connect(pair.sender_ctx), pair.receiver.connect(pair.receiver_ctx)),
+                   60, "connect")
+    return pair
+
+
 async def _close(pair: TransportPair) -> None:
     for t in (pair.sender, pair.receiver):
         await t.aclose()
@@ -141,11 +151,7 @@ async def check_transport(
     gen = torch.Generator().manual_seed(1234)
 
     # 1. several versions, bit for bit
-    pair = await factory()
-    if not isinstance(pair.sender, Transport) or not isinstance(pair.receiver, Transport):
-        raise ConfigError("factory must return Transport instances")
-    await _bounded(asyncio.gather(pair.sender.connect(pair.sender_ctx), pair.receiver.connect(pair.receiver_ctx)),
-                   60, "connect")
+    pair = await _connected(factory)
     ledger = WeightLedger(what="conformance receiver")
     result.reports = await _refits(pair, ledger, refits, gen)
     await pair.sender.aclose()
@@ -159,9 +165,7 @@ async def check_transport(
     await _close(pair)
 
     # 2. a version never sent: a policyworker error inside the deadline, nothing committed
-    pair = await factory()
-    await _bounded(asyncio.gather(pair.sender.connect(pair.sender_ctx), pair.receiver.connect(pair.receiver_ctx)),
-                   60, "connect")
+    pair = await _connected(factory)
     ledger = WeightLedger(what="conformance receiver")
     ctx = pair.receiver_ctx
     deadline = ctx.deadline = process_watchdog().arm(deadline_s, [pair.receiver.abort], label="conformance")
@@ -184,9 +188,7 @@ async def check_transport(
     await _close(pair)
 
     # 3. an abort mid-wait: RefitAborted promptly
-    pair = await factory()
-    await _bounded(asyncio.gather(pair.sender.connect(pair.sender_ctx), pair.receiver.connect(pair.receiver_ctx)),
-                   60, "connect")
+    pair = await _connected(factory)
     ctx = pair.receiver_ctx
     task = asyncio.ensure_future(pair.receiver.receive(ctx, 1))
     await asyncio.sleep(0.2)
@@ -206,9 +208,7 @@ async def check_transport(
     await _close(pair)
 
     # 4. cut short after the first touched byte: torn
-    pair = await factory()
-    await _bounded(asyncio.gather(pair.sender.connect(pair.sender_ctx), pair.receiver.connect(pair.receiver_ctx)),
-                   60, "connect")
+    pair = await _connected(factory)
     ledger = WeightLedger(what="conformance receiver")
     ctx = pair.receiver_ctx
     ledger.begin(1)
