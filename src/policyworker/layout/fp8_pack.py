@@ -137,15 +137,22 @@ def pack_copy(plan, c, local_tensors: Mapping[str, torch.Tensor], out: torch.Ten
     return offset + r * k + 4 * br * bc
 
 
+def _fp8_names(plan, c, tensors: Mapping[str, torch.Tensor]) -> tuple[str, str]:
+    """The destination tensor's name and its scale's name of quantized copy ``c``, both
+    present in ``tensors`` (else a ``PlanError`` naming the missing one)."""
+    name = plan.body.tensor_names[c.dst_tensor]
+    sname = fp8.scale_name(name)
+    for n in (name, sname):
+        if n not in tensors:
+            raise PlanError(f"receiver local tensors lack {n!r}", param=n)
+    return name, sname
+
+
 def unpack_copy(plan, c, buf: torch.Tensor, local_tensors: MutableMapping[str, torch.Tensor], offset: int) -> int:
     """Receiver: land a quantized copy's fp8 bytes in its tensor and its scales in the
     tensor's ``_scale_inv``; returns the offset after its last byte."""
     block = fp8.block_of(plan)
-    name = plan.body.tensor_names[c.dst_tensor]
-    sname = fp8.scale_name(name)
-    if name not in local_tensors or sname not in local_tensors:
-        missing = name if name not in local_tensors else sname
-        raise PlanError(f"receiver local tensors lack {missing!r}", param=missing)
+    name, sname = _fp8_names(plan, c, local_tensors)
     dst = _region(local_tensors[name], c.dst_at, c.start, c.stop)
     r, k = dst.shape
     dst.view(torch.uint8).copy_(buf.narrow(0, offset, r * k).view(r, k))
@@ -220,11 +227,7 @@ def quant_job(plan, c, src_local: torch.Tensor, dst_tensors: Mapping[str, torch.
     """``(src, q, s)`` views of quantized copy ``c``: its source box in ``src_local``
     and its destination box and scale blocks in the receiver's tensors."""
     block = fp8.block_of(plan)
-    name = plan.body.tensor_names[c.dst_tensor]
-    sname = fp8.scale_name(name)
-    if name not in dst_tensors or sname not in dst_tensors:
-        missing = name if name not in dst_tensors else sname
-        raise PlanError(f"receiver local tensors lack {missing!r}", param=missing)
+    name, sname = _fp8_names(plan, c, dst_tensors)
     br, bc = fp8.blocks(c.start, c.stop, block)
     sr, sc = fp8.scale_at(plan, c)
     return (_region(src_local, c.src_at, c.start, c.stop), _region(dst_tensors[name], c.dst_at, c.start, c.stop),
