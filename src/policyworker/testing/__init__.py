@@ -4,7 +4,8 @@
   (registered as transport ``memory``);
 * :func:`check_transport` — the conformance suite every transport runs on itself;
 * :mod:`.toy_model` — a small causal LM with Hugging Face names (``build_model``);
-* :mod:`.faults` — fault injection for the drill and the tests.
+* :mod:`.faults` — fault injection for the drill and the tests;
+* :mod:`.fixtures` — pytest fixtures shared by our suite and plugins' suites (imports pytest).
 """
 
 from .conformance import ConformanceReport, TransportPair, check_transport

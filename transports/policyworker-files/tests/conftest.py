@@ -8,30 +8,10 @@ name, exactly as a user would, so a missing install is a loud failure, not a ski
 from __future__ import annotations
 
 import importlib.metadata as md
-import os
 
 import pytest
 
-_BACKENDS = [pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio")]
-try:
-    import uvloop  # noqa: F401
-
-    _BACKENDS.append(pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"))
-except ImportError:  # uvloop is optional on platforms without it
-    pass
-
-
-@pytest.fixture(params=_BACKENDS)
-def anyio_backend(request):
-    return request.param
-
-
-@pytest.fixture(autouse=True)
-def _private_runtime_dir(tmp_path_factory, monkeypatch):
-    path = tmp_path_factory.mktemp("pw-runtime")
-    os.chmod(path, 0o700)
-    monkeypatch.setenv("POLICYWORKER_RUNTIME_DIR", str(path))
-    return path
+from policyworker.testing.fixtures import _private_runtime_dir, anyio_backend  # noqa: F401
 
 
 @pytest.fixture(autouse=True, scope="session")
