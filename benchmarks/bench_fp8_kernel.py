@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from policyworker.cli.output import write_json  # noqa: E402
 from policyworker.layout.fp8_pack import quantize_bands  # noqa: E402
 from policyworker.models import get_preset, param_specs  # noqa: E402
 from policyworker.ops import fp8_triton  # noqa: E402
@@ -264,10 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     res["flat_copy_gbps"] = 2 * 2 * numel / res["flat_copy_s"] / 1e9
     res["kernel_at_flat_copy_rate_s"] = rw / (res["flat_copy_gbps"] * 1e9)
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
-    text = json.dumps(res, indent=1)
-    print(text)
-    if ns.json:
-        Path(ns.json).write_text(text + "\n")
+    write_json(ns.json, res, echo=True, indent=1)
     return 0 if exact else 1
 
 

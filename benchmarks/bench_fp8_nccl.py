@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from policyworker.cli.output import write_json  # noqa: E402
 from policyworker.cli.refit_bench import RefitBenchSpec, run_refit_bench  # noqa: E402
 
 LAYOUTS = [("tp=2,pp=2", "tp=2,dp=2"), ("tp=2", "tp=1"), ("tp=2", "tp=2")]
@@ -53,10 +54,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     out = {"benchmark": "fp8 vs bf16 refit, nccl_reshard on CPU (gloo)", "preset": ns.preset,
            "refits": ns.refits, "rounds": ns.rounds, "layouts": rows}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if ns.json:
-        Path(ns.json).write_text(text + "\n")
+    write_json(ns.json, out, echo=True)
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -38,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from policyworker.cli.output import write_json  # noqa: E402
 from policyworker.cli.zmq_bench import _seeded_, _workers  # noqa: E402
 
 
@@ -241,10 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
     res = run(ns.preset, ns.device, ns.refits, ns.timeout_s, ns.kernel)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if ns.json:
-        Path(ns.json).write_text(text + "\n")
+    write_json(ns.json, res, echo=True)
     return 0
 
 

@@ -8,6 +8,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from .output import write_json
+
 __all__ = ["main"]
 
 
@@ -43,17 +45,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         from ..integrations.vllm_bench import run_vllm_demo
 
         result = run_vllm_demo(refits=args.refits)
-        _write_json(args.json, result)
+        write_json(args.json, result)
         return 0 if result["passed"] else 1
     from .demo import main as demo_main
 
     return demo_main(args)
-
-
-def _write_json(path, result) -> None:
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -63,8 +59,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         result = run_vllm_bench(preset=args.preset, train=args.vllm_train, tp=args.vllm_tp, refits=args.refits,
                                 dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20), timeout_s=args.timeout,
                                 log=lambda msg: print(msg, file=sys.stderr, flush=True))
-        print(json.dumps(result, indent=2))
-        _write_json(args.json, result)
+        write_json(args.json, result, echo=True)
         # Greedy tokens are exact only in float32 (bf16 kernels round differently from HF).
         return 0 if result["tokens_match_hf"] or args.dtype != "float32" else 1
     if args.transport is None:
@@ -80,11 +75,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                           staging=args.staging, checksum=args.checksum, trainer_params=args.trainer_params, verify=not args.no_verify, timeout_s=args.timeout)
     result = run_refit_bench(spec, on_event=lambda rank, kind, v: print(f"rank {rank}: {kind} {v or ''}",
                                                                            file=sys.stderr, flush=True))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(text)
+    write_json(args.json, result, echo=True)
     return 0 if result["bit_exact"] in (True, None) else 1
 
 
@@ -95,11 +86,7 @@ def _bench_zmq(args: argparse.Namespace) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     result = run_zmq_bench(args.preset, args.dtype, args.refits, device)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(text)
+    write_json(args.json, result, echo=True)
     return 0 if result.get("bit_exact") else 1
 
 
@@ -138,8 +125,7 @@ def _cmd_drill(args: argparse.Namespace) -> int:
                       str(row["served_torn"]).lower(), str(row["recovered"]).lower(), ", ".join(row["errors"]))
     console.print(table)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result)
         console.print(f"wrote {args.json}")
     return 0 if result["passed"] else 1
 
@@ -153,8 +139,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     report = plan_report(args.preset, args.train, args.gen, fabric=fabric, bucket_bytes=bucket)
     print(format_plan_report(report))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
         print(f"wrote {args.json}")
     return 0
 

@@ -10,10 +10,10 @@ progress display follows the ranks; a table summarises each refit.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
+from .output import write_json
 from .refit_bench import RefitBenchSpec, run_refit_bench
 
 __all__ = ["main"]
@@ -84,8 +84,7 @@ def main(args: argparse.Namespace) -> int:
             "steady_refits": result["steady_refits"],
             "details": result,
         }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(demo, f, indent=2)
+        write_json(args.json, demo)
         console.print(f"wrote {args.json}")
     if not result["bit_exact"]:
         console.print("[red]a rollout's weights differ from the trainers'[/]")

@@ -17,8 +17,8 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue as _queue
-import signal
 import random
+import signal
 import socket
 import time
 import traceback

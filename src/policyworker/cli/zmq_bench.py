@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -44,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .output import write_json
 
 __all__ = ["run_zmq_bench"]
 
@@ -369,10 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     res = run_zmq_bench(ns.preset, ns.dtype, ns.refits, ns.device, gen=ns.gen, flatten=not ns.no_flatten,
                         baseline=not ns.no_baseline)
-    text = json.dumps(res, indent=2)
-    print(text)
-    if ns.json:
-        Path(ns.json).write_text(text + "\n")
+    write_json(ns.json, res, echo=True)
     return 0
 
 
