@@ -83,7 +83,6 @@ def zmq_rank_main(rank: int, sc: Any, runtime_dir: str, events, start_epoch: int
                 if isinstance(exc, asyncio.CancelledError) and not (faulty and sc.fault == "cancel"):
                     raise
                 row = failure_row(exc, version=version, t0=t0, w=w, trainer=trainer, out=out, expected=expected)
-                kind = row["error"]
                 out["failures"].append(row)
                 events.put(("failed", rank))
                 if len(out["failures"]) > 6:
