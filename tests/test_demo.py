@@ -70,3 +70,10 @@ def test_zmq_bench_interleaves_ceiling_and_refit(tmp_path):
     # between the refit's own buffers; the private-buffer copy is reported beside it.
     assert data["ceiling_kind"] == "own"
     assert len(data["private_ceiling_seconds"]) == 3 and data["private_ceiling_gbps"] > 0
+
+
+def test_bench_without_a_transport_or_engine_is_a_config_error():
+    proc = subprocess.run([sys.executable, "-m", "policyworker.cli", "bench"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "ConfigError: bench needs --transport" in proc.stderr

@@ -63,7 +63,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         # Greedy tokens are exact only in float32 (bf16 kernels round differently from HF).
         return 0 if result["tokens_match_hf"] or args.dtype != "float32" else 1
     if args.transport is None:
-        from .errors import ConfigError
+        from ..errors import ConfigError
 
         raise ConfigError("bench needs --transport nccl_reshard|zmq or --engine vllm")
     if args.transport == "zmq":
