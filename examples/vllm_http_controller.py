@@ -61,8 +61,8 @@ def main() -> int:
         deadline = time.monotonic() + 300
         while True:
             try:
-                get(base + "/health")
-                break
+                with urllib.request.urlopen(base + "/health", timeout=30):
+                    break  # 200 with an empty body: up (nothing to parse)
             except OSError:
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise RuntimeError("the vLLM server did not come up") from None
