@@ -99,3 +99,25 @@ def test_version_not_newer_than_served_is_refused_before_a_byte_moves(world):
     got = world.tokens()
     assert got == world.oracle(v + 1) and got != world.history[v]
     world.version, world.history[v + 1] = v + 1, got
+
+
+@pytest.mark.timeout(240)
+def test_cpu_linear_torch_reads_the_received_tensors_then_prepack_again(world):
+    # cpu_linear="torch": vLLM's plain F.linear path reads the received tensors as they
+    # are (the commit is a swap, no prepack); tokens must still be HF's. Then back to
+    # vLLM's default prepacked kernels on the same engine: still HF's.
+    _served_at_least_v1(world)
+    with pytest.raises(Exception, match=r"init_info.cpu_linear must be"):
+        world.llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "update_port": 1,
+                                                              "stage_ports": [2], "trainers_per_stage": [2],
+                                                              "cpu_linear": "onednn"}})
+    for mode in ("torch", "torch", "prepack"):
+        v = world.version
+        replies = world.connect(version=v, cpu_linear=mode)
+        assert all(r["ok"] for r in replies), replies
+        error, replies = world.refit(v + 1)
+        assert error is None and [r["version"] for r in replies] == [v + 1, v + 1], (mode, replies)
+        got = world.tokens()
+        assert got == world.oracle(v + 1) and got != world.history[v], mode
+        assert world.llm.get_weight_version() == str(v + 1)
+        world.version, world.history[v + 1] = v + 1, got

@@ -58,6 +58,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         result = run_vllm_bench(preset=args.preset, train=args.vllm_train, tp=args.vllm_tp, refits=args.refits,
                                 dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20), timeout_s=args.timeout,
+                                executor=args.vllm_executor, cpu_linear=args.vllm_cpu_linear,
                                 log=lambda msg: print(msg, file=sys.stderr, flush=True))
         write_json(args.json, result, echo=True)
         # Greedy tokens are exact only in float32 (bf16 kernels round differently from HF).
@@ -165,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "same-run gloo ceiling and a safetensors checkpoint + vLLM reload_weights")
     p.add_argument("--vllm-train", default="tp=2", help="--engine vllm: trainer layout")
     p.add_argument("--vllm-tp", type=int, default=1, help="--engine vllm: vLLM tensor_parallel_size")
+    p.add_argument("--vllm-executor", choices=["mp", "uni"], default="mp",
+                   help="--engine vllm: vLLM's executor: mp (its default: an engine-core process) or uni "
+                        "(the worker in this process; tp=1)")
+    p.add_argument("--vllm-cpu-linear", choices=["prepack", "torch"], default="prepack",
+                   help="--engine vllm: init_info.cpu_linear (prepack: vLLM's oneDNN kernels, a prepack per "
+                        "commit; torch: its plain F.linear path reads the received tensors)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="zmq: where the pair runs (default: cuda if present)")
     p.add_argument("--preset", default="small")
     p.add_argument("--train", default="tp=2,pp=2")

@@ -236,10 +236,18 @@ class PolicyworkerInitInfo(WeightTransferInitInfo):
     #: (no copies), ``"copy"`` copies into live tensors of unchanged shape (what CUDA
     #: graphs and compiled models need), ``"auto"``: swap only for eager models on CPU.
     commit: str = "auto"
+    #: CPU only: ``"prepack"`` (vLLM's default kernels: each commit runs its oneDNN / sgl
+    #: prepack, a copy of every linear weight) or ``"torch"`` (vLLM's plain
+    #: ``torch.nn.functional.linear`` path, which reads the received tensors as they are:
+    #: the commit is a swap). No effect on GPU, where unquantized layers read the
+    #: parameter as is anyway.
+    cpu_linear: str = "prepack"
 
     def __post_init__(self) -> None:
         if self.commit not in ("auto", "swap", "copy"):
             raise ConfigError(f"init_info.commit must be 'auto', 'swap' or 'copy', got {self.commit!r}")
+        if self.cpu_linear not in ("prepack", "torch"):
+            raise ConfigError(f"init_info.cpu_linear must be 'prepack' or 'torch', got {self.cpu_linear!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError(f"init_info.host must be a non-empty string, got {self.host!r}")
         n = len(self.stage_ports)
@@ -390,6 +398,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             stage.check_with_vllm_loaders()
             self._stage = stage
         self._stage.copy_into_live = self._copy_into_live(init_info.commit)
+        self._stage.cpu_linear = init_info.cpu_linear
         self._worker = self._call(build(), 2 * init_info.timeout_s)
         self._info = init_info
         self._plan_loaded = False

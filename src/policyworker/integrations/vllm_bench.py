@@ -51,11 +51,22 @@ def hf_kwargs(config: ModelConfig) -> dict[str, Any]:
 class _Engine:
     """The controller's side: the LLM plus the trainer pool."""
 
-    def __init__(self, spec: WorldSpec, *, tp: int, log) -> None:
+    def __init__(self, spec: WorldSpec, *, tp: int, log, executor: str = "mp") -> None:
+        from ..errors import ConfigError
+
+        if executor not in ("mp", "uni") or (executor == "uni" and tp != 1):
+            raise ConfigError(f"vLLM executor {executor!r} with tp={tp}: 'mp' (any tp) or 'uni' (tp=1)")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
                                                                     for i in range(tp)))
-        self.spec, self.tp, self.log = spec, tp, log
+        extra: dict[str, Any] = {}
+        if executor == "uni":
+            # vLLM's worker in this process: no engine-core process, whose reader of the
+            # workers' replies busy-polls (sched_yield) through every long call — on a
+            # 2-core host that takes a core away from the refit for its whole duration.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            extra["distributed_executor_backend"] = "uni"
+        self.spec, self.tp, self.log, self.executor = spec, tp, log, executor
         self.dir = tempfile.mkdtemp(prefix="policyworker-vllm-")
         self.path = os.path.join(self.dir, "model")
         save_hf_model(spec, 0, self.path)
@@ -66,7 +77,7 @@ class _Engine:
             t0 = time.perf_counter()
             self.llm = LLM(self.path, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype=spec.dtype,
                            enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0,
-                           weight_transfer_config={"backend": "policyworker"})
+                           weight_transfer_config={"backend": "policyworker"}, **extra)
             self.startup_s = time.perf_counter() - t0
             self.pool = pool.result(timeout=300)
         log(f"vLLM engine up in {self.startup_s:.1f} s (tp={tp}); {spec.n_train} trainers ({spec.train})")
@@ -78,8 +89,8 @@ class _Engine:
                                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    def connect(self, version: int) -> list[dict[str, Any]]:
-        info = self.pool.connect(gen_world_size=self.tp, version=version)
+    def connect(self, version: int, **init: Any) -> list[dict[str, Any]]:
+        info = {**self.pool.connect(gen_world_size=self.tp, version=version), **init}
         self.llm.init_weight_transfer_engine({"init_info": info})
         replies = self.pool.replies(self.spec.timeout_s)
         bad = [r for r in replies if not r["ok"]]
@@ -94,8 +105,9 @@ class _Engine:
         if bad:
             raise RuntimeError(f"trainers failed to load version {version}: {bad}")
 
-    def refit(self, version: int) -> dict[str, Any]:
-        self.load(version)
+    def refit(self, version: int, load: bool = True) -> dict[str, Any]:
+        if load:
+            self.load(version)
         self.pool.send({"cmd": "refit", "version": version, "load": False})
         t0 = time.perf_counter()
         self.llm.start_weight_update()
@@ -162,26 +174,50 @@ class _Engine:
             shutdown()
 
 
+def _spread(values: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
+    return {"min": min(values), "p25": q[0], "median": q[1], "p75": q[2], "max": max(values), "pairs": len(values)}
+
+
 def run_vllm_bench(*, preset: str = "small", train: str = "tp=2", tp: int = 1, refits: int = 3,
-                   dtype: str = "float32", bucket_bytes: int = 16 << 20, ceiling_rounds: int = 5,
-                   timeout_s: float = 300.0, log=print) -> dict[str, Any]:
-    """See the module docstring; returns the JSON-ready result."""
+                   dtype: str = "float32", bucket_bytes: int = 16 << 20, executor: str = "mp",
+                   cpu_linear: str = "prepack", timeout_s: float = 300.0, log=print) -> dict[str, Any]:
+    """See the module docstring; returns the JSON-ready result.
+
+    Ceiling and refit are interleaved (one ceiling round right before each refit, in the
+    same processes); ratios are medians of the per-pair ``ceiling_s / refit_s`` over the
+    steady refits (the first, cold one is reported apart).
+    """
+    if refits < 2:
+        from ..errors import ConfigError
+
+        raise ConfigError("bench --engine vllm needs --refits >= 2 (the first refit is cold, reported apart)")
     config = get_preset(preset)
     spec = WorldSpec(config=hf_kwargs(config), dtype=dtype, train=train, timeout_s=timeout_s,
                      refit_timeout_s=timeout_s, reshard_options={"bucket_bytes": bucket_bytes})
-    engine = _Engine(spec, tp=tp, log=log)
+    engine = _Engine(spec, tp=tp, log=log, executor=executor)
     try:
-        replies = engine.connect(version=0)
+        replies = engine.connect(version=0, cpu_linear=cpu_linear)
         total = replies[0]["total_bytes"]
-        ceiling_s = engine.ceiling([r["send_bytes"] for r in replies], ceiling_rounds)
-        log(f"gloo ceiling: {total / statistics.median(ceiling_s) / 1e9:.2f} GB/s for {total / 1e6:.1f} MB")
+        send_bytes = [r["send_bytes"] for r in replies]
         rows, ckpt = [], []
         for version in range(1, refits + 1):
-            rows.append(engine.refit(version))
-            log(f"refit {version}: {rows[-1]['seconds']:.3f} s (transfer {rows[-1]['transfer_seconds']:.3f} s, "
-                f"apply {rows[-1]['apply_seconds']:.3f} s)")
+            engine.load(version)
+            ceiling_s = engine.ceiling(send_bytes, 1)[0]
+            row = engine.refit(version, load=False)
+            row.update(ceiling_seconds=ceiling_s, ratio_to_ceiling=ceiling_s / row["seconds"],
+                       transfer_ratio_to_ceiling=ceiling_s / row["transfer_seconds"], cold=version == 1)
+            rows.append(row)
+            log(f"refit {version}: {row['seconds']:.3f} s (transfer {row['transfer_seconds']:.3f} s, "
+                f"apply {row['apply_seconds']:.3f} s); ceiling right before it {ceiling_s:.3f} s: "
+                f"{row['ratio_to_ceiling']:.2f} x{' (cold)' if version == 1 else ''}")
         tokens = engine.tokens()
         match = tokens == greedy_tokens(hf_model(spec, refits), PROMPTS, 8)
+        generate_s = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            engine.tokens()
+            generate_s.append(time.perf_counter() - t0)
         for i in range(refits):
             ckpt.append(engine.checkpoint_round(refits + 1 + i))
             log(f"checkpoint round {i + 1}: save {ckpt[-1]['save_seconds']:.3f} s + vLLM reload "
@@ -190,20 +226,28 @@ def run_vllm_bench(*, preset: str = "small", train: str = "tp=2", tp: int = 1, r
     finally:
         engine.close()
     med = statistics.median
+    steady = [r for r in rows if not r["cold"]]
+    ceiling_s = [r["ceiling_seconds"] for r in steady]
     ceiling_gbps = total / med(ceiling_s) / 1e9
-    refit_s, transfer_s = med(r["seconds"] for r in rows), med(r["transfer_seconds"] for r in rows)
+    refit_s, transfer_s = med(r["seconds"] for r in steady), med(r["transfer_seconds"] for r in steady)
     ckpt_s = med(c["seconds"] for c in ckpt)
+    ratios = [r["ratio_to_ceiling"] for r in steady]
     return {
         "engine": "vllm", "backend": "policyworker", "transport": "nccl_reshard", "device": "cpu",
         "comm": "gloo", "preset": preset, "dtype": dtype, "train": train, "vllm_tp": tp,
+        "vllm_executor": executor, "cpu_linear": cpu_linear,
         "bytes_per_refit": total, "bucket_bytes": bucket_bytes, "engine_startup_seconds": engine.startup_s,
         "refits": rows, "ceiling_seconds": ceiling_s, "ceiling_gbps": ceiling_gbps,
         "refit_seconds_median": refit_s, "refit_gbps": total / refit_s / 1e9,
         "transfer_seconds_median": transfer_s, "transfer_gbps": total / transfer_s / 1e9,
-        "ratio_to_ceiling": (total / refit_s / 1e9) / ceiling_gbps,
-        "transfer_ratio_to_ceiling": (total / transfer_s / 1e9) / ceiling_gbps,
+        "ratio_to_ceiling": med(ratios), "ratio_spread": _spread(ratios),
+        "ratio_method": "median over steady (ceiling, refit) pairs of ceiling_s / refit_s; one ceiling round "
+                        "right before each refit, same processes; the cold first refit excluded",
+        "transfer_ratio_to_ceiling": med(r["transfer_ratio_to_ceiling"] for r in steady),
+        "cold_refit": rows[0],
         "checkpoint_reload": ckpt, "checkpoint_seconds_median": ckpt_s,
         "speedup_over_checkpoint": ckpt_s / refit_s,
+        "generate_seconds_median": med(generate_s),
         "tokens_match_hf": match, "checkpoint_tokens_match_hf": reload_match,
     }
 

@@ -106,9 +106,15 @@ class VllmStage:
 
     def __init__(self, model: torch.nn.Module, targets: Sequence[Any], *, device: torch.device) -> None:
         self.model = model
+        self.device = device
         self.wire_dtypes: dict[str, str] = {}
         #: Commit by copying into live tensors of unchanged shape (else: install the new ones).
         self.copy_into_live = False
+        #: On CPU: "prepack" runs vLLM's own post-processing of unquantized linear layers
+        #: (oneDNN / sgl prepack: a copy of every weight per commit); "torch" has them read
+        #: the received tensor as is through vLLM's plain ``torch.nn.functional.linear``
+        #: path (its ``_cpu_skip_gemm_dispatch``): the commit is then a swap, no copy.
+        self.cpu_linear = "prepack"
         self.live = 0  # the set that the live layers may reference; refits land in the other
         slots: dict[int, _Slot] = {}
         for mod_name, module in model.named_modules(remove_duplicate=False):
@@ -130,6 +136,8 @@ class VllmStage:
                 raise ConfigError(f"vLLM has no parameter {t.module}.{t.pname}", param=t.need.name)
             slot.targets.append(t)
         self._layers = list({id(m): m for s in self._slots for m, _ in s.owners}.values())
+        # vLLM sets this flag itself on some layers (MLA's kv_b_proj): "prepack" restores it.
+        self._skip_flag = {id(m): m.__dict__.get(_SKIP_FLAG) for m in self._layers}
         self._views = [self._place(k) for k in (0, 1)]
         self._recv = [dict(v) for v in self._views]
 
@@ -218,15 +226,44 @@ class VllmStage:
             for pname, param in module._parameters.items():
                 if param is not None:
                     shadow._parameters[pname] = fresh[id(self._by_owner[(id(module), pname)])]
-            shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
             method = getattr(shadow, "quant_method", None)
-            if isinstance(method, QuantizeMethodBase):
+            if self._as_received(module, shadow, method):
+                pass  # reads the staged tensor as is: nothing to post-process
+            elif isinstance(method, QuantizeMethodBase):
+                shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
                 with torch.no_grad():
                     method.process_weights_after_loading(shadow)
                 if hasattr(shadow, "update_param_tp_status"):
                     shadow.update_param_tp_status()
             layers.append((module, shadow))
         return Prepared(which=k, layers=layers)
+
+    def _as_received(self, module: torch.nn.Module, shadow: torch.nn.Module, method: Any) -> bool:
+        """Set up ``shadow``'s CPU linear path for :attr:`cpu_linear`; True: skip post-processing.
+
+        With ``"torch"``, unquantized linear layers take vLLM's own plain path (the flag
+        its ``process_weights_after_loading`` honours: ``cpu_linear = F.linear`` over the
+        parameter, which it keeps) and unquantized embeddings / ``lm_head`` get the same
+        ``cpu_linear`` without their prepack. Anything quantized is post-processed as usual.
+        """
+        if self.device.type != "cpu":
+            return False
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        if isinstance(method, UnquantizedLinearMethod):
+            orig = self._skip_flag.get(id(module))
+            if self.cpu_linear == "torch":
+                shadow.__dict__[_SKIP_FLAG] = True
+            elif orig is None:
+                shadow.__dict__.pop(_SKIP_FLAG, None)  # the commit drops it from the live layer too
+            else:
+                shadow.__dict__[_SKIP_FLAG] = orig
+            return False
+        if isinstance(method, UnquantizedEmbeddingMethod) and self.cpu_linear == "torch":
+            shadow.cpu_linear = torch.nn.functional.linear
+            return True
+        return False
 
     def commit(self, prepared: Prepared) -> None:
         """Swap a prepared version in (attribute moves only; call after every verdict)."""
@@ -236,6 +273,8 @@ class VllmStage:
                     continue
                 if module.__dict__.get(key, _MISSING) is not value:
                     module.__dict__[key] = value
+            for key in [k for k in module.__dict__ if k not in shadow.__dict__]:
+                del module.__dict__[key]  # what post-processing removed (the copy started as the layer)
             for slot_name in ("_parameters", "_buffers"):
                 live, new = getattr(module, slot_name), getattr(shadow, slot_name)
                 for name, tensor in new.items():
@@ -251,6 +290,7 @@ class VllmStage:
 
 
 _MISSING = object()
+_SKIP_FLAG = "_cpu_skip_gemm_dispatch"
 
 
 def _same_kind(old: torch.Tensor | None, new: torch.Tensor | None) -> bool:
