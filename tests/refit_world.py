@@ -44,6 +44,7 @@ class RefitSpec:
     timeout_s: float = 60.0
     refit_timeout_s: float | None = None
     fault: dict[str, Any] | None = None
+    kv_scales_entries: int = 1  # kv scales per refit (hundreds: past the verdict's inline bytes)
 
     @property
     def train_par(self) -> Parallelism:
@@ -134,7 +135,7 @@ def _trainer(rank: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
             if rank == 0:
                 _inject(w, spec, version)
             try:
-                rep = await w.nccl_reshard_refit(kv_scales={"layer0.k": 0.5 * version},
+                rep = await w.nccl_reshard_refit(kv_scales=kv_scales(spec, version),
                                                  refit_timeout_s=spec.refit_timeout_s)
                 out["outcomes"].append({"ok": True, "version": rep.version, "bytes": rep.bytes,
                                         "seconds": rep.seconds, "peak_extra_bytes": rep.peak_extra_bytes})
@@ -145,6 +146,13 @@ def _trainer(rank: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
         return out
 
     return asyncio.run(main())
+
+
+def kv_scales(spec: RefitSpec, version: int) -> dict[str, float]:
+    """The kv scales trainer rank 0 sends with refit ``version``."""
+    if spec.kv_scales_entries == 1:
+        return {"layer0.k": 0.5 * version}
+    return {f"model.layers.{i}.self_attn.k_scale": 0.5 * version + i for i in range(spec.kv_scales_entries)}
 
 
 def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import pytest
 
 from policyworker.cli.procs import free_port, run_world
 
-from .refit_world import RefitSpec, refit_rank
+from .refit_world import RefitSpec, kv_scales, refit_rank
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,7 +34,7 @@ def _run_ok(preset, train, gen, **kw):
         assert [o["version"] for o in outs] == list(range(1, spec.refits + 1))
         assert r["weight_version"] == spec.refits
         assert all(o["bytes"] == r["recv_expected"] for o in outs)  # exactly its shard's bytes
-        assert [o["kv_scales"] for o in outs] == [{"layer0.k": 0.5 * v} for v in range(1, spec.refits + 1)]
+        assert [o["kv_scales"] for o in outs] == [kv_scales(spec, v) for v in range(1, spec.refits + 1)]
     return results
 
 
@@ -48,6 +48,11 @@ def _run_ok(preset, train, gen, **kw):
 )
 def test_refits_land_bit_exact(train, gen):
     _run_ok("tiny", train, gen)
+
+
+def test_kv_scales_past_the_verdicts_inline_bytes_arrive_as_their_own_message():
+    # 300 scales: ~12 KB of msgpack, more than the answer carries inline (4 KiB)
+    _run_ok("tiny", "tp=2", "tp=2", kv_scales_entries=300)
 
 
 def test_small_buckets_many_in_flight_and_checksums():

@@ -2,8 +2,8 @@
 
 Over the update group (``model_update_group``), as point-to-point messages in a
 star: every rank sends its verdict to rank 0, which answers each with (failures,
-version, kv-scales length, lost peers) and the kv-scales (msgpack bytes, never
-pickle). Each hop's messages are posted at once (one ``batch_isend_irecv``), so the
+version, kv-scales length, lost peers) with the kv-scales inline (msgpack bytes,
+never pickle; a fixed-size answer, so one receive gets both). Each hop's messages are posted at once (one ``batch_isend_irecv``), so the
 round costs two hops' latency, not one per rank.
 """
 
@@ -29,6 +29,11 @@ _KV_DECODER = msgspec.msgpack.Decoder(KvScales)
 
 
 _TAG_VERDICT, _TAG_OUTCOME, _TAG_SCALES = 1 << 20, (1 << 20) + 1, (1 << 20) + 2
+# The answer is a fixed-size message: the 4-int64 outcome, then kv scales of up to this
+# many bytes inline — so a receiver posts one receive and learns the outcome and the
+# scales in the same hop (larger scales follow as their own message, one more hop).
+_INLINE_BYTES = 4096
+_ANSWER_BYTES = 32 + _INLINE_BYTES
 
 
 def exchange_leftovers(group, *, is_source: bool, kv_scales: Mapping[str, float] | None, deadline: float,
@@ -72,8 +77,13 @@ def exchange_leftovers(group, *, is_source: bool, kv_scales: Mapping[str, float]
             for i in got:
                 outcome[0] += rows[i][0]
                 outcome[3] += rows[i][3]
-        answer = outcome.to(dev)
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev) if payload else None
+        inline = len(payload) <= _INLINE_BYTES
+        row = bytearray(_ANSWER_BYTES)
+        row[:32] = outcome.numpy().tobytes()
+        if inline:
+            row[32:32 + len(payload)] = payload
+        answer = torch.frombuffer(row, dtype=torch.uint8).to(dev)
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(dev) if payload and not inline else None
         ops = [("send", answer, p, _TAG_OUTCOME) for p in reachable]
         ops += [("send", buf, p, _TAG_SCALES) for p in reachable] if buf is not None else []
         owners = reachable + (reachable if buf is not None else [])
@@ -85,21 +95,23 @@ def exchange_leftovers(group, *, is_source: bool, kv_scales: Mapping[str, float]
                 gone.add(peer)  # gone since it answered: its own error tells it
         outcome[3] += len(gone)
     else:
-        answer = torch.zeros(4, dtype=torch.int64, device=dev)
+        answer = torch.zeros(_ANSWER_BYTES, dtype=torch.uint8, device=dev)
         sent, received = group.batch_isend_irecv([("send", mine.to(dev), 0, _TAG_VERDICT),
                                                   ("recv", answer, 0, _TAG_OUTCOME)])
         group.wait(received, deadline=deadline, what="verdict answer")
         group.wait(sent, deadline=deadline, what="verdict gather")
-        outcome = group.read(answer, deadline=deadline, what="verdict answer")
+        row = group.read(answer, deadline=deadline, what="verdict answer")
+        outcome = row[:32].view(torch.int64)
     failures, version, length, lost_count = (int(x) for x in outcome.tolist())
     scales = None
     if length:
         if group.rank == 0:
             scales = dict(kv_scales) if kv_scales is not None else {}
+        elif length - 1 <= _INLINE_BYTES:
+            scales = _KV_DECODER.decode(bytes(row[32:32 + length - 1].numpy())).scales
         else:
             buf = torch.empty(length - 1, dtype=torch.uint8, device=dev)
-            if buf.numel():
-                group.wait(group.irecv(buf, 0, _TAG_SCALES), deadline=deadline, what="kv scales")
+            group.wait(group.irecv(buf, 0, _TAG_SCALES), deadline=deadline, what="kv scales")
             host = group.read(buf, deadline=deadline, what="kv scales")
             scales = _KV_DECODER.decode(bytes(host.numpy())).scales
     return scales, version, failures, lost_count
