@@ -333,7 +333,7 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
         rebuilds the groups. The connect checks manifests and exchanges buffers, so a
         bad pairing fails here, not in the first refit.
         """
-        from .transports.sglang_ipc import EngineLayout
+        from .transports.sglang_groups import EngineLayout
 
         EngineLayout.build(engine_gpu_counts, engine_gpu_offsets, self.world_size)
         if self.model_update_group is None:
