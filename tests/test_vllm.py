@@ -102,16 +102,18 @@ def test_version_not_newer_than_served_is_refused_before_a_byte_moves(world):
 
 
 @pytest.mark.timeout(240)
-def test_cpu_linear_torch_reads_the_received_tensors_then_prepack_again(world):
+def test_cpu_linear_torch_and_background_then_prepack_again(world):
     # cpu_linear="torch": vLLM's plain F.linear path reads the received tensors as they
-    # are (the commit is a swap, no prepack); tokens must still be HF's. Then back to
-    # vLLM's default prepacked kernels on the same engine: still HF's.
+    # are (the commit is a swap, no prepack); "background": the same at commit, then
+    # vLLM's prepack runs on a background thread (tokens taken right after the commit
+    # may run on either path); tokens must still be HF's. Then back to vLLM's default
+    # prepacked kernels on the same engine: still HF's.
     _served_at_least_v1(world)
     with pytest.raises(Exception, match=r"init_info.cpu_linear must be"):
         world.llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "update_port": 1,
                                                               "stage_ports": [2], "trainers_per_stage": [2],
                                                               "cpu_linear": "onednn"}})
-    for mode in ("torch", "torch", "prepack"):
+    for mode in ("torch", "torch", "background", "background", "prepack"):
         v = world.version
         replies = world.connect(version=v, cpu_linear=mode)
         assert all(r["ok"] for r in replies), replies

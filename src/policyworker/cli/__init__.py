@@ -169,9 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-executor", choices=["mp", "uni"], default="mp",
                    help="--engine vllm: vLLM's executor: mp (its default: an engine-core process) or uni "
                         "(the worker in this process; tp=1)")
-    p.add_argument("--vllm-cpu-linear", choices=["prepack", "torch"], default="prepack",
+    p.add_argument("--vllm-cpu-linear", choices=["prepack", "torch", "background"], default="prepack",
                    help="--engine vllm: init_info.cpu_linear (prepack: vLLM's oneDNN kernels, a prepack per "
-                        "commit; torch: its plain F.linear path reads the received tensors)")
+                        "commit; torch: its plain F.linear path reads the received tensors; background: torch "
+                        "at commit, then prepacked on a background thread)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="zmq: where the pair runs (default: cuda if present)")
     p.add_argument("--preset", default="small")
     p.add_argument("--train", default="tp=2,pp=2")

@@ -237,17 +237,19 @@ class PolicyworkerInitInfo(WeightTransferInitInfo):
     #: graphs and compiled models need), ``"auto"``: swap only for eager models on CPU.
     commit: str = "auto"
     #: CPU only: ``"prepack"`` (vLLM's default kernels: each commit runs its oneDNN / sgl
-    #: prepack, a copy of every linear weight) or ``"torch"`` (vLLM's plain
+    #: prepack, a copy of every linear weight), ``"torch"`` (vLLM's plain
     #: ``torch.nn.functional.linear`` path, which reads the received tensors as they are:
-    #: the commit is a swap). No effect on GPU, where unquantized layers read the
-    #: parameter as is anyway.
+    #: the commit is a swap) or ``"background"`` (served as with "torch" at commit, then
+    #: prepacked layer by layer on a background thread). No effect on GPU, where
+    #: unquantized layers read the parameter as is anyway.
     cpu_linear: str = "prepack"
 
     def __post_init__(self) -> None:
         if self.commit not in ("auto", "swap", "copy"):
             raise ConfigError(f"init_info.commit must be 'auto', 'swap' or 'copy', got {self.commit!r}")
-        if self.cpu_linear not in ("prepack", "torch"):
-            raise ConfigError(f"init_info.cpu_linear must be 'prepack' or 'torch', got {self.cpu_linear!r}")
+        if self.cpu_linear not in ("prepack", "torch", "background"):
+            raise ConfigError(f"init_info.cpu_linear must be 'prepack', 'torch' or 'background', "
+                              f"got {self.cpu_linear!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError(f"init_info.host must be a non-empty string, got {self.host!r}")
         n = len(self.stage_ports)
@@ -521,6 +523,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
                 logger.warning("policyworker: closing the old groups failed: %s", exc)
 
     def shutdown(self) -> None:
+        if self._stage is not None:
+            self._stage.prepack.stop()
         self._close_worker()
         if self._loop is not None:
             self._loop.close()

@@ -48,10 +48,21 @@ def hf_kwargs(config: ModelConfig) -> dict[str, Any]:
                 rope_theta=config.rope_theta, max_position_embeddings=512, initializer_range=0.2)
 
 
+def _await_background_prepack(worker: Any, timeout_s: float = 60.0) -> int:
+    """Run in each vLLM worker (``collective_rpc``): wait for the background prepack; layers it installed."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    stage = getattr(engine, "_stage", None)
+    if stage is None:
+        return 0
+    if not stage.prepack.wait(timeout_s):
+        raise TimeoutError(f"the background prepack did not finish in {timeout_s} s")
+    return stage.prepack.installed
+
+
 class _Engine:
     """The controller's side: the LLM plus the trainer pool."""
 
-    def __init__(self, spec: WorldSpec, *, tp: int, log, executor: str = "mp") -> None:
+    def __init__(self, spec: WorldSpec, *, tp: int, log, executor: str = "mp", cpu_linear: str = "prepack") -> None:
         from ..errors import ConfigError
 
         if executor not in ("mp", "uni") or (executor == "uni" and tp != 1):
@@ -66,7 +77,11 @@ class _Engine:
             # 2-core host that takes a core away from the refit for its whole duration.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             extra["distributed_executor_backend"] = "uni"
-        self.spec, self.tp, self.log, self.executor = spec, tp, log, executor
+        if cpu_linear == "background" and executor == "mp":
+            # The bench waits for each background prepack before its next ceiling round
+            # (collective_rpc with a function: vLLM's mp executor pickles it only then).
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        self.spec, self.tp, self.log, self.executor, self.cpu_linear = spec, tp, log, executor, cpu_linear
         self.dir = tempfile.mkdtemp(prefix="policyworker-vllm-")
         self.path = os.path.join(self.dir, "model")
         save_hf_model(spec, 0, self.path)
@@ -88,6 +103,12 @@ class _Engine:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
+
+    def settle(self) -> list[int] | None:
+        """``cpu_linear="background"``: wait until every rank's prepack ended; layers installed per rank."""
+        if self.cpu_linear != "background":
+            return None
+        return list(self.llm.collective_rpc(_await_background_prepack, kwargs={"timeout_s": 60.0}))
 
     def connect(self, version: int, **init: Any) -> list[dict[str, Any]]:
         info = {**self.pool.connect(gen_world_size=self.tp, version=version), **init}
@@ -195,7 +216,7 @@ def run_vllm_bench(*, preset: str = "small", train: str = "tp=2", tp: int = 1, r
     config = get_preset(preset)
     spec = WorldSpec(config=hf_kwargs(config), dtype=dtype, train=train, timeout_s=timeout_s,
                      refit_timeout_s=timeout_s, reshard_options={"bucket_bytes": bucket_bytes})
-    engine = _Engine(spec, tp=tp, log=log, executor=executor)
+    engine = _Engine(spec, tp=tp, log=log, executor=executor, cpu_linear=cpu_linear)
     try:
         replies = engine.connect(version=0, cpu_linear=cpu_linear)
         total = replies[0]["total_bytes"]
@@ -205,6 +226,10 @@ def run_vllm_bench(*, preset: str = "small", train: str = "tp=2", tp: int = 1, r
             engine.load(version)
             ceiling_s = engine.ceiling(send_bytes, 1)[0]
             row = engine.refit(version, load=False)
+            t0 = time.perf_counter()
+            installed = engine.settle()
+            if installed is not None:  # after the refit was timed: vLLM served the new weights already
+                row.update(background_prepack_layers=installed, background_prepack_wait_seconds=time.perf_counter() - t0)
             row.update(ceiling_seconds=ceiling_s, ratio_to_ceiling=ceiling_s / row["seconds"],
                        transfer_ratio_to_ceiling=ceiling_s / row["transfer_seconds"], cold=version == 1)
             rows.append(row)
@@ -213,6 +238,7 @@ def run_vllm_bench(*, preset: str = "small", train: str = "tp=2", tp: int = 1, r
                 f"{row['ratio_to_ceiling']:.2f} x{' (cold)' if version == 1 else ''}")
         tokens = engine.tokens()
         match = tokens == greedy_tokens(hf_model(spec, refits), PROMPTS, 8)
+        engine.settle()
         generate_s = []
         for _ in range(3):
             t0 = time.perf_counter()

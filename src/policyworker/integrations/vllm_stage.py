@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, PlanMismatch
+from .vllm_prepack import BackgroundPrepack
 
 __all__ = ["Prepared", "VllmStage"]
 
@@ -68,6 +69,9 @@ class Prepared:
 
     which: int
     layers: list[tuple[torch.nn.Module, torch.nn.Module]]
+    #: ``cpu_linear="background"``: live layers to prepack after the commit (vLLM's own skip
+    #: flag; whether vLLM drops the weight once packed)
+    background: list[tuple[torch.nn.Module, bool | None, bool]] = field(default_factory=list)
 
 
 def _loaded_form(module: torch.nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
@@ -113,8 +117,11 @@ class VllmStage:
         #: On CPU: "prepack" runs vLLM's own post-processing of unquantized linear layers
         #: (oneDNN / sgl prepack: a copy of every weight per commit); "torch" has them read
         #: the received tensor as is through vLLM's plain ``torch.nn.functional.linear``
-        #: path (its ``_cpu_skip_gemm_dispatch``): the commit is then a swap, no copy.
+        #: path (its ``_cpu_skip_gemm_dispatch``): the commit is then a swap, no copy;
+        #: "background": served as with "torch", then prepacked layer by layer after the
+        #: commit (:mod:`.vllm_prepack`).
         self.cpu_linear = "prepack"
+        self.prepack = BackgroundPrepack()
         self.live = 0  # the set that the live layers may reference; refits land in the other
         slots: dict[int, _Slot] = {}
         for mod_name, module in model.named_modules(remove_duplicate=False):
@@ -218,7 +225,7 @@ class VllmStage:
         # A fresh wrapper per refit (one per parameter, so tied layers still share it):
         # post-processing may rebind its .data (sgl: bias -> float32), never the staging.
         fresh = {id(s): _wrap(s.sets[k], s.sets[k]) for s in self._slots}
-        layers = []
+        layers, background = [], []
         for module in self._layers:
             shadow = copy.copy(module)
             for slot_name in _MODULE_SLOTS:
@@ -227,8 +234,11 @@ class VllmStage:
                 if param is not None:
                     shadow._parameters[pname] = fresh[id(self._by_owner[(id(module), pname)])]
             method = getattr(shadow, "quant_method", None)
-            if self._as_received(module, shadow, method):
-                pass  # reads the staged tensor as is: nothing to post-process
+            as_is = self._as_received(module, shadow, method)
+            if as_is and self.cpu_linear == "background":
+                background.append((module, self._skip_flag.get(id(module)), not _is_embedding(method)))
+            if as_is:
+                pass  # reads the staged tensor as is: nothing to post-process now
             elif isinstance(method, QuantizeMethodBase):
                 shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
                 with torch.no_grad():
@@ -236,42 +246,59 @@ class VllmStage:
                 if hasattr(shadow, "update_param_tp_status"):
                     shadow.update_param_tp_status()
             layers.append((module, shadow))
-        return Prepared(which=k, layers=layers)
+        return Prepared(which=k, layers=layers, background=background)
 
     def _as_received(self, module: torch.nn.Module, shadow: torch.nn.Module, method: Any) -> bool:
-        """Set up ``shadow``'s CPU linear path for :attr:`cpu_linear`; True: skip post-processing.
+        """Set up ``shadow``'s CPU linear path for :attr:`cpu_linear`; True: read as received.
 
-        With ``"torch"``, unquantized linear layers take vLLM's own plain path (the flag
-        its ``process_weights_after_loading`` honours: ``cpu_linear = F.linear`` over the
-        parameter, which it keeps) and unquantized embeddings / ``lm_head`` get the same
-        ``cpu_linear`` without their prepack. Anything quantized is post-processed as usual.
+        With ``"torch"`` and ``"background"``, unquantized linear layers and embeddings
+        (``lm_head``) get vLLM's own plain ``cpu_linear = F.linear`` over the staged
+        parameter, which they keep, and are not post-processed now (``"background"``
+        prepacks them after the commit). Layers vLLM would pack with its sgl / zentorch
+        kernels, and anything quantized, are post-processed as usual; with
+        ``"prepack"`` every layer is.
         """
         if self.device.type != "cpu":
             return False
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-        if isinstance(method, UnquantizedLinearMethod):
-            orig = self._skip_flag.get(id(module))
-            if self.cpu_linear == "torch":
-                shadow.__dict__[_SKIP_FLAG] = True
-            elif orig is None:
-                shadow.__dict__.pop(_SKIP_FLAG, None)  # the commit drops it from the live layer too
-            else:
-                shadow.__dict__[_SKIP_FLAG] = orig
+        orig = self._skip_flag.get(id(module))
+        if orig is None:
+            shadow.__dict__.pop(_SKIP_FLAG, None)  # the commit drops it from the live layer too
+        else:
+            shadow.__dict__[_SKIP_FLAG] = orig
+        if self.cpu_linear == "prepack" or not isinstance(method, (UnquantizedLinearMethod,
+                                                                   UnquantizedEmbeddingMethod)):
             return False
-        if isinstance(method, UnquantizedEmbeddingMethod) and self.cpu_linear == "torch":
-            shadow.cpu_linear = torch.nn.functional.linear
-            return True
-        return False
+        weight = shadow._parameters.get("weight")
+        if weight is None or weight.dim() != 2 or _own_cpu_kernel(weight):
+            return False
+        shadow.__dict__["cpu_linear"] = torch.nn.functional.linear
+        if isinstance(method, UnquantizedLinearMethod):
+            shadow.__dict__[_SKIP_FLAG] = True  # vLLM's own reload takes the plain path too, until repacked
+        return True
 
     def commit(self, prepared: Prepared) -> None:
         """Swap a prepared version in (attribute moves only; call after every verdict)."""
+        retired: list[Any] = []
+        with self.prepack.lock:
+            self.prepack.supersede()  # a background run of the previous version installs nothing more
+            self._swap(prepared, retired)
+        if prepared.background:
+            # The replaced kernels (oneDNN handles: freeing one unmaps its packed weight) are
+            # dropped by the background thread, at its low priority, not on the refit's road.
+            self.prepack.start(prepared.background, retired)
+
+    def _swap(self, prepared: Prepared, retired: list[Any]) -> None:
         for module, shadow in prepared.layers:
             for key, value in shadow.__dict__.items():
                 if key in _MODULE_SLOTS:
                     continue
-                if module.__dict__.get(key, _MISSING) is not value:
+                old = module.__dict__.get(key, _MISSING)
+                if old is not value:
+                    if old is not _MISSING:
+                        retired.append(old)
                     module.__dict__[key] = value
             for key in [k for k in module.__dict__ if k not in shadow.__dict__]:
                 del module.__dict__[key]  # what post-processing removed (the copy started as the layer)
@@ -291,6 +318,20 @@ class VllmStage:
 
 _MISSING = object()
 _SKIP_FLAG = "_cpu_skip_gemm_dispatch"
+
+
+def _is_embedding(method: Any) -> bool:
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    return isinstance(method, UnquantizedEmbeddingMethod)
+
+
+def _own_cpu_kernel(weight: torch.Tensor) -> bool:
+    """True where vLLM packs this weight with its sgl or zentorch kernels (not oneDNN)."""
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+    from vllm.platforms import current_platform
+
+    return current_platform.is_zen_cpu() or check_cpu_sgl_kernel(weight.shape[0], weight.shape[1], weight.dtype)
 
 
 def _same_kind(old: torch.Tensor | None, new: torch.Tensor | None) -> bool:
