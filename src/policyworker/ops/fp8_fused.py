@@ -238,10 +238,11 @@ class FusedLaunch:
     def launch(self, variant, sms: int, block: int) -> None:
         grid = (max(1, min(self.ntiles, variant.grid * sms)),)
         q_f32 = self.q0.dtype == torch.float32
+        extra = {"maxnreg": variant.maxnreg} if variant.maxnreg and self.tiles.device.type == "cuda" else {}
         _fused_kernel[grid](self.tiles, self.ntiles, self.src0, self.q0, self.c0, self.s0, BLOCK=block,
                             DST_ALIGN=16 // self.q0.element_size(), FAST_DIV=variant.fast_div, STREAM=variant.stream,
                             STAGES=variant.stages, PREFETCH=variant.prefetch, Q_F32=q_f32,
-                            num_warps=variant.num_warps, num_stages=variant.stages)
+                            num_warps=variant.num_warps, num_stages=variant.stages, **extra)
 
 
 def _at(t: torch.Tensor, dtype: torch.dtype, addr: int) -> torch.Tensor:
