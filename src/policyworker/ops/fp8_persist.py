@@ -7,9 +7,11 @@ walk the tile table; the next tile's bytes are requested before the current one 
 reduced, either by Triton's software pipeliner (``tl.range(num_stages=...)``) or by
 an explicit register double buffer (``prefetch``). Full, 16-byte-aligned tiles go
 through this unmasked path with their row strides as compile-time constants (one
-launch per distinct pair of strides, a handful per model); partial tiles (N or K
-not a multiple of 128) and unaligned views go through a small masked launch, one
-tile per program.
+launch per distinct pair of strides, a handful per model: the *grouped* layout) or,
+by default (``PersistVariant.fused``), through one launch whose strides are read per
+tile and which also makes the refit's plain copies (:mod:`.fp8_fused`); partial tiles
+(N or K not a multiple of 128) and unaligned views go through a small masked launch,
+one tile per program.
 
 Arithmetic: that of :func:`policyworker.layout.fp8_pack.quantize_reference`:
 ``amax = max |x|`` with NaN propagating (a block holding a NaN gets ``s = 1``, as
