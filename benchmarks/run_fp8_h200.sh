@@ -13,7 +13,7 @@ OUT=${1:-out}
 mkdir -p "$OUT"
 source benchmarks/device_env.sh
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-if [ "${SWEEP:-0}" = 1 ]; then KARGS="--budget-s 65"; KT=130; else KARGS="--short --budget-s 45"; KT=90; fi
+if [ "${SWEEP:-0}" = 1 ]; then KARGS="--budget-s 65"; KT=130; else KARGS="--short --budget-s 35"; KT=90; fi
 timeout $KT python3 benchmarks/bench_fp8_kernel.py $KARGS --json "$OUT/fp8_kernel_h200.json" > "$OUT/fp8_kernel_h200.log" 2>&1
 echo "kernel bench rc=$? (t=${SECONDS}s)"
 # per variant: ms and exactness (kernel alone); then the copies rows; errors: their last 4 lines
@@ -43,7 +43,7 @@ BEST=$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d.get(
 # KERNEL (the caller's), else the kernel bench's best with copies, else empty: the library default
 KERNEL=${KERNEL:-${BEST:-}}
 echo "zmq bench kernel: ${KERNEL:-library default}"
-timeout 75 python3 benchmarks/bench_fp8_zmq.py --preset "${PRESET:-qwen3-8b}" --device cuda --refits "${REFITS:-7}" --kernel "${KERNEL:-}" \
+timeout 70 python3 benchmarks/bench_fp8_zmq.py --preset "${PRESET:-qwen3-8b}" --device cuda --refits "${REFITS:-7}" --kernel "${KERNEL:-}" \
   --json "$OUT/fp8_zmq_h200.json" > "$OUT/fp8_zmq_h200.log" 2>&1
 echo "bench rc=$? (t=${SECONDS}s)"
 python3 - "$OUT/fp8_zmq_h200.json" <<'PY'
@@ -57,5 +57,5 @@ print(json.dumps({k: d.get(k) for k in ("kernel", "bytes", "seconds", "trainer_s
                                         "first_refit_notes")}, indent=1))
 PY
 tail -5 "$OUT/fp8_zmq_h200.log"
-timeout 75 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_fp8_gpu.py 2>&1 | tee "$OUT/fp8_gpu_tests.log" | tail -25
+timeout 85 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_fp8_gpu.py 2>&1 | tee "$OUT/fp8_gpu_tests.log" | tail -25
 echo "total ${SECONDS}s"
