@@ -262,7 +262,8 @@ def build(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], copie
         return None, [None] * len(jobs), list(copies)
     live = [j for j in jobs if j[0].numel()]
     bf16 = [j for j in live if j[0].dtype == torch.bfloat16]
-    qbase = bf16[0][1] if bf16 else None
+    # every base 16-byte aligned, as the offsets in 16-byte units from it must be exact
+    qbase = next((j[1] for j in bf16 if j[1].data_ptr() % 16 == 0), None)
     sbase = min((j[2] for j in bf16), key=lambda s: s.data_ptr()) if bf16 else None
     cand = [(a, b) for a, b in copies if a.numel() and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0]
     srcs = [j[0] for j in bf16 if j[0].data_ptr() % 16 == 0] + [a for a, _ in cand]
