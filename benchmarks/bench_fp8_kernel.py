@@ -2,12 +2,18 @@
 fp8 + scales, every launch variant, against a flat device copy of the same bf16 bytes,
 same run.
 
-``PYTHONPATH=src python benchmarks/bench_fp8_kernel.py --json out.json``
+``PYTHONPATH=src python benchmarks/bench_fp8_kernel.py [--short] --json out.json``
 
 Variants: the one-tile-per-program kernel (``kernel=tile``: warps per tile, IEEE
 division per element or reciprocal + corrections, streaming cache hints) and the
 persistent one (``kernel=persist``: warps, register prefetch or ``tl.range``
-pipelining depth, programs per SM, division, hints). Times with CUDA events, median
+pipelining depth, programs per SM, division, hints, ``fused``: one launch with
+per-tile strides that also takes copy tiles, or one launch per stride pair, and the
+fused launch's register cap). ``--short``: the default and a few neighbours. With
+the preset's bf16 copies (``with_bf16_copies``): copies alone, kernel alone, copies
+first then the kernel, kernel first, and *kernel with copy tiles (copies + quantize
+in one launch)* per fused variant, whose copies are checked bit for bit too;
+``best_with_copies`` names the fastest way for a refit. Times with CUDA events, median
 of ``--reps`` after a warm-up; GB/s count bytes read plus bytes written. Every
 variant's output (poisoned first) is checked bit for bit against the plain-torch band
 quantizer on *all* the model's bytes. ``best`` names the fastest exact variant
@@ -102,10 +108,23 @@ def _tile(warps: int, fast: bool, stream: bool = False) -> tuple[str, dict]:
 
 
 def _persist_group(warps: int, stages: int, prefetch: bool, fast: bool = True, stream: bool = False,
-                   grids: tuple[int, ...] = (1, 2, 4)) -> list[PersistVariant]:
-    """Variants sharing one compile (the grid is a launch setting only)."""
-    return [PersistVariant(num_warps=warps, stages=stages, prefetch=prefetch, grid=g, fast_div=fast, stream=stream)
-            for g in grids]
+                   grids: tuple[int, ...] = (1, 2, 4), fused: bool = True) -> list[PersistVariant]:
+    """Variants sharing one compile (the grid is a launch setting only). The register
+    cap (two 8-warp programs per SM) only for 8 warps: 4 warps need more, 16 fewer."""
+    return [PersistVariant(num_warps=warps, stages=stages, prefetch=prefetch, grid=g, fast_div=fast, stream=stream,
+                           fused=fused, maxnreg=128 if warps == 8 else 0) for g in grids]
+
+
+def short() -> list[list]:
+    """``--short``: the library default and its nearest neighbours, for a device call
+    that also runs the zmq bench: the fused launch (per-tile strides, copy tiles) with
+    and without its register cap, pipelined instead of prefetched, at 16 warps, and the
+    grouped launch (constant strides; copies through torch) that was the default before.
+    The two defaults first: the budget cuts from the end."""
+    return [[PersistVariant(), PersistVariant(grid=2)],
+            [PersistVariant(fused=False), PersistVariant(fused=False, grid=2)],
+            [PersistVariant(maxnreg=0)], [PersistVariant(prefetch=False, stages=3, maxnreg=0)],
+            [PersistVariant(num_warps=16, maxnreg=0, grid=2)]]
 
 
 def sweep() -> list[list]:
@@ -123,28 +142,35 @@ def sweep() -> list[list]:
         _persist_group(16, 3, False, stream=True, grids=(1, 2)), _persist_group(8, 1, True, stream=True, grids=(2, 4)),
         _persist_group(16, 3, False, fast=False, grids=(2,)), _persist_group(8, 1, True, fast=False, grids=(2,)),
         [_tile(16, True)], [_tile(32, False)], [_tile(16, False, stream=True)],
+        _persist_group(8, 1, True, grids=(2, 6), fused=False), _persist_group(4, 1, True, grids=(8,), fused=False),
     ]
     return groups
 
 
-def _overlap(prog, best: str, ns, dev: torch.device) -> dict:
-    """The best variant next to the refit's unquantized bf16 copies (the preset's
-    embeddings, lm_head and norms), as the zmq pull issues them: copies alone,
-    kernel alone, both with the copies issued first (the fence: the pull's order),
-    both with the kernel issued first."""
-    from policyworker.models import param_specs as specs
-
-    fp8_triton.configure_from_string(best)
+def _configure(prog, name: str) -> None:
+    """Point ``prog`` at variant ``name`` (its tables stay; a fused layout is built on first use)."""
+    fp8_triton.configure_from_string(name)
     prog.kernel = fp8_triton.KERNEL
     if prog.kernel == "persist":
         prog.persist.variant = fp8_triton.PERSIST
     else:
         prog.num_warps, prog.fast_div, prog.stream = fp8_triton.NUM_WARPS, fp8_triton.FAST_DIV, fp8_triton.STREAM
-    from policyworker.layout.fp8 import Fp8Target
 
+
+def _overlap(prog, best: str, fused: list[str], jobs, ns, dev: torch.device) -> dict:
+    """The refit's unquantized bf16 copies (the preset's embeddings, lm_head and norms,
+    random 16-bit patterns) next to the kernel, as the zmq pull issued them before copy
+    tiles (variant ``best``): copies alone, kernel alone, copies issued first then the
+    kernel on its side stream (the fence), kernel first. Then, per fused variant, one
+    program with those copies as copy tiles (copies + quantize in one launch; what it
+    leaves to torch is in the timed call too), its copies checked bit for bit."""
+    from policyworker.layout.fp8 import Fp8Target
+    from policyworker.models import param_specs as specs
+
+    _configure(prog, best)
     rest = [s for n, (s, _) in specs(get_preset(ns.preset), torch.bfloat16).items() if not Fp8Target().targets(n)]
-    pairs = [(torch.ones(s, dtype=torch.bfloat16, device=dev), torch.empty(s, dtype=torch.bfloat16, device=dev))
-             for s in rest]
+    pairs = [(torch.randint(-(2**15), 2**15, s, dtype=torch.int16, device=dev).view(torch.bfloat16),
+              torch.empty(s, dtype=torch.bfloat16, device=dev)) for s in rest]
 
     def copies():
         for a, b in pairs:
@@ -160,10 +186,38 @@ def _overlap(prog, best: str, ns, dev: torch.device) -> dict:
         copies()
         torch.cuda.current_stream(dev).wait_stream(fp8_triton._side_stream(dev))
 
-    out = {"copies": len(pairs), "bytes": sum(2 * a.numel() for a, _ in pairs),
+    out = {"variant": best, "copies": len(pairs), "bytes": sum(2 * a.numel() for a, _ in pairs),
            "copies_s": _time(copies, ns.reps), "kernel_s": _time(prog.run, ns.reps),
            "copies_first_s": _time(fenced, ns.reps), "kernel_first_s": _time(kernel_first, ns.reps)}
-    del pairs
+    with_tiles: dict[str, float] = {}
+    exact: dict[str, bool] = {}
+    for name in fused:
+        fp8_triton.configure_from_string(name)
+        one = fp8_triton.QuantProgram(jobs, copies=pairs)
+        left = one.copies_left
+
+        def both(one=one, left=left):  # bound now: nothing here outlives the loop
+            one.fence()
+            for a, b in left:
+                b.copy_(a, non_blocking=True)
+            one.run(fenced=True)
+
+        for _, b in pairs:
+            b.view(torch.int16).fill_(0x7FC1)  # poison: a tile left uncopied shows
+        with_tiles[name] = _time(both, ns.reps)
+        _sync()
+        exact[name] = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in pairs)
+        out.setdefault("copy_tiles", {})[name] = {"copy_bytes": one.copy_bytes, "copies_left": len(left),
+                                                  "launches": one.persist.launches}
+        del one, left, both
+    if with_tiles:
+        out["with_copy_tiles_s"] = with_tiles
+        out["copy_tiles_exact"] = exact
+        ok = [n for n in with_tiles if exact[n]]
+        if ok:
+            pick = min(ok, key=with_tiles.get)
+            out["best_with_copy_tiles"], out["best_with_copy_tiles_s"] = pick, with_tiles[pick]
+    pairs.clear()  # the buffers go; the closures above are done with them
     return out
 
 
@@ -172,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="qwen3-8b")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--budget-s", type=float, default=75.0, help="start no new compile group after this many seconds")
+    p.add_argument("--short", action="store_true", help="only the default and its neighbours (short())")
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
     t_start = time.perf_counter()
@@ -195,10 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         jobs.append((src[off:off + a * b].view(a, b), dst[off:off + a * b].view(a, b).view(torch.float8_e4m3fn),
                      scales[soff:soff + br * bc].view(br, bc)))
         off, soff = off + a * b, soff + br * bc
-    copy_dst = torch.empty_like(src)
+    flat = [torch.empty_like(src)]
     res: dict = {"preset": ns.preset, "tensors": len(jobs), "bf16_bytes": 2 * numel}
-    res["flat_copy_s"] = _time(lambda: copy_dst.copy_(src), ns.reps)
-    del copy_dst
+    res["flat_copy_s"] = _time(lambda: flat[0].copy_(src), ns.reps)
+    flat.clear()  # its 13.9 GB go before the oracle's buffers come
     # The oracle's bytes for the whole model (plain torch, one band of blocks at a time).
     want_q = torch.empty_like(dst)
     want_s = torch.empty_like(scales)
@@ -218,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     exact_of: dict[str, bool] = {}
     errors: dict[str, str] = {}
     skipped: list[str] = []
-    for group in sweep():
+    for group in (short() if ns.short else sweep()):
         names = [g[0] if isinstance(g, tuple) else g.name() for g in group]
         if time.perf_counter() - t_start > ns.budget_s:
             skipped += names
@@ -260,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
             res["best_tile"] = min(old, key=variants.get)
             res["best_tile_s"] = variants[res["best_tile"]]
     if exact and dev.type == "cuda":
-        res["with_bf16_copies"] = _overlap(prog, best, ns, dev)
+        fused = sorted((n for n in exact if "fused=1" in n), key=variants.get)[:4]
+        res["with_bf16_copies"] = ov = _overlap(prog, best, fused, jobs, ns, dev)
+        # what a refit would run: copy tiles in the launch, or the copies first then the kernel
+        res["best_with_copies"] = min([(ov.get("best_with_copy_tiles_s", float("inf")),
+                                        ov.get("best_with_copy_tiles", "")), (ov["copies_first_s"], best)])[1]
     res["flat_copy_gbps"] = 2 * 2 * numel / res["flat_copy_s"] / 1e9
     res["kernel_at_flat_copy_rate_s"] = rw / (res["flat_copy_gbps"] * 1e9)
     res["wall_s"] = round(time.perf_counter() - t_start, 1)

@@ -13,7 +13,10 @@ colocated rollout), one run, the same processes for every mode:
   the trainer's bf16 storage; fp8 + scales written in place).
 
 Times are the rollout's wall clock per refit (from the barrier to its weights being
-usable, quantization included), median of ``--refits`` after one warm-up; both
+usable, quantization included), median of ``--refits`` after one warm-up
+(``rollout_phases_ms``: the same wall clock cut into the pull's phases, from the
+transport's ``state["timing"]`` stamps: to the executor, waiting for the Offer, torch's
+copies issued, the fp8 launch issued, waiting for the GPU, Done -> Commit, return); both
 processes meet at a barrier after every refit too, so the trainer's next "training
 step" (reseeding its weights) never overlaps the rollout's work; the
 trainer's ``stream_weights_via_ipc_zmq`` times ride along. Same run: ``ceiling_s`` is one
@@ -97,6 +100,29 @@ def _check(plan, params, version: int, dev: torch.device, only_fp8: bool = False
     return True
 
 
+# The rollout's pull, phase by phase: (name, stamp it ends at, stamp it starts at);
+# stamps from the transport's state["timing"] (time.perf_counter, this process), plus
+# "t0" (the barrier) and "t1" (weights usable, after the bench's own sync).
+_PHASES = (
+    ("to_transport", "begin", "t0"),  # worker.refit -> the executor's _receive
+    ("offer_wait", "offer", "begin"),  # Ready -> Offer (the trainer's pre-Offer work too)
+    ("program", "program", "offer"),  # handles, the cached copy program
+    ("torch_copies_issue", "copies_issued", "program"),  # fence + the copies torch makes
+    ("launch_issue", "launch_issued", "copies_issued"),  # the fp8 launch (copy tiles in it)
+    ("buckets", "buckets_done", "launch_issued"),  # staged buckets (none here) + the join
+    ("device_wait", "device_done", "buckets_done"),  # polling the GPU's event
+    ("done_commit", "commit", "device_done"),  # Done -> Commit round trip
+    ("return", "t1", "commit"),  # back to the caller: ledger, asyncio, the bench's sync
+    ("start_to_launch_issued", "launch_issued", "t0"),
+)
+
+
+def _phases(t0: float, stamps: dict[str, float], t1: float) -> dict[str, float]:
+    """Per-phase milliseconds of one pull (phases whose stamps are missing are left out)."""
+    st = dict(stamps, t0=t0, t1=t1)
+    return {name: round((st[end] - st[start]) * 1e3, 4) for name, end, start in _PHASES if end in st and start in st}
+
+
 def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
     from policyworker.layout import build_plan
     from policyworker.layout.fp8_pack import QuantJobs
@@ -160,7 +186,8 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
                 rep = await w.update_weights_via_ipc_zmq(refit_timeout_s=a["timeout_s"])
                 _sync(dev)
                 t1 = time.perf_counter()
-                row = {"seconds": t1 - t0, "bytes": rep.bytes, "notes": list(rep.notes)}
+                row = {"seconds": t1 - t0, "bytes": rep.bytes, "notes": list(rep.notes),
+                       "phases_ms": _phases(t0, w._peek_state("zmq").get("timing") or {}, t1)}
                 if mode == "bf16":
                     quant.run()
                     _sync(dev)
@@ -227,6 +254,11 @@ def run(preset: str, device: str, refits: int, timeout_s: float, kernel: str = "
         "bit_exact": {"bf16": r["bf16"][-1]["bit_exact"], "fp8": r["fp8"][-1]["bit_exact"],
                       "bf16_then_quantize": r["bf16"][-1]["quantized_bit_exact"]},
         "notes": {m: rows[-1]["notes"] for m, rows in r.items()},
+        # the rollout's host timeline per refit, median per phase (ms): where the time that
+        # is neither copy nor kernel goes ("device_wait" holds the GPU's work)
+        "rollout_phases_ms": {m: {k: round(med([x["phases_ms"][k] for x in rows if k in x["phases_ms"]]), 4)
+                                  for k in rows[-1]["phases_ms"]} for m, rows in r.items()},
+        "first_refit_notes": {m: rows[0]["notes"] for m, rows in rollout["modes"].items()},
     }
 
 

@@ -1,5 +1,6 @@
 """FP8 on CUDA (issue 16): the Triton kernel against the reference quantizer, bit for
-bit; a quantize-while-pack transfer on the GPU; a colocated zmq fp8 refit over CUDA IPC."""
+bit (with plain copies in the same launch: copy tiles); a quantize-while-pack transfer
+on the GPU; a colocated zmq fp8 refit over CUDA IPC (its bf16 copies in the launch)."""
 
 from __future__ import annotations
 
@@ -40,17 +41,30 @@ def test_triton_kernel_equals_the_oracle_in_one_launch(fast_div):
             s = torch.full((-(-n // B), -(-k // B)), float("nan"), device=dev)
             jobs.append((w, q, s))
             refs.append(quantize_reference(w.cpu()))
-    prog = QuantProgram(jobs)
+    # plain copies in the same launch (copy tiles with the default persistent kernel):
+    # a long run with a short last row and a tail, a strided 2-D region, an unaligned run
+    src = torch.randint(-(2**15), 2**15, (3 << 20,), dtype=torch.int16, device=dev)
+    dst = torch.zeros_like(src)
+    n = (1 << 20) + 3 * 128 + 13
+    grid_s, grid_d = src[2 << 20:].view(1024, 1024), dst[2 << 20:].view(1024, 1024)
+    copies = [(src[:n], dst[:n]), (grid_s[3:900, 16:1000], grid_d[3:900, 16:1000]),
+              (src[n + 1:n + 5001], dst[n + 1:n + 5001])]
+    prog = QuantProgram(jobs, copies=copies)
     prog.fast_div = fast_div
     for _ in range(2):  # a program runs again on new contents
         for w, _, _ in jobs:
             w.mul_(-1)
+        src.bitwise_not_()
         refs = [(rq, rs) for rq, rs in (quantize_reference(w.cpu()) for w, _, _ in jobs)]
         prog.run()
+        for a, b in prog.copies_left:
+            b.copy_(a)
         torch.cuda.synchronize()
         for (w, q, s), (rq, rs) in zip(jobs, refs):
             assert same_bits(q.cpu(), rq), tuple(w.shape)
             assert same_bits(s.cpu(), rs), tuple(w.shape)
+        assert all(torch.equal(a, b) for a, b in copies)
+        assert prog.copy_bytes > 0 and len(prog.copies_left) < len(copies)
 
 
 def test_quantize_while_pack_on_the_gpu_lands_oracle_bits():
@@ -90,6 +104,9 @@ def test_zmq_fp8_refit_over_cuda_ipc(options):
     rollout = results[1]
     assert [o.get("exact") for o in rollout["outcomes"]] == [True, True], rollout["outcomes"]
     assert all(o["bytes"] == rollout["expected_bytes"] for o in rollout["outcomes"])
+    if options.get("flatten"):  # mapped sources: the bf16 copies rode in the quantizing launch
+        fused = [n for o in rollout["outcomes"] for n in o.get("notes", []) if n.startswith("fp8 launch copies")]
+        assert fused and int(fused[0].split()[3]) > 0, rollout["outcomes"]
 
 
 def test_every_kernel_variant_equals_the_oracle_on_the_gpu():

@@ -24,11 +24,22 @@ def test_every_kernel_variant_equals_the_oracle_in_the_interpreter():
                          env=env, capture_output=True, text=True, timeout=200)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert lines, out.stdout[-2000:] + out.stderr[-4000:]
-    res = json.loads(lines[-1])
-    assert {k.split(",")[0] for k in res} == {"kernel=tile", "kernel=persist"} and len(res) >= 6, res
+    got = json.loads(lines[-1])
+    res, cov = got["variants"], got["copies"]
+    assert {k.split(",")[0] for k in res} == {"kernel=tile", "kernel=persist"} and len(res) >= 7, res
     # null: a fast_div variant that an interpreter without a fused fma (Triton 3.6's) cannot check
     assert all(v is True or (v is None and "fast_div=1" in k) for k, v in res.items()), res
     assert any(v is True for k, v in res.items() if k.startswith("kernel=persist")), res
+    # True means the quantized bytes *and* the plain copies of the same program landed bit
+    # for bit; the fused variants made some copies as copy tiles (some checked, not null),
+    # the others left every copy to torch
+    fused = [k for k in cov if "fused=1" in k]
+    assert fused and any(res[k] is True for k in fused), (res, cov)
+    for k, c in cov.items():
+        if k in fused:
+            assert c["copy_bytes"] > 0 and 0 < c["copies_left"] < c["copies"], (k, c)
+        else:
+            assert c["copy_bytes"] == 0 and c["copies_left"] == c["copies"], (k, c)
     assert out.returncode == 0, out.stderr[-2000:]
 
 
@@ -38,10 +49,14 @@ def test_variant_strings_round_trip():
     from policyworker.ops import fp8_triton
     from policyworker.ops.fp8_persist import PersistVariant
 
-    v = PersistVariant(num_warps=4, stages=3, prefetch=False, grid=3, fast_div=True, stream=True)
+    v = PersistVariant(num_warps=4, stages=3, prefetch=False, grid=3, fast_div=True, stream=True, fused=False,
+                       maxnreg=0)
     try:
         fp8_triton.configure_from_string(v.name())
         assert fp8_triton.KERNEL == "persist" and fp8_triton.PERSIST == v
+        # a name from before `fused` and `maxnreg` existed: their defaults
+        fp8_triton.configure_from_string("kernel=persist,warps=8,stages=1,prefetch=1,grid=6,fast_div=1,stream=0")
+        assert fp8_triton.PERSIST == PersistVariant(grid=6)
         fp8_triton.configure_from_string("warps=8,narrow_amax=1,stream=0,fast_div=1")
         assert (fp8_triton.KERNEL, fp8_triton.NUM_WARPS, fp8_triton.FAST_DIV) == ("tile", 8, True)
         with pytest.raises(ConfigError):
@@ -117,3 +132,37 @@ def test_one_tile_and_edge_kernels_compile_for_hopper(aligned, even, fast_div, m
         ptx = _compile_sm90(_edge_kernel, ptrs, dict(BLOCK=128, FAST_DIV=fast_div, Q_F32=False), num_warps=8,
                             num_stages=1)
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "max.s16" in ptx
+
+
+_FUSED_PTRS = {"tiles_ptr": "*i64", "ntiles": "i32", "src_ptr": "*bf16", "dst_ptr": "*fp8e4nv", "cdst_ptr": "*i16",
+               "sc_ptr": "*fp32"}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("prefetch,stages,maxnreg", [(True, 1, 128), (False, 3, None)], ids=["prefetch", "pipelined"])
+def test_fused_kernel_compiles_for_hopper_with_16_byte_accesses(prefetch, stages, maxnreg, monkeypatch):
+    # The one launch of an fp8 refit (quantize tiles and copy tiles, row strides per
+    # tile): every load and store, masked copy tiles included, moves 16 bytes (the
+    # strides' and column bounds' multiples of 16 bytes must reach the compiler: no
+    # 1- or 2-byte accesses); the register cap is in the PTX.
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    from policyworker.ops.fp8_fused import _fused_kernel
+
+    consts = dict(BLOCK=128, DST_ALIGN=16, FAST_DIV=True, STREAM=False, STAGES=stages, PREFETCH=prefetch, Q_F32=False)
+    sig = dict(_FUSED_PTRS) | {k: "constexpr" for k in consts}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+    opts = {"num_warps": 8, "num_stages": stages} | ({"maxnreg": maxnreg} if maxnreg else {})
+    k = triton_compile(ASTSource(fn=_fused_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=opts)
+    ptx = k.asm["ptx"]
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "max.s16" in ptx
+    for narrow in ("st.global.b8", "st.global.b16", "ld.global.b16", "st.global.u16", "ld.global.u16"):
+        assert narrow not in ptx, narrow
+    assert "sub.f32" not in ptx and "sub.rn.f32" not in ptx
+    if maxnreg:
+        assert f".maxnreg {maxnreg}" in ptx

@@ -190,16 +190,26 @@ def reference_local(plan, rank: int, name: str, high: torch.Tensor) -> dict[str,
 class QuantJobs:
     """A fixed list of ``(src, q, s)`` quantizations, run together (the colocated
     pull: source views straight into the rollout's fp8 tensors and scales). On CUDA
-    one Triton launch whose tables are built once; on CPU the band loop per job."""
+    one Triton launch whose tables are built once; on CPU the band loop per job.
 
-    def __init__(self, jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128) -> None:
+    ``copies``: the same refit's plain ``(src, dst)`` copies. On CUDA the launch takes
+    what it can (copy tiles of the persistent kernel, :mod:`policyworker.ops.fp8_fused`);
+    `copies_left` is what the caller must still copy (all of them on CPU), and
+    `run`'s byte count includes the copies it made."""
+
+    def __init__(self, jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128,
+                 copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
         self.jobs, self.block = list(jobs), block
         self.nbytes = sum(q.numel() + 4 * s.numel() for _, q, s in self.jobs)
         self._cuda = None
+        self.copies_left = list(copies)
+        self.copy_bytes = 0
         if self.jobs and self.jobs[0][0].device.type == "cuda":
             from policyworker.ops.fp8_triton import QuantProgram
 
-            self._cuda = QuantProgram(self.jobs, block)
+            self._cuda = QuantProgram(self.jobs, block, copies)
+            self.copies_left, self.copy_bytes = self._cuda.copies_left, self._cuda.copy_bytes
+            self.nbytes += self.copy_bytes
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -211,7 +221,8 @@ class QuantJobs:
             self._cuda.fence()
 
     def run(self, *, join: bool = True, fenced: bool = False) -> int:
-        """Quantize every job; returns the bytes written (fp8 + scales). On CUDA the
+        """Quantize every job; returns the bytes written (fp8 + scales + the copies the
+        launch makes). On CUDA the
         launch goes on a side stream; ``join=False`` leaves the current stream free to
         run other copies meanwhile (the caller synchronizes the device before use);
         ``fenced``: ordered by the last `fence` instead of by everything issued so far."""

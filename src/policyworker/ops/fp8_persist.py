@@ -7,9 +7,11 @@ walk the tile table; the next tile's bytes are requested before the current one 
 reduced, either by Triton's software pipeliner (``tl.range(num_stages=...)``) or by
 an explicit register double buffer (``prefetch``). Full, 16-byte-aligned tiles go
 through this unmasked path with their row strides as compile-time constants (one
-launch per distinct pair of strides, a handful per model); partial tiles (N or K
-not a multiple of 128) and unaligned views go through a small masked launch, one
-tile per program.
+launch per distinct pair of strides, a handful per model: the *grouped* layout) or,
+by default (``PersistVariant.fused``), through one launch whose strides are read per
+tile and which also makes the refit's plain copies (:mod:`.fp8_fused`); partial tiles
+(N or K not a multiple of 128) and unaligned views go through a small masked launch,
+one tile per program.
 
 Arithmetic: that of :func:`policyworker.layout.fp8_pack.quantize_reference`:
 ``amax = max |x|`` with NaN propagating (a block holding a NaN gets ``s = 1``, as
@@ -189,7 +191,13 @@ def _edge_kernel(tiles_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.constexpr, FAST_
 class PersistVariant:
     """Launch settings of the persistent kernel (``benchmarks/bench_fp8_kernel.py``
     sweeps them). ``grid``: programs per SM; ``stages``: ``tl.range`` pipelining depth
-    (1 = none); ``prefetch``: the register double buffer instead of the pipeliner."""
+    (1 = none); ``prefetch``: the register double buffer instead of the pipeliner;
+    ``fused``: bf16 jobs and the program's copies in one launch whose row strides are
+    read per tile (:mod:`.fp8_fused`), instead of one launch per pair of constant
+    strides (copies then go through torch); ``maxnreg``: registers per thread the fused
+    launch may use (0: the compiler's choice). With per-tile strides ptxas gives the
+    8-warp prefetch loop ~195 registers, one program per SM; capped at 128 it has no
+    spills (sm_90a, Triton 3.6 and 3.9) and two fit, as the grouped kernel's do."""
 
     num_warps: int = 8
     stages: int = 1
@@ -197,10 +205,13 @@ class PersistVariant:
     grid: int = 6
     fast_div: bool = True
     stream: bool = False
+    fused: bool = True
+    maxnreg: int = 128
 
     def name(self) -> str:
         return (f"kernel=persist,warps={self.num_warps},stages={self.stages},prefetch={int(self.prefetch)},"
-                f"grid={self.grid},fast_div={int(self.fast_div)},stream={int(self.stream)}")
+                f"grid={self.grid},fast_div={int(self.fast_div)},stream={int(self.stream)},fused={int(self.fused)},"
+                f"maxnreg={self.maxnreg}")
 
 
 def _sm_count(device: torch.device) -> int:
@@ -209,78 +220,126 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+Job = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class PersistProgram:
-    """A fixed set of ``(src, q, s)`` jobs (as :class:`fp8_triton.QuantProgram`), tile
-    tables built once; `launch` issues them on the current stream.
+    """A fixed set of ``(src, q, s)`` jobs (as :class:`fp8_triton.QuantProgram`) and
+    ``copies`` (``(src, dst)`` pairs, same shape and dtype), tile tables built once per
+    layout (fused or grouped, on first use); `launch` issues them on the current stream.
 
-    ``q`` may be float32 instead of fp8 (``Q_F32``, for interpreter tests: the
-    quotient before the conversion)."""
+    The copies the fused table cannot express (:mod:`.fp8_fused`) are `copies_left`,
+    for the caller to copy; with a variant that is not ``fused`` the copies the table
+    would take are issued with torch in `launch`, so a program moves the same bytes
+    whatever its variant. ``q`` may be float32 instead of fp8 (``Q_F32``, for
+    interpreter tests: the quotient before the conversion)."""
 
-    def __init__(self, jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128,
-                 variant: PersistVariant | None = None) -> None:
+    def __init__(self, jobs: Sequence[Job], block: int = 128, variant: PersistVariant | None = None,
+                 copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
         self.block, self.variant = block, variant or PersistVariant()
         self._keep = list(jobs)
-        self._groups: list[tuple] = []  # (tiles, ntiles, (src0, q0, s0), src_rs, dst_rs, src_align, dst_align)
-        self._edges: list[tuple] = []  # (tiles, ntiles, (src0, q0, s0))
-        self.device = None
-        full: dict[tuple, list] = {}  # (dtypes, strides) -> [(job, int64 [m, 3] byte addresses)]
-        edge: dict[tuple, list] = {}  # dtypes -> [(job, int64 [m, 7])]
-        b = block
-        for src, q, s in jobs:
-            if src.numel() == 0:
-                continue
-            self.device = src.device
-            n, k = src.shape
-            es, ed = src.element_size(), q.element_size()
-            aligned = all(v % 16 == 0 for v in (src.data_ptr(), src.stride(0) * es, q.data_ptr(), q.stride(0) * ed))
-            bi, bj = torch.meshgrid(torch.arange(-(-n // b)), torch.arange(-(-k // b)), indexing="ij")
-            bi, bj = bi.reshape(-1), bj.reshape(-1)
-            rows, cols = (n - bi * b).clamp(max=b), (k - bj * b).clamp(max=b)
-            so = src.data_ptr() + es * (bi * b * src.stride(0) + bj * b)
-            do = q.data_ptr() + ed * (bi * b * q.stride(0) + bj * b)
-            co = s.data_ptr() + 4 * (bi * s.stride(0) + bj)
-            whole = (rows == b) & (cols == b) if aligned else torch.zeros_like(rows, dtype=torch.bool)
-            if bool(whole.any()):
-                key = (src.dtype, q.dtype, src.stride(0), q.stride(0))
-                full.setdefault(key, []).append(((src, q, s), torch.stack([so, do, co], 1)[whole]))
-            part = ~whole
-            if bool(part.any()):
-                t = torch.stack([so, torch.full_like(so, src.stride(0)), do, torch.full_like(so, q.stride(0)), co,
-                                 rows, cols], 1)[part]
-                edge.setdefault((src.dtype, q.dtype), []).append(((src, q, s), t))
-        for (_, _, srs, drs), items in full.items():
-            base = items[0][0]
-            es, ed = base[0].element_size(), base[1].element_size()
-            t = torch.cat([x for _, x in items])
-            # offsets in 16-byte units for the two tiles, in float32 elements for the scale
-            t = (t - torch.tensor([base[0].data_ptr(), base[1].data_ptr(), base[2].data_ptr()])) // torch.tensor(
-                [16, 16, 4])
-            self._groups.append((t.contiguous().to(self.device), t.shape[0], base, srs, drs, 16 // es, 16 // ed))
-        for _, items in edge.items():
-            base = items[0][0]
-            es, ed = base[0].element_size(), base[1].element_size()
-            t = torch.cat([x for _, x in items])
-            t[:, 0] = (t[:, 0] - base[0].data_ptr()) // es
-            t[:, 2] = (t[:, 2] - base[1].data_ptr()) // ed
-            t[:, 4] = (t[:, 4] - base[2].data_ptr()) // 4
-            self._edges.append((t.contiguous().to(self.device), t.shape[0], base))
-        self.tables = [g[0] for g in self._groups] + [e[0] for e in self._edges]
+        self._copies = list(copies)
+        self.device = next((src.device for src, _, _ in self._keep if src.numel()), None)
+        if self.device is None and self._copies:
+            self.device = self._copies[0][0].device
+        self._sms = _sm_count(self.device) if self.device is not None else 1
+        self._layouts: dict[bool, tuple] = {}
+        from policyworker.ops.fp8_fused import build
+
+        # The fused table decides which copies it takes, also for the grouped layout.
+        self._fused, self._covered, self.copies_left = build(self._keep, self._copies, block, self.device)
+        self.copy_bytes = self._fused.copy_bytes if self._fused is not None else 0
+
+    def _layout(self, fused: bool) -> tuple:
+        """(fused launch or None, grouped launches, edge launches) of this layout."""
+        got = self._layouts.get(fused)
+        if got is None:
+            if fused and self._fused is not None:
+                got = (self._fused, *_grouped(self._keep, self._covered, self.block, self.device))
+            else:
+                got = (None, *_grouped(self._keep, [None] * len(self._keep), self.block, self.device))
+            self._layouts[fused] = got
+        return got
+
+    @property
+    def tables(self) -> list[torch.Tensor]:
+        """The device tables of the layouts built so far (kept alive by the caller's stream)."""
+        out = []
+        for fused, groups, edges in self._layouts.values():
+            out += ([fused.tiles] if fused is not None else []) + [g[0] for g in groups] + [e[0] for e in edges]
+        return out
 
     @property
     def launches(self) -> int:
-        return len(self._groups) + len(self._edges)
+        fused, groups, edges = self._layout(self.variant.fused)
+        return (fused is not None) + len(groups) + len(edges)
 
     def launch(self) -> None:
         """Issue every launch on the current stream."""
         v = self.variant
-        sms = _sm_count(self.device) if self.device is not None else 1
-        for tiles, ntiles, (src0, q0, s0), srs, drs, sa, da in self._groups:
-            grid = (max(1, min(ntiles, v.grid * sms)),)
+        fused, groups, edges = self._layout(v.fused)
+        if fused is not None:
+            fused.launch(v, self._sms, self.block)
+        else:
+            for a, b in self._fused.taken if self._fused is not None else ():
+                b.copy_(a, non_blocking=True)
+        for tiles, ntiles, (src0, q0, s0), srs, drs, sa, da in groups:
+            grid = (max(1, min(ntiles, v.grid * self._sms)),)
             q_f32 = q0.dtype == torch.float32
             _persist_kernel[grid](tiles, ntiles, src0, q0, s0, BLOCK=self.block, SRC_RS=srs, DST_RS=drs,
                                   SRC_ALIGN=sa, DST_ALIGN=da, FAST_DIV=v.fast_div, STREAM=v.stream,
                                   STAGES=v.stages, PREFETCH=v.prefetch, Q_F32=q_f32, num_warps=v.num_warps,
                                   num_stages=v.stages)  # prefetch: stages=1, no second pipeline
-        for tiles, ntiles, (src0, q0, s0) in self._edges:
+        for tiles, ntiles, (src0, q0, s0) in edges:
             _edge_kernel[(ntiles,)](tiles, src0, q0, s0, BLOCK=self.block, FAST_DIV=v.fast_div,
                                     Q_F32=q0.dtype == torch.float32, num_warps=8)
+
+
+def _grouped(jobs: Sequence[Job], covered: Sequence, block: int, device) -> tuple[list, list]:
+    """Launches for the tiles ``covered`` leaves out (None: all of a job's): one per
+    (dtypes, strides) of whole 16-byte-aligned tiles, one masked launch per dtypes."""
+    groups: list[tuple] = []  # (tiles, ntiles, (src0, q0, s0), src_rs, dst_rs, src_align, dst_align)
+    edges: list[tuple] = []  # (tiles, ntiles, (src0, q0, s0))
+    full: dict[tuple, list] = {}  # (dtypes, strides) -> [(job, int64 [m, 3] byte addresses)]
+    edge: dict[tuple, list] = {}  # dtypes -> [(job, int64 [m, 7])]
+    b = block
+    for (src, q, s), done in zip(jobs, covered):
+        if src.numel() == 0:
+            continue
+        n, k = src.shape
+        es, ed = src.element_size(), q.element_size()
+        aligned = all(v % 16 == 0 for v in (src.data_ptr(), src.stride(0) * es, q.data_ptr(), q.stride(0) * ed))
+        bi, bj = torch.meshgrid(torch.arange(-(-n // b)), torch.arange(-(-k // b)), indexing="ij")
+        bi, bj = bi.reshape(-1), bj.reshape(-1)
+        rows, cols = (n - bi * b).clamp(max=b), (k - bj * b).clamp(max=b)
+        so = src.data_ptr() + es * (bi * b * src.stride(0) + bj * b)
+        do = q.data_ptr() + ed * (bi * b * q.stride(0) + bj * b)
+        co = s.data_ptr() + 4 * (bi * s.stride(0) + bj)
+        todo = ~done if done is not None else torch.ones_like(rows, dtype=torch.bool)
+        whole = (rows == b) & (cols == b) if aligned else torch.zeros_like(rows, dtype=torch.bool)
+        whole &= todo
+        if bool(whole.any()):
+            key = (src.dtype, q.dtype, src.stride(0), q.stride(0))
+            full.setdefault(key, []).append(((src, q, s), torch.stack([so, do, co], 1)[whole]))
+        part = todo & ~whole
+        if bool(part.any()):
+            t = torch.stack([so, torch.full_like(so, src.stride(0)), do, torch.full_like(so, q.stride(0)), co,
+                             rows, cols], 1)[part]
+            edge.setdefault((src.dtype, q.dtype), []).append(((src, q, s), t))
+    for (_, _, srs, drs), items in full.items():
+        base = items[0][0]
+        es, ed = base[0].element_size(), base[1].element_size()
+        t = torch.cat([x for _, x in items])
+        # offsets in 16-byte units for the two tiles, in float32 elements for the scale
+        t = (t - torch.tensor([base[0].data_ptr(), base[1].data_ptr(), base[2].data_ptr()])) // torch.tensor(
+            [16, 16, 4])
+        groups.append((t.contiguous().to(device), t.shape[0], base, srs, drs, 16 // es, 16 // ed))
+    for _, items in edge.items():
+        base = items[0][0]
+        es, ed = base[0].element_size(), base[1].element_size()
+        t = torch.cat([x for _, x in items])
+        t[:, 0] = (t[:, 0] - base[0].data_ptr()) // es
+        t[:, 2] = (t[:, 2] - base[1].data_ptr()) // ed
+        t[:, 4] = (t[:, 4] - base[2].data_ptr()) // 4
+        edges.append((t.contiguous().to(device), t.shape[0], base))
+    return groups, edges

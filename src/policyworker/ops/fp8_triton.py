@@ -148,7 +148,8 @@ def configure(*, kernel: str | None = None, num_warps: int | None = None, narrow
 
 def configure_from_string(spec: str) -> None:
     """`configure` from a variant name as `bench_fp8_kernel.py` prints it:
-    ``kernel=persist,warps=8,stages=1,prefetch=1,grid=2,fast_div=1,stream=0`` or
+    ``kernel=persist,warps=8,stages=1,prefetch=1,grid=2,fast_div=1,stream=0,fused=1`` (a
+    name without ``fused`` is one of before it existed: it means ``fused=1``, the default) or
     ``warps=16,narrow_amax=1,stream=0,fast_div=1`` (the one-tile kernel)."""
     try:
         kw = dict(item.split("=", 1) for item in spec.split(",") if item.strip())
@@ -158,7 +159,8 @@ def configure_from_string(spec: str) -> None:
             d = PersistVariant()
             v = PersistVariant(num_warps=int(kw.pop("warps", d.num_warps)), stages=int(kw.pop("stages", d.stages)),
                                prefetch=flag("prefetch", d.prefetch), grid=int(kw.pop("grid", d.grid)),
-                               fast_div=flag("fast_div", d.fast_div), stream=flag("stream", d.stream))
+                               fast_div=flag("fast_div", d.fast_div), stream=flag("stream", d.stream),
+                               fused=flag("fused", d.fused), maxnreg=int(kw.pop("maxnreg", d.maxnreg)))
             configure(kernel="persist", persist=v)
         else:
             configure(kernel=kind, num_warps=int(kw.pop("warps", NUM_WARPS)),
@@ -186,9 +188,16 @@ class QuantProgram:
     ``jobs``: ``(src, q, s)`` triples on one CUDA device; ``src`` 2-D bf16/float32,
     ``q`` fp8 of the same shape, ``s`` float32 ``[ceil(n/B), ceil(k/B)]``, each with
     unit stride in its last dim. The views must stay valid while the program lives.
+
+    ``copies``: ``(src, dst)`` pairs (same shape and dtype) of the same refit. With the
+    persistent kernel configured fused (the default) they become copy tiles of its one
+    launch (:mod:`.fp8_fused`); `copies_left` lists what the caller must still copy
+    (all of them with another kernel), ``copy_bytes`` what the launch copies (counted
+    in ``nbytes``).
     """
 
-    def __init__(self, jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128) -> None:
+    def __init__(self, jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], block: int = 128,
+                 copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
         self.block = block
         self.num_warps, self.narrow_amax, self.stream, self.fast_div = NUM_WARPS, NARROW_AMAX, STREAM, FAST_DIV
         self.kernel = KERNEL
@@ -213,6 +222,15 @@ class QuantProgram:
             self.nbytes += q.numel() + 4 * s.numel()
         self._persist: PersistProgram | None = None
         self._persist_variant = PERSIST
+        # Copies ride in the persistent kernel's fused launch (one table, fp8_fused) when
+        # that is the configured kernel; whatever it cannot take is the caller's.
+        self.copies_left = list(copies)
+        self.copy_bytes = 0
+        if copies and KERNEL == "persist" and PERSIST.fused:
+            self._persist = PersistProgram(self._keep, block, PERSIST, copies)
+            self.copies_left, self.copy_bytes = self._persist.copies_left, self._persist.copy_bytes
+            self.nbytes += self.copy_bytes
+            device = device or self._persist.device
         for is_bf16, items in groups.items():
             esize = 2 if is_bf16 else 4
             for src, q, *_ in items:
@@ -255,16 +273,24 @@ class QuantProgram:
         if self.kernel == "persist":
             self.persist.launch()
             return
+        if self.copy_bytes:  # made with copies for the persistent kernel, now the tile one: torch copies them
+            for a, b in self.persist._fused.taken:
+                b.copy_(a, non_blocking=True)
         for tiles, table, ntiles, is_bf16, (aligned, even), (src0, q0, s0) in self._launches:
             _fp8_block_kernel[(ntiles,)](tiles, table, src0, q0, s0, BLOCK=self.block, SRC_BF16=is_bf16,
                                          ALIGNED=aligned, EVEN=even, NARROW_AMAX=self.narrow_amax,
                                          STREAM=self.stream, FAST_DIV=self.fast_div,
                                          Q_F32=q0.dtype == torch.float32, num_warps=self.num_warps)
 
+    @property
+    def empty(self) -> bool:
+        """Nothing to launch (no tiles, no copies taken)."""
+        return not self._launches and not self.copy_bytes
+
     def fence(self) -> None:
         """Order the side stream after the current stream's work so far (what `run`
         does first unless told ``fenced``)."""
-        if self._launches:
+        if not self.empty:
             _side_stream(self.device).wait_stream(torch.cuda.current_stream(self.device))
 
     def run(self, *, join: bool = True, fenced: bool = False) -> None:
@@ -273,7 +299,7 @@ class QuantProgram:
         work issued since, e.g. unrelated copies, need not finish first); with
         ``join`` the current stream then waits for it (else the caller synchronizes
         the device before using the results)."""
-        if not self._launches:
+        if self.empty:
             return
         cur = torch.cuda.current_stream(self.device)
         side = _side_stream(self.device)

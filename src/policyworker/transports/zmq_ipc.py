@@ -26,7 +26,9 @@ that lives across refits, with up to ``staging`` buckets in flight.
 FP8 targets (issue 16): a copy into an fp8 tensor is quantized on the way — for a
 mapped source, by the rollout's pull itself (one fused read of the trainer's bf16
 storage, fp8 + scales written in place; a Triton kernel on its own stream on a
-GPU); for a staged source, by the trainer while packing the ring bucket.
+GPU, whose one launch also makes the refit's plain copies); for a staged source, by
+the trainer while packing the ring bucket. ``state["timing"]`` holds the last pull's
+phase stamps (``time.perf_counter``) for benchmarks.
 
 Threads: every socket operation and copy runs on the worker's refit executor
 (``ctx.blocking``); :meth:`ZmqIpcTransport.abort` may be called from any thread.
@@ -474,8 +476,11 @@ class ZmqIpcTransport(Transport):
         st = ctx.state
         st["touched"] = ctx.touched = False
         st["kv_scales"] = None
+        # perf_counter stamps of this pull's phases (benchmarks read them; nothing else does)
+        times = st["timing"] = {"begin": t0}
         chan.send(w.Ready(session=st["session"], committed=int(st.get("committed", 0))), "Ready")
         offer = chan.expect(deadline, "waiting for the trainer's Offer", w.Offer)
+        times["offer"] = time.perf_counter()
         try:
             nbytes, ncopies, notes = self._pull(ctx, chan, offer, deadline)
         except PolicyWorkerError as exc:
@@ -487,6 +492,7 @@ class ZmqIpcTransport(Transport):
             raise err from exc
         chan.send(w.Done(version=offer.version, nbytes=nbytes, ok=True), "Done")
         verdict = chan.expect(deadline, "waiting for Commit", w.Commit, w.Abort)
+        times["commit"] = time.perf_counter()
         if isinstance(verdict, w.Abort) or verdict.version != offer.version:
             raise TransportError(f"trainer aborted refit {offer.version}: {getattr(verdict, 'reason', '')}",
                                  rank=ctx.rank, transport=self.name)
@@ -506,6 +512,7 @@ class ZmqIpcTransport(Transport):
 
     def _pull(self, ctx: TransportContext, chan: Channel, offer: w.Offer, deadline: float):
         st, dev, plan = ctx.state, ctx.device.torch_device, ctx.plan
+        times = st["timing"]
         if offer.plan_hash != plan.hash:
             raise PlanMismatch("the trainer's Offer is for another plan", rank=ctx.rank, transport=self.name)
         opened: dict[int, torch.UntypedStorage] = st["opened"]
@@ -524,22 +531,28 @@ class ZmqIpcTransport(Transport):
         if program is None or program[0] != signature or offer.handles or offer.release:
             program = st["program"] = (signature, *self._compile(ctx, offer, st["sources"][1], opened))
             notes.append("copy program rebuilt")
+            if len(program[4]):
+                notes.append(f"fp8 launch copies {program[4].copy_bytes} bytes, torch copies {len(program[1])}")
         _, runs, buckets, ring, quant = program
+        times["program"] = time.perf_counter()
         if len(buckets) != offer.staged_buckets:
             raise ProtocolError(f"trainer stages {offer.staged_buckets} buckets, the plan says {len(buckets)}",
                                 rank=ctx.rank, transport=self.name)
         st["touched"] = ctx.touched = True  # bytes land in the live tensors from here on
         nbytes = 0
         # fp8 hook (issue 16): one fused read of each quantized source, on its own stream
-        # on a GPU, overlapping the plain copies; joined into our stream before the wait.
-        # The plain copies are issued first (the quantization is ordered after our
-        # stream's earlier work only, by the fence): a kernel that keeps every SM busy
-        # to its end would otherwise leave them queued behind it, unoverlapped.
+        # on a GPU, the plain copies it takes as its copy tiles (`runs`: what is left, for
+        # torch); joined into our stream before the wait. Torch's copies are issued
+        # first (the launch is ordered after our stream's earlier work only, by the
+        # fence): a kernel that keeps every SM busy to its end would otherwise leave
+        # them queued behind it, unoverlapped.
         quant.fence()
         for src, dst in runs:
             dst.copy_(src, non_blocking=True)
             nbytes += dst.numel() * dst.element_size()
+        times["copies_issued"] = time.perf_counter()
         nbytes += quant.run(join=False, fenced=True)
+        times["launch_issued"] = time.perf_counter()
         for seq, bucket in enumerate(buckets):
             msg = chan.expect(deadline, "waiting for a BucketReady", w.BucketReady)
             if msg.version != offer.version or msg.seq != seq or not 0 <= msg.slot < len(ring):
@@ -553,7 +566,9 @@ class ZmqIpcTransport(Transport):
             # The fp8 side stream joins ours (an event, no device-wide sync): the wait
             # below then covers the quantization too.
             torch.cuda.current_stream(dev).wait_stream(_side_stream(dev))
+        times["buckets_done"] = time.perf_counter()
         _sync(dev, chan, deadline)
+        times["device_done"] = time.perf_counter()
         want = plan.recv_bytes_per_dst_rank()[ctx.rank]
         if nbytes != want:
             raise ProtocolError(f"refit {offer.version}: pulled {nbytes} of {want} bytes", rank=ctx.rank,
@@ -599,7 +614,13 @@ class ZmqIpcTransport(Transport):
                 raise ProtocolError(f"ring handle {hid} was never sent", rank=ctx.rank, transport=self.name)
             s = opened[hid]
             ring.append(_u8(s, 0, s.nbytes(), dev))
-        return coalesce(pairs), buckets, ring, _fp8_pack.QuantJobs(quant, max(1, plan.body.gen_fp8_block))
+        runs, block = coalesce(pairs), max(1, plan.body.gen_fp8_block)
+        if not quant:
+            return runs, buckets, ring, _fp8_pack.QuantJobs(quant, block)
+        # fp8 hook (issue 16): the plain copies ride in the quantizing launch (copy tiles
+        # of one persistent kernel, no launch per copy); torch copies what it cannot take.
+        jobs = _fp8_pack.QuantJobs(quant, block, copies=runs)
+        return jobs.copies_left, buckets, ring, jobs
 
     # -- close -----------------------------------------------------------------------
     async def aclose(self) -> None:
