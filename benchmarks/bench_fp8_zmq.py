@@ -9,6 +9,9 @@ colocated rollout), one run, the same processes for every mode:
 * ``bf16_then_quantize``: the same bf16 refit, then the rollout quantizes what landed
   into fp8 tensors + scales (the bolted-on way), with the *same* fused kernel — so
   the difference is where quantization happens, not how well.
+* ``bf16_then_quantize_torch``: the bolted-on way without a custom kernel — the same
+  landed bytes quantized by a chunked eager-torch quantizer (``quantize_bands``,
+  bit-exact with the oracle), timed once on the last refit after a warm-up pass.
 * ``fp8``: gen ``tp=1,fp8=block128``: the pull itself quantizes (one fused read of
   the trainer's bf16 storage; fp8 + scales written in place).
 
@@ -125,7 +128,7 @@ def _phases(t0: float, stamps: dict[str, float], t1: float) -> dict[str, float]:
 
 def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
     from policyworker.layout import build_plan
-    from policyworker.layout.fp8_pack import QuantJobs
+    from policyworker.layout.fp8_pack import QuantJobs, quantize_bands
     from policyworker.models import get_preset, param_specs
     from policyworker.layout.local import flat_local_tensors
 
@@ -197,6 +200,20 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
                     if mode == "bf16":
                         row["quantized_bit_exact"] = await asyncio.to_thread(
                             _check, fp8_plan, fp8_params, version, dev, True)
+                        # The bolted-on way without a custom kernel: the same landed bytes
+                        # quantized by an eager-torch quantizer (quantize_bands, bit-exact
+                        # with the oracle); a warm-up pass, then the timed one.
+                        for _ in range(2):
+                            for z in (q for _, q, _s in quant.jobs):
+                                z.zero_()
+                            _sync(dev)
+                            tq = time.perf_counter()
+                            for src, q8, sc in quant.jobs:
+                                quantize_bands(src, q8, sc)
+                            _sync(dev)
+                            row["quantize_torch_s"] = time.perf_counter() - tq
+                        row["quantized_torch_bit_exact"] = await asyncio.to_thread(
+                            _check, fp8_plan, fp8_params, version, dev, True)
                 rows.append(row)
                 await wait()
             out["modes"][mode] = rows
@@ -241,18 +258,22 @@ def run(preset: str, device: str, refits: int, timeout_s: float, kernel: str = "
     bf16_s = med([x["seconds"] for x in r["bf16"]])
     then_q = med([x["seconds"] + x["quantize_s"] for x in r["bf16"]])
     fp8_s = med([x["seconds"] for x in r["fp8"]])
+    torch_q = r["bf16"][-1]["quantize_torch_s"]
     return {
         "benchmark": "fp8 refit, zmq colocated", "preset": preset, "device": args["device"], "refits": refits,
         "kernel": kernel or "defaults",
         "bytes": {"bf16": r["bf16"][-1]["bytes"], "fp8": r["fp8"][-1]["bytes"]},
         "seconds": {"bf16": bf16_s, "fp8": fp8_s, "bf16_then_quantize": then_q,
                     "receiver_quantize_only": med([x["quantize_s"] for x in r["bf16"]]),
+                    "bf16_then_quantize_torch": bf16_s + torch_q, "receiver_quantize_torch_only": torch_q,
                     "flat_copy_ceiling_bf16_bytes": rollout["ceiling_s"]},
         "trainer_seconds": {m: med([x["seconds"] for x in rows]) for m, rows in t.items()},
         "fp8_over_bf16": fp8_s / bf16_s, "then_quantize_over_fp8": then_q / fp8_s,
+        "then_quantize_torch_over_fp8": (bf16_s + torch_q) / fp8_s,
         "all_rollout_seconds": {m: [round(x["seconds"], 6) for x in rows] for m, rows in r.items()},
         "bit_exact": {"bf16": r["bf16"][-1]["bit_exact"], "fp8": r["fp8"][-1]["bit_exact"],
-                      "bf16_then_quantize": r["bf16"][-1]["quantized_bit_exact"]},
+                      "bf16_then_quantize": r["bf16"][-1]["quantized_bit_exact"],
+                      "bf16_then_quantize_torch": r["bf16"][-1]["quantized_torch_bit_exact"]},
         "notes": {m: rows[-1]["notes"] for m, rows in r.items()},
         # the rollout's host timeline per refit, median per phase (ms): where the time that
         # is neither copy nor kernel goes ("device_wait" holds the GPU's work)

@@ -53,7 +53,7 @@ try:
 except Exception as e:  # noqa: BLE001 - a report line, not control flow
     print("no bench json:", e); sys.exit(0)
 print(json.dumps({k: d.get(k) for k in ("kernel", "bytes", "seconds", "trainer_seconds", "fp8_over_bf16",
-                                        "then_quantize_over_fp8", "bit_exact", "rollout_phases_ms",
+                                        "then_quantize_over_fp8", "then_quantize_torch_over_fp8", "bit_exact", "rollout_phases_ms",
                                         "first_refit_notes")}, indent=1))
 PY
 tail -5 "$OUT/fp8_zmq_h200.log"
