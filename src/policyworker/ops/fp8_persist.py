@@ -202,7 +202,7 @@ class PersistVariant:
     num_warps: int = 8
     stages: int = 1
     prefetch: bool = True
-    grid: int = 6
+    grid: int = 2  # programs per SM: the fused launch fits two (128 registers); more only queue
     fast_div: bool = True
     stream: bool = False
     fused: bool = True
