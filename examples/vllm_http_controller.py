@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,7 +48,14 @@ def _check(replies: list[dict]) -> None:
 
 def main() -> int:
     spec = WorldSpec(config=CONFIG)
-    path = os.path.join(tempfile.mkdtemp(prefix="policyworker-serve-"), "model")
+    tmp = tempfile.mkdtemp(prefix="policyworker-serve-")
+    try:
+        return _serve_and_refit(spec, os.path.join(tmp, "model"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the model the server loaded
+
+
+def _serve_and_refit(spec: WorldSpec, path: str) -> int:
     save_hf_model(spec, 0, path)
     port = free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")

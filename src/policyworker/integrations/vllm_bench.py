@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -84,17 +85,21 @@ class _Engine:
         self.spec, self.tp, self.log, self.executor, self.cpu_linear = spec, tp, log, executor, cpu_linear
         self.dir = tempfile.mkdtemp(prefix="policyworker-vllm-")
         self.path = os.path.join(self.dir, "model")
-        save_hf_model(spec, 0, self.path)
-        with concurrent.futures.ThreadPoolExecutor(1) as ex:
-            pool = ex.submit(TrainerPool, spec)
-            from vllm import LLM
+        try:
+            save_hf_model(spec, 0, self.path)
+            with concurrent.futures.ThreadPoolExecutor(1) as ex:
+                pool = ex.submit(TrainerPool, spec)
+                from vllm import LLM
 
-            t0 = time.perf_counter()
-            self.llm = LLM(self.path, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype=spec.dtype,
-                           enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0,
-                           weight_transfer_config={"backend": "policyworker"}, **extra)
-            self.startup_s = time.perf_counter() - t0
-            self.pool = pool.result(timeout=300)
+                t0 = time.perf_counter()
+                self.llm = LLM(self.path, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype=spec.dtype,
+                               enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0,
+                               weight_transfer_config={"backend": "policyworker"}, **extra)
+                self.startup_s = time.perf_counter() - t0
+                self.pool = pool.result(timeout=300)
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
         log(f"vLLM engine up in {self.startup_s:.1f} s (tp={tp}); {spec.n_train} trainers ({spec.train})")
 
     def tokens(self) -> list[list[int]]:
@@ -182,17 +187,23 @@ class _Engine:
         self.load(version, [0])
         self.pool.send({"cmd": "save", "path": path}, [0])
         save = self.pool.reply(0, self.spec.timeout_s)
+        if not save["ok"]:
+            raise RuntimeError(f"trainer 0 failed to save checkpoint {version}: {save}")
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
         reload_s = time.perf_counter() - t0
         self.llm.reset_prefix_cache()
+        shutil.rmtree(path, ignore_errors=True)  # a checkpoint of the bench model per round: not kept
         return {"save_seconds": save["seconds"], "reload_seconds": reload_s, "seconds": save["seconds"] + reload_s}
 
     def close(self) -> None:
-        self.pool.close()
-        shutdown = getattr(self.llm.llm_engine.engine_core, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        try:
+            self.pool.close()
+            shutdown = getattr(self.llm.llm_engine.engine_core, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)  # the model and any checkpoint left
 
 
 def _spread(values: list[float]) -> dict[str, float]:
