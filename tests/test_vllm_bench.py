@@ -1,6 +1,7 @@
 """``policyworker bench --engine vllm``, run as the README and RESULTS.md give it (fewer
 refits): a real vLLM engine refitted by two trainer processes, ceiling and refit
-interleaved, the checkpoint path measured in the same run, tokens checked against HF."""
+interleaved, the checkpoint path measured in the same run, tokens checked against HF —
+after the refits, on the kernels the background prepack installed (``cpu_linear="background"``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from policyworker.models.config import get_preset
 
 pytest.importorskip("vllm")
 
@@ -24,17 +27,21 @@ def test_bench_engine_vllm_reports_interleaved_pairs_and_matches_hf(tmp_path):
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "policyworker.cli", "bench", "--engine", "vllm", "--dtype", "float32",
-                           "--refits", "3", "--vllm-executor", "uni", "--vllm-cpu-linear", "torch",
+                           "--refits", "3", "--vllm-executor", "uni", "--vllm-cpu-linear", "background",
                            "--json", str(out)], capture_output=True, text=True, timeout=380, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
     assert res["tokens_match_hf"] is True and res["checkpoint_tokens_match_hf"] is True
-    assert (res["vllm_executor"], res["cpu_linear"]) == ("uni", "torch")
+    assert (res["vllm_executor"], res["cpu_linear"]) == ("uni", "background")
     rows = res["refits"]
     assert [r["version"] for r in rows] == [1, 2, 3] and [r["cold"] for r in rows] == [True, False, False]
     # every refit has its own ceiling round, and the reported ratio is the steady pairs' median
     for r in rows:
         assert r["ceiling_seconds"] > 0 and r["ratio_to_ceiling"] == pytest.approx(r["ceiling_seconds"] / r["seconds"])
+        # served through the plain path at commit, then every linear layer (vLLM's fused
+        # qkv_proj, o_proj, gate_up_proj, down_proj per decoder layer) and both embeddings
+        # (embed_tokens, lm_head) got vLLM's packed kernel back
+        assert r["background_prepack_layers"] == [4 * get_preset("small").num_layers + 2], r
     steady = sorted(r["ratio_to_ceiling"] for r in rows[1:])
     assert res["ratio_to_ceiling"] == pytest.approx(sum(steady) / 2) and res["ratio_spread"]["pairs"] == 2
     assert res["bytes_per_refit"] > 0 and len(res["checkpoint_reload"]) == 3
