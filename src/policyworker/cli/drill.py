@@ -261,8 +261,24 @@ def run_scenario(sc: Scenario, *, timeout_s: float = 150.0) -> dict[str, Any]:
     ports = [{"update": free_port(), "stage": free_port()} for _ in range(3)]
     events = mp.get_context("spawn").Queue()
     world = start_world(_rank_main, N_TRAIN + N_GEN, (sc, ports, events, 0))
-    replacement = None
+    results = collect_with_replacement(
+        world, sc, events, timeout_s, resume_on=dict.fromkeys(("stop_mid", "standdown"), {"failed", "stood_down"}),
+        replace=lambda: start_world(_replacement, 1, (sc.victim, sc, ports, events)))
+    return _judge(sc, results)
+
+
+def collect_with_replacement(world: Any, sc: Scenario, events: Any, timeout_s: float, *,
+                             resume_on: dict[str, set[str]], replace: Any) -> dict[int, dict]:
+    """Collect a scenario's world while playing its fault's second half.
+
+    A stopped victim (faults named in ``resume_on``) gets SIGCONT once any rank reports
+    one of those events; a killed one (``kill_mid``, ``kill_between``) is replaced by
+    ``replace()`` (a one-rank world) as soon as it is seen dead, and the replacement's
+    result stands in for the victim's. Every wait is bounded by ``timeout_s``.
+    """
     dies = sc.fault in ("kill_mid", "kill_between")
+    resume = resume_on.get(sc.fault, set())
+    replacement = None
 
     def tick() -> None:
         nonlocal replacement
@@ -271,16 +287,16 @@ def run_scenario(sc: Scenario, *, timeout_s: float = 150.0) -> dict[str, Any]:
                 kind, _rank = events.get_nowait()
             except queue.Empty:
                 break
-            if sc.fault in ("stop_mid", "standdown") and kind in ("failed", "stood_down"):
+            if kind in resume:
                 world.signal(sc.victim, signal.SIGCONT)
         if dies and replacement is None and not world.procs[sc.victim].is_alive():
-            replacement = start_world(_replacement, 1, (sc.victim, sc, ports, events))
+            replacement = replace()
 
     t0 = time.monotonic()
     results = world.collect(timeout_s, allow_dead=[sc.victim] if dies else [], on_tick=tick)
     if replacement is not None:
         results[sc.victim] = replacement.collect(max(10.0, timeout_s - (time.monotonic() - t0)))[0]
-    return _judge(sc, results)
+    return results
 
 
 def _judge(sc: Scenario, results: dict[int, dict]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import signal
 import time
 from typing import Any
 
-from .drill import failure_row
+from .drill import collect_with_replacement, failure_row
 
 REFITS = 3
 FAULT_VERSION = 2
@@ -118,7 +118,6 @@ def _replacement(_index: int, rank: int, sc: Any, runtime_dir: str, events) -> d
 def run_zmq_scenario(sc: Any, *, timeout_s: float = 120.0) -> dict[str, dict]:
     """Run one zmq scenario in real processes; return the per-rank results."""
     import multiprocessing as mp
-    import queue
     import shutil
     import tempfile
 
@@ -126,27 +125,10 @@ def run_zmq_scenario(sc: Any, *, timeout_s: float = 120.0) -> dict[str, dict]:
 
     runtime_dir = tempfile.mkdtemp(prefix="pwdrill-")  # mode 0700: a private runtime dir
     events = mp.get_context("spawn").Queue()
-    dies = sc.fault in ("kill_mid", "kill_between")
     world = start_world(zmq_rank_main, 2, (sc, runtime_dir, events, 0))
-    replacement = None
-
-    def tick() -> None:
-        nonlocal replacement
-        while True:
-            try:
-                kind, _rank = events.get_nowait()
-            except queue.Empty:
-                break
-            if sc.fault == "stop_mid" and kind == "failed":
-                world.signal(sc.victim, signal.SIGCONT)
-        if dies and replacement is None and not world.procs[sc.victim].is_alive():
-            replacement = start_world(_replacement, 1, (sc.victim, sc, runtime_dir, events))
-
     try:
-        t0 = time.monotonic()
-        results = world.collect(timeout_s, allow_dead=[sc.victim] if dies else [], on_tick=tick)
-        if replacement is not None:
-            results[sc.victim] = replacement.collect(max(10.0, timeout_s - (time.monotonic() - t0)))[0]
+        return collect_with_replacement(
+            world, sc, events, timeout_s, resume_on={"stop_mid": {"failed"}},
+            replace=lambda: start_world(_replacement, 1, (sc.victim, sc, runtime_dir, events)))
     finally:
         shutil.rmtree(runtime_dir, ignore_errors=True)
-    return results
