@@ -51,7 +51,7 @@ def test_triton_kernel_equals_the_oracle_in_one_launch(fast_div):
               (src[n + 1:n + 5001], dst[n + 1:n + 5001])]
     prog = QuantProgram(jobs, copies=copies)
     prog.fast_div = fast_div
-    for _ in range(2):  # a program runs again on new contents
+    for _ in range(3):  # a program runs again on new contents (2nd run: captured as a graph, 3rd: replayed)
         for w, _, _ in jobs:
             w.mul_(-1)
         src.bitwise_not_()
@@ -65,6 +65,7 @@ def test_triton_kernel_equals_the_oracle_in_one_launch(fast_div):
             assert same_bits(s.cpu(), rs), tuple(w.shape)
         assert all(torch.equal(a, b) for a, b in copies)
         assert prog.copy_bytes > 0 and len(prog.copies_left) < len(copies)
+    assert prog.persist.graphed  # the default variant replays its launches as one CUDA graph
 
 
 def test_quantize_while_pack_on_the_gpu_lands_oracle_bits():
@@ -99,10 +100,11 @@ def test_zmq_fp8_refit_over_cuda_ipc(options):
 
     from .zmq_world import ZmqSpec, zmq_rank
 
-    spec = ZmqSpec(device="cuda:0", gen="tp=1,fp8=block128", refits=2, options=options)
+    # 3 refits: the launch runs, is captured as a CUDA graph, is replayed — each exact
+    spec = ZmqSpec(device="cuda:0", gen="tp=1,fp8=block128", refits=3, options=options)
     results = run_world(zmq_rank, 2, (spec,), timeout_s=90)
     rollout = results[1]
-    assert [o.get("exact") for o in rollout["outcomes"]] == [True, True], rollout["outcomes"]
+    assert [o.get("exact") for o in rollout["outcomes"]] == [True, True, True], rollout["outcomes"]
     assert all(o["bytes"] == rollout["expected_bytes"] for o in rollout["outcomes"])
     if options.get("flatten"):  # mapped sources: the bf16 copies rode in the quantizing launch
         fused = [n for o in rollout["outcomes"] for n in o.get("notes", []) if n.startswith("fp8 launch copies")]

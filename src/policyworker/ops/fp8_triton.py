@@ -160,7 +160,8 @@ def configure_from_string(spec: str) -> None:
             v = PersistVariant(num_warps=int(kw.pop("warps", d.num_warps)), stages=int(kw.pop("stages", d.stages)),
                                prefetch=flag("prefetch", d.prefetch), grid=int(kw.pop("grid", d.grid)),
                                fast_div=flag("fast_div", d.fast_div), stream=flag("stream", d.stream),
-                               fused=flag("fused", d.fused), maxnreg=int(kw.pop("maxnreg", d.maxnreg)))
+                               fused=flag("fused", d.fused), maxnreg=int(kw.pop("maxnreg", d.maxnreg)),
+                               graph=flag("graph", d.graph))
             configure(kernel="persist", persist=v)
         else:
             configure(kernel=kind, num_warps=int(kw.pop("warps", NUM_WARPS)),
