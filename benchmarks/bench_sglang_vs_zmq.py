@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import time
 from typing import Any
 

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .comm import CommGroup, new_group, share_token
+from .comm import CommGroup, new_group
 from .core import Attachment, WorkerCore
 from .errors import ConfigError, TransportError
 from .layout.local import check_local_tensors, is_dtensor, plan_for_source, shard_views, validate_kv_scales
