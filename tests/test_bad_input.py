@@ -18,7 +18,8 @@ from policyworker.registry import TransportRegistry
 from policyworker.layout import ReshardPlan, build_plan
 from policyworker.models import get_preset
 from policyworker.testing.toy_model import build_model
-from policyworker.transports.nccl_reshard import NcclReshardTransport, _buckets
+from policyworker.transports.nccl_reshard import NcclReshardTransport
+from policyworker.transports.nccl_schedule import _buckets
 from policyworker.watchdog import RefitWatchdog
 from policyworker.wire import Decoder, Message
 
