@@ -33,6 +33,7 @@ import torch
 
 from ..errors import PlanError
 from ..layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
+from .output import ratio_spread
 from .procs import free_port, start_world
 
 __all__ = ["RefitBenchSpec", "run_refit_bench"]
@@ -243,7 +244,6 @@ def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
     steady = refits[1:] or refits
     ratios = [r["ratio_to_ceiling"] for r in steady]
     ratio = statistics.median(ratios)
-    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else (ratio,) * 3
     ceiling_gbps = statistics.median(r["ceiling_gbps"] for r in steady)
     all_ceilings = [s for rounds in ranks[0]["ceiling_s"] for s in rounds]
     best_ceiling_gbps = total / min(all_ceilings) / 1e9
@@ -273,7 +273,7 @@ def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
         "ratio_to_ceiling": ratio,
         "ratio_method": "median over steady (ceiling, refit) pairs of ceiling_s / refit_s; "
                         "ceiling measured right before each refit in the same processes",
-        "ratio_spread": {"min": min(ratios), "p25": q1, "p75": q3, "max": max(ratios), "pairs": len(ratios)},
+        "ratio_spread": ratio_spread(ratios),
         "cold_refit": {k: refits[0][k] for k in ("version", "seconds", "gbps", "ceiling_gbps", "ratio_to_ceiling")},
         "steady_refits": len(steady) if len(refits) > 1 else 0,
         "best_ceiling_gbps": best_ceiling_gbps,

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .output import write_json
+from .output import ratio_spread, write_json
 
 __all__ = ["run_zmq_bench"]
 
@@ -252,11 +252,6 @@ def _runs_copy(runs: list[tuple[torch.Tensor, torch.Tensor]], dev: torch.device)
     return time.perf_counter() - t0
 
 
-def _spread(values: list[float]) -> dict[str, float | int]:
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (values[0],) * 3
-    return {"min": min(values), "p25": q1, "p75": q3, "max": max(values), "pairs": len(values)}
-
-
 def _baseline(base, rank, a, barrier, endpoint, w, params, plan) -> dict[str, Any]:
     dev = torch.device(a["device"])
     if rank == 0:
@@ -326,7 +321,7 @@ def run_zmq_bench(preset: str = "small", dtype: str = "bfloat16", refits: int = 
         "bytes": nbytes, "refits": secs, "first_refit_s": t["rows"][0]["seconds"],
         "rollout_refits": [x["seconds"] for x in r["rows"][1:]],
         "gbps_median": gbps, "ceiling_gbps": ceiling, "ratio_to_ceiling": statistics.median(ratios),
-        "ratio_spread": _spread(ratios),
+        "ratio_spread": ratio_spread(ratios),
         "ratio_method": "median over measured refits of ceiling_s / refit_s, the ceiling measured right "
                         "before each refit in the same processes: 'own' = the refit's own copy runs between "
                         "its own buffers (trainer storage -> rollout tensors), 'private' = one flat copy of "

@@ -30,6 +30,8 @@ import tempfile
 import time
 from typing import Any
 
+from ..cli.output import ratio_spread
+from ..errors import ConfigError
 from ..models.config import ModelConfig, get_preset
 from .vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
 
@@ -64,8 +66,6 @@ class _Engine:
     """The controller's side: the LLM plus the trainer pool."""
 
     def __init__(self, spec: WorldSpec, *, tp: int, log, executor: str = "mp", cpu_linear: str = "prepack") -> None:
-        from ..errors import ConfigError
-
         if executor not in ("mp", "uni") or (executor == "uni" and tp != 1):
             raise ConfigError(f"vLLM executor {executor!r} with tp={tp}: 'mp' (any tp) or 'uni' (tp=1)")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -206,11 +206,6 @@ class _Engine:
             shutil.rmtree(self.dir, ignore_errors=True)  # the model and any checkpoint left
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
-    return {"min": min(values), "p25": q[0], "median": q[1], "p75": q[2], "max": max(values), "pairs": len(values)}
-
-
 def run_vllm_bench(*, preset: str = "small", train: str = "tp=2", tp: int = 1, refits: int = 3,
                    dtype: str = "float32", bucket_bytes: int = 16 << 20, executor: str = "mp",
                    cpu_linear: str = "prepack", timeout_s: float = 300.0, log=print) -> dict[str, Any]:
@@ -221,8 +216,6 @@ def run_vllm_bench(*, preset: str = "small", train: str = "tp=2", tp: int = 1, r
     steady refits (the first, cold one is reported apart).
     """
     if refits < 2:
-        from ..errors import ConfigError
-
         raise ConfigError("bench --engine vllm needs --refits >= 2 (the first refit is cold, reported apart)")
     config = get_preset(preset)
     spec = WorldSpec(config=hf_kwargs(config), dtype=dtype, train=train, timeout_s=timeout_s,
@@ -277,7 +270,7 @@ def run_vllm_bench(*, preset: str = "small", train: str = "tp=2", tp: int = 1, r
         "refits": rows, "ceiling_seconds": ceiling_s, "ceiling_gbps": ceiling_gbps,
         "refit_seconds_median": refit_s, "refit_gbps": total / refit_s / 1e9,
         "transfer_seconds_median": transfer_s, "transfer_gbps": total / transfer_s / 1e9,
-        "ratio_to_ceiling": med(ratios), "ratio_spread": _spread(ratios),
+        "ratio_to_ceiling": med(ratios), "ratio_spread": ratio_spread(ratios),
         "ratio_method": "median over steady (ceiling, refit) pairs of ceiling_s / refit_s; one ceiling round "
                         "right before each refit, same processes; the cold first refit excluded",
         "transfer_ratio_to_ceiling": med(r["transfer_ratio_to_ceiling"] for r in steady),
