@@ -30,12 +30,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["BackgroundPrepack"]
+__all__ = ["MODULE_SLOTS", "SKIP_FLAG", "BackgroundPrepack", "set_skip_flag", "shallow_layer"]
 
 logger = logging.getLogger(__name__)
 
-_SKIP_FLAG = "_cpu_skip_gemm_dispatch"
-_MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
+SKIP_FLAG = "_cpu_skip_gemm_dispatch"  # vLLM's own "plain F.linear path" flag on a linear layer
+MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
+
+
+def shallow_layer(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` sharing its tensors but with dicts of its own: what a
+    post-processing run on it rebinds (parameters, attributes) leaves ``module`` as is."""
+    shadow = copy.copy(module)
+    for slot_name in MODULE_SLOTS:
+        object.__setattr__(shadow, slot_name, dict(getattr(module, slot_name)))
+    return shadow
+
+
+def set_skip_flag(module: torch.nn.Module, flag: bool | None) -> None:
+    """Put vLLM's skip flag back to ``flag`` (None: the layer had none)."""
+    if flag is None:
+        module.__dict__.pop(SKIP_FLAG, None)
+    else:
+        module.__dict__[SKIP_FLAG] = flag
 
 
 class BackgroundPrepack:
@@ -94,9 +111,7 @@ class BackgroundPrepack:
             for module, flag, remove_weight in layers:
                 if self._generation != generation:
                     return
-                shadow = copy.copy(module)
-                for slot_name in _MODULE_SLOTS:
-                    object.__setattr__(shadow, slot_name, dict(getattr(module, slot_name)))
+                shadow = shallow_layer(module)
                 bias = shadow._parameters.get("bias")
                 if bias is not None:  # a packer may rebind .data (sgl: float32 bias): not the live one's
                     shadow._parameters["bias"] = torch.nn.Parameter(bias.data, requires_grad=False)
@@ -113,10 +128,7 @@ class BackgroundPrepack:
                     module.__dict__["cpu_linear"] = shadow.__dict__["cpu_linear"]
                     if shadow._parameters.get("weight") is not module._parameters.get("weight"):
                         module._parameters["weight"] = shadow._parameters["weight"]  # vLLM's emptied one
-                    if flag is None:
-                        module.__dict__.pop(_SKIP_FLAG, None)
-                    else:
-                        module.__dict__[_SKIP_FLAG] = flag
+                    set_skip_flag(module, flag)
                     self.installed += 1
         finally:
             finished.set()

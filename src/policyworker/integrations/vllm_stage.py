@@ -38,7 +38,6 @@ places a box elsewhere is refused before any refit.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,11 +45,10 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, PlanMismatch
-from .vllm_prepack import BackgroundPrepack
+from .vllm_prepack import MODULE_SLOTS, SKIP_FLAG, BackgroundPrepack, set_skip_flag, shallow_layer
 
 __all__ = ["Prepared", "VllmStage"]
 
-_MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
 
 
 @dataclass
@@ -144,7 +142,7 @@ class VllmStage:
             slot.targets.append(t)
         self._layers = list({id(m): m for s in self._slots for m, _ in s.owners}.values())
         # vLLM sets this flag itself on some layers (MLA's kv_b_proj): "prepack" restores it.
-        self._skip_flag = {id(m): m.__dict__.get(_SKIP_FLAG) for m in self._layers}
+        self._skip_flag = {id(m): m.__dict__.get(SKIP_FLAG) for m in self._layers}
         self._views = [self._place(k) for k in (0, 1)]
         self._recv = [dict(v) for v in self._views]
 
@@ -227,18 +225,14 @@ class VllmStage:
         fresh = {id(s): _wrap(s.sets[k], s.sets[k]) for s in self._slots}
         layers, background = [], []
         for module in self._layers:
-            shadow = copy.copy(module)
-            for slot_name in _MODULE_SLOTS:
-                object.__setattr__(shadow, slot_name, dict(getattr(module, slot_name)))
+            shadow = shallow_layer(module)
             for pname, param in module._parameters.items():
                 if param is not None:
                     shadow._parameters[pname] = fresh[id(self._by_owner[(id(module), pname)])]
             method = getattr(shadow, "quant_method", None)
-            as_is = self._as_received(module, shadow, method)
-            if as_is and self.cpu_linear == "background":
-                background.append((module, self._skip_flag.get(id(module)), not _is_embedding(method)))
-            if as_is:
-                pass  # reads the staged tensor as is: nothing to post-process now
+            if self._as_received(module, shadow, method):  # nothing to post-process now
+                if self.cpu_linear == "background":
+                    background.append((module, self._skip_flag.get(id(module)), not _is_embedding(method)))
             elif isinstance(method, QuantizeMethodBase):
                 shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
                 with torch.no_grad():
@@ -263,11 +257,7 @@ class VllmStage:
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-        orig = self._skip_flag.get(id(module))
-        if orig is None:
-            shadow.__dict__.pop(_SKIP_FLAG, None)  # the commit drops it from the live layer too
-        else:
-            shadow.__dict__[_SKIP_FLAG] = orig
+        set_skip_flag(shadow, self._skip_flag.get(id(module)))  # (dropped: the commit drops it live too)
         if self.cpu_linear == "prepack" or not isinstance(method, (UnquantizedLinearMethod,
                                                                    UnquantizedEmbeddingMethod)):
             return False
@@ -276,7 +266,7 @@ class VllmStage:
             return False
         shadow.__dict__["cpu_linear"] = torch.nn.functional.linear
         if isinstance(method, UnquantizedLinearMethod):
-            shadow.__dict__[_SKIP_FLAG] = True  # vLLM's own reload takes the plain path too, until repacked
+            shadow.__dict__[SKIP_FLAG] = True  # vLLM's own reload takes the plain path too, until repacked
         return True
 
     def commit(self, prepared: Prepared) -> None:
@@ -293,7 +283,7 @@ class VllmStage:
     def _swap(self, prepared: Prepared, retired: list[Any]) -> None:
         for module, shadow in prepared.layers:
             for key, value in shadow.__dict__.items():
-                if key in _MODULE_SLOTS:
+                if key in MODULE_SLOTS:
                     continue
                 old = module.__dict__.get(key, _MISSING)
                 if old is not value:
@@ -317,7 +307,6 @@ class VllmStage:
 
 
 _MISSING = object()
-_SKIP_FLAG = "_cpu_skip_gemm_dispatch"
 
 
 def _is_embedding(method: Any) -> bool:
