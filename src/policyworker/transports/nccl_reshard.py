@@ -350,6 +350,15 @@ class NcclReshardTransport(Transport):
         pending.extend((works[id(e)], *e) for e in batch)
         batch.clear()
 
+    def _make_room(self, batch: list, pending: deque, bucket: bool, kind: str, complete) -> None:
+        """Before the next message joins ``batch``: post the batch when that message is of
+        the other kind (header / bucket) or the window is full, then ``complete`` the
+        oldest pending messages until the window has room (``in_flight`` at most)."""
+        if batch and (bucket != (batch[0][0].copies is not None) or len(pending) + len(batch) >= self.in_flight):
+            self._post(batch, kind, pending)
+        while pending and len(pending) + len(batch) >= self.in_flight:
+            complete()
+
     def _send_bulk(self, ctx: TransportContext, version: int):
         """Send every scheduled message; returns (bytes, buckets, failure).
 
@@ -384,10 +393,7 @@ class NcclReshardTransport(Transport):
             if m.key[2] in lost:
                 continue
             kind = m.copies is not None
-            if batch and (kind != (batch[0][0].copies is not None) or len(pending) + len(batch) >= self.in_flight):
-                self._post(batch, "send", pending)
-            while pending and len(pending) + len(batch) >= self.in_flight:
-                settle()
+            self._make_room(batch, pending, kind, "send", settle)
             if not kind:
                 batch.append((m, headers[i], None))
                 continue
@@ -510,10 +516,7 @@ class NcclReshardTransport(Transport):
                 if m.key[1] in lost:
                     continue
                 kind = m.copies is not None
-                if batch and (kind != (batch[0][0].copies is not None) or len(pending) + len(batch) >= self.in_flight):
-                    self._post(batch, "recv", pending)
-                while pending and len(pending) + len(batch) >= self.in_flight:
-                    finish()
+                self._make_room(batch, pending, kind, "recv", finish)
                 if not kind:
                     batch.append((m, inbox[i], None))
                     continue
