@@ -127,6 +127,22 @@ def short() -> list[list]:
             [PersistVariant(num_warps=16, maxnreg=0, grid=2)]]
 
 
+def _named(spec: str) -> list[list]:
+    """``--variants``: one group per name (each compiles on its own)."""
+    groups: list[list] = []
+    saved = fp8_triton.KERNEL, fp8_triton.PERSIST
+    for name in (n.strip() for n in spec.split(";")):
+        if not name:
+            continue
+        fp8_triton.configure_from_string(name)
+        if fp8_triton.KERNEL == "persist":
+            groups.append([fp8_triton.PERSIST])
+        else:
+            groups.append([_tile(fp8_triton.NUM_WARPS, fp8_triton.FAST_DIV, fp8_triton.STREAM)])
+    fp8_triton.configure(kernel=saved[0], persist=saved[1])
+    return groups
+
+
 def sweep() -> list[list]:
     """Compile groups, most promising first (the budget cuts from the end)."""
     # Static facts (sm_90a, ptxas): prefetch keeps two tiles in registers (8 warps: 128
@@ -227,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--budget-s", type=float, default=75.0, help="start no new compile group after this many seconds")
     p.add_argument("--short", action="store_true", help="only the default and its neighbours (short())")
+    p.add_argument("--variants", default="", help="';'-separated variant names (as printed) instead of a sweep, "
+                   "in that order, e.g. 'kernel=persist,warps=16,stages=3,prefetch=0,grid=2,maxnreg=0'")
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
     t_start = time.perf_counter()
@@ -273,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     exact_of: dict[str, bool] = {}
     errors: dict[str, str] = {}
     skipped: list[str] = []
-    for group in (short() if ns.short else sweep()):
+    for group in (_named(ns.variants) if ns.variants else short() if ns.short else sweep()):
         names = [g[0] if isinstance(g, tuple) else g.name() for g in group]
         if time.perf_counter() - t_start > ns.budget_s:
             skipped += names

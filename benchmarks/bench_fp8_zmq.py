@@ -174,67 +174,74 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
             w = Rollout(rank=0, gen_world_size=1, device=dev, cpu_index=0, zmq_timeout_s=a["timeout_s"])
         w.zmq_options = opts
         version = 0
-        for mode in ("bf16", "fp8"):
-            gen = gens[mode]
-            if rank == 0:
-                await w.prepare_zmq_refit_info(gen, 1)
-            else:
-                plan = build_plan(config, "tp=1", gen, 1, 1, dtype=dtype)
-                w.params = {}
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-                w.load_colocated_plan(plan)
-                if mode == "bf16":  # the receiver-side quantization targets (bolted-on way)
-                    fp8_plan = build_plan(config, "tp=1", gens["fp8"], 1, 1, dtype=dtype)
-                    fp8_params = flat_local_tensors(fp8_plan, 0, dev)
-                    quant = QuantJobs(_receiver_quant_jobs(fp8_plan, w.params, fp8_params))
-            rows = []
-            for i in range(a["refits"] + 1):
-                version += 1
+        out["modes"] = {"bf16": [], "fp8": []}
+        # Interleaved rounds (bf16 then fp8, `rounds` times; each round's first refit
+        # after a switch is its warm-up): a drift of the device or host between the two
+        # modes' refits lands in both, and every round gives one fp8 / bf16 ratio.
+        for rnd in range(a["rounds"]):
+            for mode in ("bf16", "fp8"):
+                gen = gens[mode]
                 if rank == 0:
-                    for n, p in params:
-                        _seeded_(p, n, version)
-                _sync(dev)
-                await wait()
-                t0 = time.perf_counter()
-                if rank == 0:
-                    rep = await w.stream_weights_via_ipc_zmq(refit_timeout_s=a["timeout_s"])
-                    rows.append({"seconds": time.perf_counter() - t0, "bytes": rep.bytes})
-                    await wait()  # the rollout is done (its quantization too) before the next step
-                    continue
-                rep = await w.update_weights_via_ipc_zmq(refit_timeout_s=a["timeout_s"])
-                _sync(dev)
-                t1 = time.perf_counter()
-                row = {"seconds": t1 - t0, "bytes": rep.bytes, "notes": list(rep.notes),
-                       "phases_ms": _phases(t0, w._peek_state("zmq").get("timing") or {}, t1)}
-                if mode == "bf16":
-                    quant.run()
+                    await w.prepare_zmq_refit_info(gen, 1)
+                else:
+                    plan = build_plan(config, "tp=1", gen, 1, 1, dtype=dtype)
+                    w.params = {}
+                    quant = None
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+                    w.load_colocated_plan(plan)
+                    if mode == "bf16":  # the receiver-side quantization targets (bolted-on way)
+                        fp8_plan = build_plan(config, "tp=1", gens["fp8"], 1, 1, dtype=dtype)
+                        if rnd == 0:
+                            fp8_params = flat_local_tensors(fp8_plan, 0, dev)
+                        quant = QuantJobs(_receiver_quant_jobs(fp8_plan, w.params, fp8_params))
+                last_round = rnd == a["rounds"] - 1
+                for i in range(a["refits"] + 2):  # two warm-ups: the first builds, the second captures
+                    version += 1
+                    if rank == 0:
+                        for n, p in params:
+                            _seeded_(p, n, version)
                     _sync(dev)
-                    row["quantize_s"] = time.perf_counter() - t1
-                if i == a["refits"]:
-                    row["bit_exact"] = await asyncio.to_thread(_check, plan, w.params, version, dev)
+                    await wait()
+                    t0 = time.perf_counter()
+                    if rank == 0:
+                        rep = await w.stream_weights_via_ipc_zmq(refit_timeout_s=a["timeout_s"])
+                        out["modes"][mode].append({"seconds": time.perf_counter() - t0, "bytes": rep.bytes,
+                                                   "round": rnd, "warm": i > 1})
+                        await wait()  # the rollout is done (its quantization too) before the next step
+                        continue
+                    rep = await w.update_weights_via_ipc_zmq(refit_timeout_s=a["timeout_s"])
+                    _sync(dev)
+                    t1 = time.perf_counter()
+                    row = {"seconds": t1 - t0, "bytes": rep.bytes, "notes": list(rep.notes), "round": rnd,
+                           "warm": i > 1, "phases_ms": _phases(t0, w._peek_state("zmq").get("timing") or {}, t1)}
                     if mode == "bf16":
-                        row["quantized_bit_exact"] = await asyncio.to_thread(
-                            _check, fp8_plan, fp8_params, version, dev, True)
-                        # The bolted-on way without a custom kernel: the same landed bytes
-                        # quantized by vectorized eager torch (checked bit for bit against
-                        # the oracle); a warm-up pass, then the timed one.
-                        for _ in range(2):
-                            for z in (q for _, q, _s in quant.jobs):
-                                z.zero_()
-                            _sync(dev)
-                            tq = time.perf_counter()
-                            for src, q8, sc in quant.jobs:
-                                _quantize_eager(src, q8, sc)
-                            _sync(dev)
-                            row["quantize_torch_s"] = time.perf_counter() - tq
-                        row["quantized_torch_bit_exact"] = await asyncio.to_thread(
-                            _check, fp8_plan, fp8_params, version, dev, True)
-                rows.append(row)
-                await wait()
-            out["modes"][mode] = rows
-            if rank == 1 and mode == "bf16":
-                del fp8_params, quant
+                        quant.run()
+                        _sync(dev)
+                        row["quantize_s"] = time.perf_counter() - t1
+                    if i == a["refits"] + 1 and last_round:
+                        row["bit_exact"] = await asyncio.to_thread(_check, plan, w.params, version, dev)
+                        if mode == "bf16":
+                            row["quantized_bit_exact"] = await asyncio.to_thread(
+                                _check, fp8_plan, fp8_params, version, dev, True)
+                            # The bolted-on way without a custom kernel: the same landed bytes
+                            # quantized by vectorized eager torch (checked bit for bit against
+                            # the oracle); a warm-up pass, then the timed one.
+                            for _ in range(2):
+                                for z in (q for _, q, _s in quant.jobs):
+                                    z.zero_()
+                                _sync(dev)
+                                tq = time.perf_counter()
+                                for src, q8, sc in quant.jobs:
+                                    _quantize_eager(src, q8, sc)
+                                _sync(dev)
+                                row["quantize_torch_s"] = time.perf_counter() - tq
+                            row["quantized_torch_bit_exact"] = await asyncio.to_thread(
+                                _check, fp8_plan, fp8_params, version, dev, True)
+                    out["modes"][mode].append(row)
+                    await wait()
+        if rank == 1:
+            del fp8_params, quant
         await wait()
         if rank == 1:  # the ceiling: one flat copy of the bf16 byte count, touched buffers
             n = out["modes"]["bf16"][-1]["bytes"]
@@ -257,39 +264,55 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
     return asyncio.run(main())
 
 
-def run(preset: str, device: str, refits: int, timeout_s: float, kernel: str = "") -> dict[str, Any]:
+def run(preset: str, device: str, refits: int, timeout_s: float, kernel: str = "", rounds: int = 3) -> dict[str, Any]:
     import multiprocessing as mp
 
+    from policyworker.cli.output import ratio_spread
     from policyworker.cli.procs import start_world
 
     args = dict(preset=preset, device="cuda:0" if device == "cuda" else device, refits=refits, timeout_s=timeout_s,
-                kernel=kernel)
+                kernel=kernel, rounds=rounds)
     barrier = mp.get_context("spawn").Barrier(2)
     world = start_world(_rank_main, 2, (args, barrier))
-    res = world.collect(timeout_s * (2 * refits + 8))
+    res = world.collect(timeout_s * (2 * rounds * (refits + 2) + 8))
     trainer, rollout = res[0], res[1]
     med = lambda xs: statistics.median(xs)  # noqa: E731
-    r = {m: rows[1:] for m, rows in rollout["modes"].items()}
-    t = {m: rows[1:] for m, rows in trainer["modes"].items()}
+    r = {m: [x for x in rows if x["warm"]] for m, rows in rollout["modes"].items()}
+    t = {m: [x for x in rows if x["warm"]] for m, rows in trainer["modes"].items()}
+    last = {m: rows[-1] for m, rows in r.items()}
     bf16_s = med([x["seconds"] for x in r["bf16"]])
     then_q = med([x["seconds"] + x["quantize_s"] for x in r["bf16"]])
     fp8_s = med([x["seconds"] for x in r["fp8"]])
-    torch_q = r["bf16"][-1]["quantize_torch_s"]
+    torch_q = last["bf16"]["quantize_torch_s"]
+    per_round = []
+    for k in range(rounds):
+        b = med([x["seconds"] for x in r["bf16"] if x["round"] == k])
+        f = med([x["seconds"] for x in r["fp8"] if x["round"] == k])
+        q = med([x["seconds"] + x["quantize_s"] for x in r["bf16"] if x["round"] == k])
+        per_round.append({"bf16": b, "fp8": f, "bf16_then_quantize": q, "fp8_over_bf16": f / b,
+                          "then_quantize_over_fp8": q / f})
     return {
         "benchmark": "fp8 refit, zmq colocated", "preset": preset, "device": args["device"], "refits": refits,
-        "kernel": kernel or "defaults",
-        "bytes": {"bf16": r["bf16"][-1]["bytes"], "fp8": r["fp8"][-1]["bytes"]},
+        "rounds": rounds, "kernel": kernel or "defaults",
+        "bytes": {"bf16": last["bf16"]["bytes"], "fp8": last["fp8"]["bytes"]},
+        # medians over every warm refit of every round
         "seconds": {"bf16": bf16_s, "fp8": fp8_s, "bf16_then_quantize": then_q,
                     "receiver_quantize_only": med([x["quantize_s"] for x in r["bf16"]]),
                     "bf16_then_quantize_torch": bf16_s + torch_q, "receiver_quantize_torch_only": torch_q,
                     "flat_copy_ceiling_bf16_bytes": rollout["ceiling_s"]},
         "trainer_seconds": {m: med([x["seconds"] for x in rows]) for m, rows in t.items()},
-        "fp8_over_bf16": fp8_s / bf16_s, "then_quantize_over_fp8": then_q / fp8_s,
+        # the headline ratios: median over rounds of each round's own ratio (bf16 and fp8
+        # refits of one round are minutes apart at most, seconds here)
+        "fp8_over_bf16": med([x["fp8_over_bf16"] for x in per_round]),
+        "then_quantize_over_fp8": med([x["then_quantize_over_fp8"] for x in per_round]),
         "then_quantize_torch_over_fp8": (bf16_s + torch_q) / fp8_s,
+        "fp8_over_bf16_spread": ratio_spread([x["fp8_over_bf16"] for x in per_round]),
+        "pooled": {"fp8_over_bf16": fp8_s / bf16_s, "then_quantize_over_fp8": then_q / fp8_s},
+        "per_round": per_round,
         "all_rollout_seconds": {m: [round(x["seconds"], 6) for x in rows] for m, rows in r.items()},
-        "bit_exact": {"bf16": r["bf16"][-1]["bit_exact"], "fp8": r["fp8"][-1]["bit_exact"],
-                      "bf16_then_quantize": r["bf16"][-1]["quantized_bit_exact"],
-                      "bf16_then_quantize_torch": r["bf16"][-1]["quantized_torch_bit_exact"]},
+        "bit_exact": {"bf16": last["bf16"]["bit_exact"], "fp8": last["fp8"]["bit_exact"],
+                      "bf16_then_quantize": last["bf16"]["quantized_bit_exact"],
+                      "bf16_then_quantize_torch": last["bf16"]["quantized_torch_bit_exact"]},
         "notes": {m: rows[-1]["notes"] for m, rows in r.items()},
         # the rollout's host timeline per refit, median per phase (ms): where the time that
         # is neither copy nor kernel goes ("device_wait" holds the GPU's work)
@@ -297,7 +320,6 @@ def run(preset: str, device: str, refits: int, timeout_s: float, kernel: str = "
                                   for k in rows[-1]["phases_ms"]} for m, rows in r.items()},
         "first_refit_notes": {m: rows[0]["notes"] for m, rows in rollout["modes"].items()},
     }
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -307,9 +329,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--kernel", default="", help="fp8 kernel variant as bench_fp8_kernel.py names it, e.g. "
                    "kernel=persist,warps=8,stages=1,prefetch=1,grid=2,fast_div=1,stream=0")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved bf16/fp8 rounds (each: warm-ups + --refits)")
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
-    res = run(ns.preset, ns.device, ns.refits, ns.timeout_s, ns.kernel)
+    if ns.refits < 1 or ns.rounds < 1:
+        p.error("--refits and --rounds must be >= 1")
+    res = run(ns.preset, ns.device, ns.refits, ns.timeout_s, ns.kernel, ns.rounds)
     write_json(ns.json, res, echo=True)
     return 0
 

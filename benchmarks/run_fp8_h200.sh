@@ -6,15 +6,18 @@
 # the fp8 GPU tests (every kernel variant + copy tiles vs the oracle, quantize-while-pack, zmq over
 # CUDA IPC with the copies in the launch).
 # Usage (from the repository root, wheels for pyzmq/msgspec in .whl/): bash benchmarks/run_fp8_h200.sh OUTDIR
-# SWEEP=1: the full kernel sweep instead of --short (~65 s more). KERNEL=<variant>: the zmq bench runs
-# that variant instead of the kernel bench's best_with_copies. REFITS (7), PRESET (qwen3-8b).
+# SWEEP=1: the full kernel sweep instead of --short (~65 s more); VARIANTS='name;name': those variants
+# only. KERNEL=<variant>: the zmq bench runs that variant instead of the kernel bench's best_with_copies.
+# REFITS (5 per round), ROUNDS (3 interleaved bf16/fp8 rounds), PRESET (qwen3-8b).
 set -u
 OUT=${1:-out}
 mkdir -p "$OUT"
 source benchmarks/device_env.sh
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-if [ "${SWEEP:-0}" = 1 ]; then KARGS="--budget-s 65"; KT=130; else KARGS="--short --budget-s 35"; KT=90; fi
-timeout $KT python3 benchmarks/bench_fp8_kernel.py $KARGS --json "$OUT/fp8_kernel_h200.json" > "$OUT/fp8_kernel_h200.log" 2>&1
+if [ "${SWEEP:-0}" = 1 ]; then KARGS=(--budget-s 65); KT=130
+elif [ -n "${VARIANTS:-}" ]; then KARGS=(--variants "$VARIANTS" --budget-s 60); KT=120
+else KARGS=(--short --budget-s 35); KT=90; fi
+timeout $KT python3 benchmarks/bench_fp8_kernel.py "${KARGS[@]}" --json "$OUT/fp8_kernel_h200.json" > "$OUT/fp8_kernel_h200.log" 2>&1
 echo "kernel bench rc=$? (t=${SECONDS}s)"
 # per variant: ms and exactness (kernel alone); then the copies rows; errors: their last 4 lines
 python3 - "$OUT/fp8_kernel_h200.json" <<'PY' || tail -30 "$OUT/fp8_kernel_h200.log"
@@ -43,7 +46,8 @@ BEST=$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(d.get(
 # KERNEL (the caller's), else the kernel bench's best with copies, else empty: the library default
 KERNEL=${KERNEL:-${BEST:-}}
 echo "zmq bench kernel: ${KERNEL:-library default}"
-timeout 70 python3 benchmarks/bench_fp8_zmq.py --preset "${PRESET:-qwen3-8b}" --device cuda --refits "${REFITS:-7}" --kernel "${KERNEL:-}" \
+timeout 150 python3 benchmarks/bench_fp8_zmq.py --preset "${PRESET:-qwen3-8b}" --device cuda --refits "${REFITS:-5}" \
+  --rounds "${ROUNDS:-3}" --kernel "${KERNEL:-}" \
   --json "$OUT/fp8_zmq_h200.json" > "$OUT/fp8_zmq_h200.log" 2>&1
 echo "bench rc=$? (t=${SECONDS}s)"
 python3 - "$OUT/fp8_zmq_h200.json" <<'PY'
@@ -53,7 +57,7 @@ try:
 except Exception as e:  # noqa: BLE001 - a report line, not control flow
     print("no bench json:", e); sys.exit(0)
 print(json.dumps({k: d.get(k) for k in ("kernel", "bytes", "seconds", "trainer_seconds", "fp8_over_bf16",
-                                        "then_quantize_over_fp8", "then_quantize_torch_over_fp8", "bit_exact", "rollout_phases_ms",
+                                        "fp8_over_bf16_spread", "pooled", "per_round", "then_quantize_over_fp8", "then_quantize_torch_over_fp8", "bit_exact", "rollout_phases_ms",
                                         "first_refit_notes")}, indent=1))
 PY
 tail -5 "$OUT/fp8_zmq_h200.log"

@@ -103,9 +103,14 @@ def _fused_kernel(tiles_ptr, ntiles, src_ptr, dst_ptr, cdst_ptr, sc_ptr, BLOCK: 
                  Q_F32)
             x, do, co, drs, rows, cols = x_n, do_n, co_n, drs_n, rows_n, cols_n
     else:
+        # Triton's software pipeliner stages a loop's loads through shared memory
+        # (cp.async, STAGES - 1 tiles in flight per program, no registers held), but only
+        # a load outside any branch: one masked load for every tile (a whole tile's mask
+        # is all true, constant per 16-byte vector).
         for t in tl.range(pid, ntiles, nprog, num_stages=STAGES):
             so, do, co, srs, drs, rows, cols = _row(tiles_ptr, t)
-            x = _fetch(src_ptr, so, srs, rows, cols, rb, BLOCK, STREAM)
+            ptrs = src_ptr + so * 8 + (rb[:, None] * (srs * 8) + rb[None, :])
+            x = tl.load(ptrs, mask=(rb[:, None] < rows) & (rb[None, :] < cols * 8), other=0.0)
             _put(x, dst_ptr, cdst_ptr, sc_ptr, do, co, drs, rows, cols, rb, BLOCK, DST_ALIGN, FAST_DIV, STREAM,
                  Q_F32)
 
