@@ -198,3 +198,19 @@ def test_apply_plan_on_a_model_equals_the_oracle(train, gen):
         want = dest_shards(plan, r, full)
         assert all(same_bits(dsts[r][n], want[n]) for n in want)
         assert any(n.endswith("_scale_inv") for n in want)
+
+
+def test_fused_launch_leaves_big_contiguous_copies_to_torch():
+    # Copies of at least torch_min_bytes go back to the caller (torch copies them at
+    # the memory's full rate); smaller ones become copy tiles of the launch.
+    import torch
+
+    from policyworker.ops.fp8_fused import build
+
+    big = (torch.arange(4096, dtype=torch.int16).view(torch.bfloat16), torch.empty(4096, dtype=torch.bfloat16))
+    small = (torch.arange(512, dtype=torch.int16).view(torch.bfloat16), torch.empty(512, dtype=torch.bfloat16))
+    launch, _, left = build([], [big, small], 32, torch.device("cpu"), torch_min_bytes=8192)
+    assert [a for a, _ in left] == [big[0]]
+    assert launch is not None and launch.copy_bytes == small[0].numel() * 2 and launch.copy_tiles > 0
+    launch0, _, left0 = build([], [big, small], 32, torch.device("cpu"))
+    assert left0 == [] and launch0.copy_bytes == (4096 + 512) * 2

@@ -111,6 +111,24 @@ def test_zmq_fp8_refit_over_cuda_ipc(options):
         assert fused and int(fused[0].split()[3]) > 0, rollout["outcomes"]
 
 
+@pytest.mark.multiprocess
+def test_zmq_fp8_refit_with_big_copies_through_torch_then_the_replayed_launch():
+    # The small preset's embedding and lm_head (32 MB each here) are at least
+    # torch_min_mib: torch copies them on the pull's stream, then the captured launch
+    # (quantize tiles + the small copies) is replayed on that same stream; each refit exact.
+    from policyworker.cli.procs import run_world
+
+    from .zmq_world import ZmqSpec, zmq_rank
+
+    spec = ZmqSpec(preset="small", device="cuda:0", gen="tp=1,fp8=block128", refits=4, options={"flatten": True},
+                   fp8_kernel="kernel=persist,torch_min_mib=16")
+    results = run_world(zmq_rank, 2, (spec,), timeout_s=120)
+    rollout = results[1]
+    assert [o.get("exact") for o in rollout["outcomes"]] == [True] * 4, rollout["outcomes"]
+    notes = [n for o in rollout["outcomes"] for n in o.get("notes", []) if n.startswith("fp8 launch copies")]
+    assert notes and int(notes[0].split()[3]) > 0 and int(notes[0].split()[-1]) >= 2, notes  # both kinds
+
+
 def test_every_kernel_variant_equals_the_oracle_on_the_gpu():
     """The interpreter check of test_fp8_kernels.py, here with the GPU's own fp8
     conversion, 128-blocks, NaN and inf blocks (NaN bytes compare as NaN)."""

@@ -35,6 +35,7 @@ class ZmqSpec:
     move_at: int | None = None  # refit version before which one trainer param gets a new storage
     refit_timeout_s: float | None = 20.0
     device: str = "cpu"
+    fp8_kernel: str = ""  # an fp8 kernel variant name (fp8_triton.configure_from_string), "" = the default
 
 
 def _load(model: torch.nn.Module, config, version: int) -> None:
@@ -52,6 +53,10 @@ def zmq_rank(rank: int, spec: ZmqSpec) -> dict[str, Any]:
     from policyworker.testing.toy_model import build_model
 
     torch.set_num_threads(1)
+    if spec.fp8_kernel:
+        from policyworker.ops import fp8_triton
+
+        fp8_triton.configure_from_string(spec.fp8_kernel)
     config = get_preset(spec.preset)
     is_trainer = rank < spec.pairs
     g = rank if is_trainer else rank - spec.pairs

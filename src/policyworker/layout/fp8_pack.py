@@ -220,6 +220,18 @@ class QuantJobs:
         if self._cuda is not None:
             self._cuda.fence()
 
+    @property
+    def replays(self) -> bool:
+        """CUDA: the launch is a captured graph now (from its second run on), which
+        `run_inline` can replay on the current stream."""
+        return self._cuda is not None and self._cuda.replays
+
+    def run_inline(self) -> int:
+        """`run` on the current stream itself (the captured graph replayed there: no side
+        stream, no fence, no join); only once `replays`. Returns the bytes written."""
+        self._cuda.replay_inline()
+        return self.nbytes
+
     def run(self, *, join: bool = True, fenced: bool = False) -> int:
         """Quantize every job; returns the bytes written (fp8 + scales + the copies the
         launch makes). On CUDA the

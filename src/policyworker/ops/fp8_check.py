@@ -107,7 +107,8 @@ def _variants():
     tile = [dict(kernel="tile", fast_div=f) for f in (False, True)]
     persist = [PersistVariant(prefetch=True, fast_div=True), PersistVariant(prefetch=True, fast_div=False),
                PersistVariant(prefetch=False, stages=3, fast_div=True), PersistVariant(prefetch=False, fast_div=False),
-               PersistVariant(prefetch=True, fast_div=False, fused=False)]
+               PersistVariant(prefetch=True, fast_div=False, fused=False), PersistVariant(grid=0, num_warps=16),
+               PersistVariant(grid=0, fast_div=False)]
     return tile, persist
 
 

@@ -115,6 +115,18 @@ def _fused_kernel(tiles_ptr, ntiles, src_ptr, dst_ptr, cdst_ptr, sc_ptr, BLOCK: 
                  Q_F32)
 
 
+@triton.jit
+def _fused_tile_kernel(tiles_ptr, src_ptr, dst_ptr, cdst_ptr, sc_ptr, BLOCK: tl.constexpr, DST_ALIGN: tl.constexpr,
+                       FAST_DIV: tl.constexpr, STREAM: tl.constexpr, Q_F32: tl.constexpr):
+    # One tile per program, no loop (``PersistVariant(grid=0)``): the hardware starts the
+    # next program as one ends, so many tiles' loads are in flight per SM with no
+    # software pipeline. Same table and arithmetic as _fused_kernel.
+    rb = tl.arange(0, BLOCK)
+    so, do, co, srs, drs, rows, cols = _row(tiles_ptr, tl.program_id(0))
+    x = _fetch(src_ptr, so, srs, rows, cols, rb, BLOCK, STREAM)
+    _put(x, dst_ptr, cdst_ptr, sc_ptr, do, co, drs, rows, cols, rb, BLOCK, DST_ALIGN, FAST_DIV, STREAM, Q_F32)
+
+
 def _fits(units: int, per16: int, block: int) -> bool:
     """A row stride of ``units`` 16-byte units keeps a tile's int32 element offsets."""
     return (units * per16 + 1) * block < 2**31
@@ -241,9 +253,15 @@ class FusedLaunch:
     taken: tuple[Pair, ...]  # the (src, dst) views the copy tiles cover (torch copies them in a grouped layout)
 
     def launch(self, variant, sms: int, block: int) -> None:
-        grid = (max(1, min(self.ntiles, variant.grid * sms)),)
         q_f32 = self.q0.dtype == torch.float32
         extra = {"maxnreg": variant.maxnreg} if variant.maxnreg and self.tiles.device.type == "cuda" else {}
+        if variant.grid == 0:  # one tile per program
+            _fused_tile_kernel[(self.ntiles,)](self.tiles, self.src0, self.q0, self.c0, self.s0, BLOCK=block,
+                                               DST_ALIGN=16 // self.q0.element_size(), FAST_DIV=variant.fast_div,
+                                               STREAM=variant.stream, Q_F32=q_f32, num_warps=variant.num_warps,
+                                               num_stages=1, **extra)
+            return
+        grid = (max(1, min(self.ntiles, variant.grid * sms)),)
         _fused_kernel[grid](self.tiles, self.ntiles, self.src0, self.q0, self.c0, self.s0, BLOCK=block,
                             DST_ALIGN=16 // self.q0.element_size(), FAST_DIV=variant.fast_div, STREAM=variant.stream,
                             STAGES=variant.stages, PREFETCH=variant.prefetch, Q_F32=q_f32,
@@ -259,10 +277,17 @@ def _at(t: torch.Tensor, dtype: torch.dtype, addr: int) -> torch.Tensor:
 
 
 def build(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], copies: Sequence[Pair], block: int,
-          device: torch.device):
+          device: torch.device, torch_min_bytes: int = 0):
     """``(launch or None, covered, left)``: the fused launch over ``jobs``' whole tiles
     and ``copies``; ``covered[i]`` the mask of job ``i``'s tiles it quantizes (None: none);
-    ``left`` the copies (or parts) torch must still do."""
+    ``left`` the copies (or parts) torch must still do: also, with ``torch_min_bytes``,
+    every contiguous copy at least that big (torch copies those at full rate)."""
+    big = [(a, b) for a, b in copies if torch_min_bytes and a.numel() * a.element_size() >= torch_min_bytes
+           and a.is_contiguous() and b.is_contiguous()]
+    if big:
+        ids = {(id(a), id(b)) for a, b in big}
+        launch, covered, left = build(jobs, [(a, b) for a, b in copies if (id(a), id(b)) not in ids], block, device)
+        return launch, covered, big + left
     if block % 8:
         return None, [None] * len(jobs), list(copies)
     live = [j for j in jobs if j[0].numel()]

@@ -192,7 +192,8 @@ def _edge_kernel(tiles_ptr, src_ptr, dst_ptr, sc_ptr, BLOCK: tl.constexpr, FAST_
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PersistVariant:
     """Launch settings of the persistent kernel (``benchmarks/bench_fp8_kernel.py``
-    sweeps them). ``grid``: programs per SM; ``stages``: ``tl.range`` pipelining depth
+    sweeps them). ``grid``: programs per SM (0: the fused launch runs one tile per
+    program, no persistent loop); ``stages``: ``tl.range`` pipelining depth
     (1 = none); ``prefetch``: the register double buffer instead of the pipeliner;
     ``fused``: bf16 jobs and the program's copies in one launch whose row strides are
     read per tile (:mod:`.fp8_fused`), instead of one launch per pair of constant
@@ -200,7 +201,11 @@ class PersistVariant:
     launch may use (0: the compiler's choice); ``graph``: from a program's second launch
     on CUDA, its launches are one captured CUDA graph, replayed (Triton's host-side launch
     of the fused kernel costs ~0.25 ms, a replay a few µs; the tables and base pointers
-    a program launches with never change). With per-tile strides ptxas gives the
+    a program launches with never change); ``torch_min_mib``: contiguous copies of at
+    least that many MiB are left to the caller (``copies_left``: torch's copy runs at
+    the memory's full rate, ~10% above a copy tile's; a launch costs ~5 µs of host,
+    less than that 10% of a copy this big), smaller ones ride in the launch (0: all).
+    With per-tile strides ptxas gives the
     8-warp prefetch loop ~195 registers, one program per SM; capped at 128 it has no
     spills (sm_90a, Triton 3.6 and 3.9) and two fit, as the grouped kernel's do."""
 
@@ -213,11 +218,12 @@ class PersistVariant:
     fused: bool = True
     maxnreg: int = 128
     graph: bool = True
+    torch_min_mib: int = 64
 
     def name(self) -> str:
         return (f"kernel=persist,warps={self.num_warps},stages={self.stages},prefetch={int(self.prefetch)},"
                 f"grid={self.grid},fast_div={int(self.fast_div)},stream={int(self.stream)},fused={int(self.fused)},"
-                f"maxnreg={self.maxnreg},graph={int(self.graph)}")
+                f"maxnreg={self.maxnreg},graph={int(self.graph)},torch_min_mib={self.torch_min_mib}")
 
 
 def _sm_count(device: torch.device) -> int:
@@ -242,7 +248,10 @@ class PersistProgram:
 
     def __init__(self, jobs: Sequence[Job], block: int = 128, variant: PersistVariant | None = None,
                  copies: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
-        self.block, self.variant = block, variant or PersistVariant()
+        self.block = block
+        self._variant = variant or PersistVariant()
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._warm = False
         self._keep = list(jobs)
         self._copies = list(copies)
         self.device = next((src.device for src, _, _ in self._keep if src.numel()), None)
@@ -253,10 +262,21 @@ class PersistProgram:
         from policyworker.ops.fp8_fused import build
 
         # The fused table decides which copies it takes, also for the grouped layout.
-        self._fused, self._covered, self.copies_left = build(self._keep, self._copies, block, self.device)
+        self._fused, self._covered, self.copies_left = build(self._keep, self._copies, block, self.device,
+                                                             torch_min_bytes=self._variant.torch_min_mib << 20)
         self.copy_bytes = self._fused.copy_bytes if self._fused is not None else 0
-        self._warm = False
-        self._graph: torch.cuda.CUDAGraph | None = None
+
+    @property
+    def variant(self) -> PersistVariant:
+        return self._variant
+
+    @variant.setter
+    def variant(self, v: PersistVariant) -> None:
+        """Launch with ``v`` from now on; a captured graph (of the old variant's launches)
+        is dropped. Which copies the launch takes stays as built."""
+        if v != self._variant:
+            self._graph, self._warm = None, False
+        self._variant = v
 
     def _layout(self, fused: bool) -> tuple:
         """(fused launch or None, grouped launches, edge launches) of this layout."""
@@ -296,7 +316,7 @@ class PersistProgram:
                 finally:
                     graph.capture_end()
             except RuntimeError:
-                self.variant = dataclasses.replace(self.variant, graph=False)  # not capturable here: launch
+                self._variant = dataclasses.replace(self._variant, graph=False)  # not capturable here: launch
             else:
                 self._graph = graph
                 graph.replay()  # the capture ran nothing: this is the launch
@@ -324,7 +344,7 @@ class PersistProgram:
             for a, b in self._fused.taken if self._fused is not None else ():
                 b.copy_(a, non_blocking=True)
         for tiles, ntiles, (src0, q0, s0), srs, drs, sa, da in groups:
-            grid = (max(1, min(ntiles, v.grid * self._sms)),)
+            grid = (max(1, min(ntiles, (v.grid or 2) * self._sms)),)  # grid=0 is the fused launch's
             q_f32 = q0.dtype == torch.float32
             _persist_kernel[grid](tiles, ntiles, src0, q0, s0, BLOCK=self.block, SRC_RS=srs, DST_RS=drs,
                                   SRC_ALIGN=sa, DST_ALIGN=da, FAST_DIV=v.fast_div, STREAM=v.stream,

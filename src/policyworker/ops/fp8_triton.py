@@ -161,7 +161,8 @@ def configure_from_string(spec: str) -> None:
                                prefetch=flag("prefetch", d.prefetch), grid=int(kw.pop("grid", d.grid)),
                                fast_div=flag("fast_div", d.fast_div), stream=flag("stream", d.stream),
                                fused=flag("fused", d.fused), maxnreg=int(kw.pop("maxnreg", d.maxnreg)),
-                               graph=flag("graph", d.graph))
+                               graph=flag("graph", d.graph),
+                               torch_min_mib=int(kw.pop("torch_min_mib", d.torch_min_mib)))
             configure(kernel="persist", persist=v)
         else:
             configure(kernel=kind, num_warps=int(kw.pop("warps", NUM_WARPS)),
@@ -293,6 +294,19 @@ class QuantProgram:
         does first unless told ``fenced``)."""
         if not self.empty:
             _side_stream(self.device).wait_stream(torch.cuda.current_stream(self.device))
+
+    @property
+    def replays(self) -> bool:
+        """The persistent program's launches are a captured CUDA graph (see `replay_inline`)."""
+        return self.kernel == "persist" and self._persist is not None and self._persist.graphed
+
+    def replay_inline(self) -> None:
+        """Replay the captured graph on the *current* stream: ordered after its earlier
+        work and before its later work, as `run` with its fence and join, minus the side
+        stream (a graph is not tied to the stream it was captured on). Only once `replays`."""
+        if not self.replays:
+            raise RuntimeError("replay_inline before the launch was captured (check `replays`)")
+        self._persist.launch()
 
     def run(self, *, join: bool = True, fenced: bool = False) -> None:
         """Launch every job on the device's side stream, after the current stream's
