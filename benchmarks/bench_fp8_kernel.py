@@ -121,7 +121,7 @@ def short() -> list[list]:
     and without its register cap, pipelined instead of prefetched, at 16 warps, and the
     grouped launch (constant strides; copies through torch) that was the default before.
     The two defaults first: the budget cuts from the end."""
-    return [[PersistVariant(), PersistVariant(grid=2)],
+    return [[PersistVariant(), PersistVariant(torch_min_mib=0)],
             [PersistVariant(fused=False), PersistVariant(fused=False, grid=2)],
             [PersistVariant(maxnreg=0)], [PersistVariant(prefetch=False, stages=3, maxnreg=0)],
             [PersistVariant(num_warps=16, maxnreg=0, grid=2)]]
@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
             res["best_tile_s"] = variants[res["best_tile"]]
     if exact and dev.type == "cuda":
         fused = sorted((n for n in exact if "fused=1" in n), key=variants.get)[:4]
+        for v in (PersistVariant(), PersistVariant(torch_min_mib=0)):  # the default, and all copies in its launch
+            if v.name() in exact and v.name() not in fused:
+                fused.append(v.name())
         res["with_bf16_copies"] = ov = _overlap(prog, best, fused, jobs, ns, dev)
         # what a refit would run: copy tiles in the launch, or the copies first then the kernel
         res["best_with_copies"] = min([(ov.get("best_with_copy_tiles_s", float("inf")),

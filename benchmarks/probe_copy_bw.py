@@ -1,5 +1,12 @@
-"""Probe (not a benchmark of record): plain Triton copy kernels vs torch's flat copy, same run."""
-import json, statistics, sys, shutil
+"""Probe: plain Triton copy kernels (one block per program, and grid-stride persistent
+loops) against torch's flat copy of the same 6 GiB, same run, CUDA events, median of 7.
+
+``python3 benchmarks/probe_copy_bw.py`` (one GPU; prints JSON: TB/s of read + write)
+
+Why it exists: the fp8 refit's persistent kernel tops out ~10% below torch's copy even on
+plain copies; this shows the same gap for a persistent copy loop with nothing else in it
+(see benchmarks/RESULTS.md, "FP8 refit", session 5)."""
+import json, statistics
 import torch, triton
 import triton.language as tl
 
@@ -25,7 +32,6 @@ def t(fn, reps=7):
         a.record(); fn(); b.record(); torch.cuda.synchronize(); out.append(a.elapsed_time(b) / 1e3)
     return statistics.median(out)
 
-print("ncu", shutil.which("ncu"), "nsys", shutil.which("nsys"))
 dev = torch.device("cuda:0")
 nbytes = 6 << 30
 src = torch.empty(nbytes // 4, dtype=torch.int32, device=dev).random_()

@@ -1,10 +1,16 @@
-"""Probe (not a benchmark of record): what bandwidth the fused fp8 launch reaches on plain copies
-and on quantize tiles of different row strides, next to torch's flat copy, same run."""
-import json, statistics, sys
+"""Probe: the bandwidth the fp8 refit's fused launch reaches on plain copies (copy tiles
+over one contiguous 6 GiB buffer) and on quantize tiles of two row strides, per launch
+variant (persistent: register prefetch or shared-memory pipelining; grid=0: one tile
+per program), next to torch's flat copy, same run, CUDA events, median of 7.
+
+``python3 benchmarks/probe_fused_bw.py`` (one GPU; prints JSON: TB/s of read + write,
+copies checked bit for bit)."""
+import json
+import statistics
+import sys
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from policyworker.ops import fp8_triton  # noqa: E402
 from policyworker.ops.fp8_persist import PersistProgram, PersistVariant  # noqa: E402
 
 def t(fn, reps=7):
