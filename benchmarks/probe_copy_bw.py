@@ -5,19 +5,27 @@ loops) against torch's flat copy of the same 6 GiB, same run, CUDA events, media
 
 Why it exists: the fp8 refit's persistent kernel tops out ~10% below torch's copy even on
 plain copies; this shows the same gap for a persistent copy loop with nothing else in it
-(see benchmarks/RESULTS.md, "FP8 refit", session 5)."""
-import json, statistics
-import torch, triton
+(benchmarks/RESULTS.md, "FP8 refit", session 5)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import triton
 import triton.language as tl
 
+from probe_fused_bw import timed
+
+
 @triton.jit
-def _copy(src, dst, n, BLOCK: tl.constexpr, HINT: tl.constexpr):
+def _copy(src, dst, BLOCK: tl.constexpr, HINT: tl.constexpr):
     off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if HINT:
-        x = tl.load(src + off, eviction_policy="evict_first")
-        tl.store(dst + off, x, cache_modifier=".cs")
+    if HINT:  # read once, write once: keep neither in L2
+        tl.store(dst + off, tl.load(src + off, eviction_policy="evict_first"), cache_modifier=".cs")
     else:
         tl.store(dst + off, tl.load(src + off))
+
 
 @triton.jit
 def _copy_persist(src, dst, nblocks, BLOCK: tl.constexpr):
@@ -25,24 +33,25 @@ def _copy_persist(src, dst, nblocks, BLOCK: tl.constexpr):
         off = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         tl.store(dst + off, tl.load(src + off))
 
-def t(fn, reps=7):
-    fn(); torch.cuda.synchronize(); out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize(); out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
 
-dev = torch.device("cuda:0")
-nbytes = 6 << 30
-src = torch.empty(nbytes // 4, dtype=torch.int32, device=dev).random_()
-dst = torch.empty_like(src)
-n = src.numel()
-sms = torch.cuda.get_device_properties(dev).multi_processor_count
-res = {"torch_copy": 2 * nbytes / t(lambda: dst.copy_(src)) / 1e12}
-for block, warps in ((1024, 4), (2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)):
-    for hint in (0, 1):
-        res[f"triton_b{block}_w{warps}_h{hint}"] = 2 * nbytes / t(lambda: _copy[(n // block,)](src, dst, n, BLOCK=block, HINT=hint, num_warps=warps)) / 1e12
-for block, warps, per in ((8192, 8, 2), (8192, 8, 4), (4096, 4, 8), (4096, 8, 4)):
-    res[f"persist_b{block}_w{warps}_x{per}"] = 2 * nbytes / t(lambda: _copy_persist[(per * sms,)](src, dst, n // block, BLOCK=block, num_warps=warps)) / 1e12
-res["exact"] = bool(torch.equal(src, dst))
-print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}, indent=1))
+def main() -> None:
+    dev = torch.device("cuda:0")
+    nbytes = 6 << 30
+    src = torch.empty(nbytes // 4, dtype=torch.int32, device=dev).random_()
+    dst = torch.empty_like(src)
+    n = src.numel()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    res: dict[str, float | bool] = {"torch_copy": 2 * nbytes / timed(lambda: dst.copy_(src)) / 1e12}
+    for block, warps in ((1024, 4), (2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)):
+        for hint in (0, 1):
+            sec = timed(lambda: _copy[(n // block,)](src, dst, BLOCK=block, HINT=hint, num_warps=warps))
+            res[f"triton_b{block}_w{warps}_h{hint}"] = 2 * nbytes / sec / 1e12
+    for block, warps, per in ((8192, 8, 2), (8192, 8, 4), (4096, 4, 8), (4096, 8, 4)):
+        sec = timed(lambda: _copy_persist[(per * sms,)](src, dst, n // block, BLOCK=block, num_warps=warps))
+        res[f"persist_b{block}_w{warps}_x{per}"] = 2 * nbytes / sec / 1e12
+    res["exact"] = bool(torch.equal(src, dst))
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in res.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
