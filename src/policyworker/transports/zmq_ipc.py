@@ -25,8 +25,9 @@ that lives across refits, with up to ``staging`` buckets in flight.
 
 FP8 targets (issue 16): a copy into an fp8 tensor is quantized on the way — for a
 mapped source, by the rollout's pull itself (one fused read of the trainer's bf16
-storage, fp8 + scales written in place; a Triton kernel on its own stream on a
-GPU, whose one launch also makes the refit's plain copies); for a staged source, by
+storage, fp8 + scales written in place; one Triton launch on a GPU, which also
+makes the refit's small plain copies, after torch's copies of the big ones; a CUDA
+graph replayed on the pull's stream from the second refit on); for a staged source, by
 the trainer while packing the ring bucket. ``state["timing"]`` holds the last pull's
 phase stamps (``time.perf_counter``) for benchmarks.
 
