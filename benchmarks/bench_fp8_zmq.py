@@ -16,16 +16,20 @@ colocated rollout), one run, the same processes for every mode:
 * ``fp8``: gen ``tp=1,fp8=block128``: the pull itself quantizes (one fused read of
   the trainer's bf16 storage; fp8 + scales written in place).
 
-Times are the rollout's wall clock per refit (from the barrier to its weights being
-usable, quantization included), median of ``--refits`` after one warm-up
+The modes run in ``--rounds`` interleaved rounds (bf16, fp8, bf16, fp8, ...; each with
+two warm-up refits after the switch, then ``--refits`` timed ones), so that a drift of
+the device or the host lands in both; ``fp8_over_bf16`` and ``then_quantize_over_fp8``
+are medians of the per-round ratios (``per_round``, ``fp8_over_bf16_spread``), the
+pooled medians ride along (``pooled``). Times are the rollout's wall clock per refit
+(from the barrier to its weights being usable, quantization included)
 (``rollout_phases_ms``: the same wall clock cut into the pull's phases, from the
 transport's ``state["timing"]`` stamps: to the executor, waiting for the Offer, torch's
 copies issued, the fp8 launch issued, waiting for the GPU, Done -> Commit, return); both
 processes meet at a barrier after every refit too, so the trainer's next "training
 step" (reseeding its weights) never overlaps the rollout's work; the
 trainer's ``stream_weights_via_ipc_zmq`` times ride along. Same run: ``ceiling_s`` is one
-flat device copy of the bf16 byte count. Every mode's last refit is checked bit for
-bit against weights regenerated on the rollout (fp8: against the band-loop quantizer
+flat device copy of the bf16 byte count. Every mode's last refit (last round) is checked bit
+for bit against weights regenerated on the rollout (fp8: against the band-loop quantizer
 in plain torch, an implementation independent of the kernel).
 """
 
