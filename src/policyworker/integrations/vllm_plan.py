@@ -2,7 +2,7 @@
 
 Each vLLM worker states what it *needs*: for every checkpoint (Hugging Face) parameter
 its loaders read, the box of it this rank loads — derived from vLLM's own layers (see
-``needs_from_vllm_model`` in :mod:`.vllm`), so vLLM's choices (padded vocabulary, kv
+``needs_from_vllm_model`` in :mod:`.vllm_targets`), so vLLM's choices (padded vocabulary, kv
 heads replicated when tp exceeds them, tied embeddings, its fused ``qkv_proj`` /
 ``gate_up_proj`` members) are whatever the running engine does, not a copy of its rules.
 
