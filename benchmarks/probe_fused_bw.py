@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from bench_fp8_kernel import _time  # noqa: E402  (this directory)
 from policyworker.ops.fp8_persist import PersistProgram, PersistVariant  # noqa: E402
 
 VARIANTS = {
@@ -34,17 +35,7 @@ QUANT = ("prefetch_w8_g2", "tile_w16", "tile_w8", "tile_w32", "tile_w16_r48")
 
 def timed(fn, reps: int = 7) -> float:
     """Median seconds of ``fn`` (CUDA events) after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
+    return _time(fn, reps)
 
 
 def main() -> None:
