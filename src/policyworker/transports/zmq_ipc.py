@@ -61,22 +61,39 @@ from .zmq_channel import Channel, open_socket
 __all__ = ["ZmqIpcTransport", "coalesce"]
 
 
+#: How long :func:`_sync` polls the GPU back to back before it sleeps between polls. A
+#: refit's copies take milliseconds; a 0.2 ms sleep between polls found their end up
+#: to a sleep (plus the timer's slack) late, on every refit. Back to back, each poll
+#: still yields the GIL (``time.sleep(0)``) and checks the abort and the deadline.
+SPIN_S = 0.02
+#: The sleep between polls after that (long waits: a hung or very long kernel).
+SLEEP_S = 0.0002
+
+
 def _sync(device: torch.device, chan: Channel | None = None, deadline: float | None = None) -> None:
     """Wait for this thread's work on ``device``: an event on the current (the transport's)
     stream, polled so that an abort or the deadline cuts it short. Never a device-wide
-    synchronize, which would also wait on other streams' (possibly hung) kernels."""
+    synchronize, which would also wait on other streams' (possibly hung) kernels.
+
+    Polls back to back for ``SPIN_S``, then every ``SLEEP_S``: one CPU thread spins for
+    at most ``SPIN_S`` per wait, never holding the GIL across polls."""
     if device.type != "cuda":
         return
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
+    spin_until = time.monotonic() + SPIN_S
     while not event.query():
         if chan is not None:
             chan._check_abort("waiting for the GPU")
-        if deadline is not None and time.monotonic() > deadline:
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
             from ..errors import RefitTimeout
 
             raise RefitTimeout("the GPU did not finish the refit's copies before the deadline", transport="zmq")
-        time.sleep(0.0002)
+        time.sleep(0 if now < spin_until else SLEEP_S)
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _u8(storage: torch.UntypedStorage, begin: int, n: int, device: torch.device) -> torch.Tensor:
@@ -308,13 +325,25 @@ class ZmqIpcTransport(Transport):
         return notes
 
     @staticmethod
-    def _fingerprint(ctx: TransportContext, names) -> tuple:
-        """Cheap per-refit check that no source moved: data pointers (CPU: plus the
-        storage object, since a freed shm file's address can come back as another)."""
-        params = ctx.params
-        if ctx.device.torch_device.type == "cpu":
-            return tuple((params[n].data_ptr(), params[n].untyped_storage()._cdata) for n in names)
-        return tuple(params[n].data_ptr() for n in names)
+    def _fingerprint(params: Mapping[str, torch.Tensor], names) -> tuple | None:
+        """Cheap per-refit check that no source moved: the sources' data pointers in plan
+        order (None when one is missing or not a tensor: the slow path says which).
+
+        It runs on every refit before the Offer, so it is one C-level pass over the
+        parameters. On CPU a freed shm file's address can come back as another file:
+        the cache holds the storages it was built from (:meth:`_holds`), so none of
+        them is freed while its address is the fingerprint's.
+        """
+        try:
+            return tuple(map(_data_ptr, map(params.__getitem__, names)))
+        except (KeyError, TypeError):
+            return None
+
+    @staticmethod
+    def _holds(ctx: TransportContext, names) -> list[torch.UntypedStorage]:
+        if ctx.device.torch_device.type != "cpu":
+            return []  # CUDA IPC maps the allocation: the same address is the same mapping
+        return [ctx.params[n].untyped_storage() for n in names]
 
     def _key(self, t: torch.Tensor) -> tuple:
         key = storage_key(t)
@@ -387,12 +416,15 @@ class ZmqIpcTransport(Transport):
         cache, notes = st.get("cache"), []
         # Fast path: a refit whose sources did not move reuses the exported table (a
         # loop of Python over hundreds of params would hold the GIL off the event loop).
-        if cache is None or cache["fp"] != self._fingerprint(ctx, names):
+        fp = self._fingerprint(ctx.params, names)
+        if cache is None or fp is None or cache["fp"] != fp:
+            cache = st["cache"] = None  # the old table's storages are not held past this point
             notes = self._prepare_sources(ctx)
             refs, more = self._export(ctx)
             notes += more
             st["epoch"] = st.get("epoch", 0) + 1
-            cache = st["cache"] = {"fp": self._fingerprint(ctx, names), "refs": refs, "rank": None}
+            cache = st["cache"] = {"fp": self._fingerprint(ctx.params, names), "refs": refs, "rank": None,
+                                   "holds": self._holds(ctx, names)}
         refs = cache["refs"]
         _sync(dev, chan, deadline)  # the trainer's last writes must be visible before the rollout reads
         msg = chan.expect(deadline, "waiting for the rollout's Ready", w.Ready, w.Hello)
