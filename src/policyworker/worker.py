@@ -394,11 +394,11 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
 
 def _open_pair_socket(worker: WorkerCore, *, bind: bool) -> None:
     """The colocated pair's DEALER socket on ``get_zmq_address()``, kept in the zmq state."""
+    state = worker._refit_transport_state("zmq")
+    if state.get("socket") is not None:  # every refit: return before any import
+        return
     from .transports.zmq_channel import open_socket
 
-    state = worker._refit_transport_state("zmq")
-    if state.get("socket") is not None:
-        return
     address = worker.get_zmq_address()
     try:
         zctx, sock = open_socket(address, bind=bind, timeout_s=worker.zmq_timeout_s)

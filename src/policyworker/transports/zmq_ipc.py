@@ -52,6 +52,7 @@ from ..errors import ConfigError, PlanMismatch, ProtocolError, PolicyWorkerError
 from ..layout import fp8 as _fp8
 from ..layout import fp8_pack as _fp8_pack
 from ..layout.apply import _region, bucket_copies, copy_nbytes, pack, unpack
+from ..layout.local import validate_kv_scales
 from ..layout.plan import ReshardPlan
 from . import zmq_wire as w
 from .base import RefitReport, Transport, TransportContext
@@ -65,9 +66,9 @@ __all__ = ["ZmqIpcTransport", "coalesce"]
 #: refit's copies take milliseconds; a 0.2 ms sleep between polls found their end up
 #: to a sleep (plus the timer's slack) late, on every refit. Back to back, each poll
 #: still yields the GIL (``time.sleep(0)``) and checks the abort and the deadline.
-SPIN_S = 0.02
+_SPIN_S = 0.02
 #: The sleep between polls after that (long waits: a hung or very long kernel).
-SLEEP_S = 0.0002
+_SLEEP_S = 0.0002
 
 
 def _sync(device: torch.device, chan: Channel | None = None, deadline: float | None = None) -> None:
@@ -75,13 +76,13 @@ def _sync(device: torch.device, chan: Channel | None = None, deadline: float | N
     stream, polled so that an abort or the deadline cuts it short. Never a device-wide
     synchronize, which would also wait on other streams' (possibly hung) kernels.
 
-    Polls back to back for ``SPIN_S``, then every ``SLEEP_S``: one CPU thread spins for
-    at most ``SPIN_S`` per wait, never holding the GIL across polls."""
+    Polls back to back for ``_SPIN_S``, then every ``_SLEEP_S``: one CPU thread spins for
+    at most ``_SPIN_S`` per wait, never holding the GIL across polls."""
     if device.type != "cuda":
         return
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
-    spin_until = time.monotonic() + SPIN_S
+    spin_until = time.monotonic() + _SPIN_S
     while not event.query():
         if chan is not None:
             chan._check_abort("waiting for the GPU")
@@ -90,7 +91,7 @@ def _sync(device: torch.device, chan: Channel | None = None, deadline: float | N
             from ..errors import RefitTimeout
 
             raise RefitTimeout("the GPU did not finish the refit's copies before the deadline", transport="zmq")
-        time.sleep(0 if now < spin_until else SLEEP_S)
+        time.sleep(0 if now < spin_until else _SLEEP_S)
 
 
 _data_ptr = torch.Tensor.data_ptr
@@ -155,8 +156,6 @@ class ZmqOptions:
     kv_scales: Any = None
 
     def __post_init__(self) -> None:
-        from ..layout.local import validate_kv_scales
-
         object.__setattr__(self, "kv_scales", validate_kv_scales(self.kv_scales))
 
 
