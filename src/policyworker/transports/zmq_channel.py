@@ -99,14 +99,8 @@ class Channel:
     def begin(self, aborted: threading.Event, deadline_obj: Any, attempt: str | None) -> None:
         """A refit (or connect) starts: its own abort event, deadline and attempt token."""
         self.aborted, self.deadline_obj, self.attempt = aborted, deadline_obj, attempt
-        while self._ready(self._monitor):  # a disconnect before this refit is not this refit's
+        while self._monitor.poll(0):  # a disconnect before this refit is not this refit's
             self._monitor.recv_multipart(zmq.NOBLOCK)
-
-    @staticmethod
-    def _ready(sock: zmq.Socket) -> bool:
-        # ZMQ_EVENTS: a message can be received now. One getsockopt, where a poll
-        # builds a poller per call (both run several times per refit).
-        return bool(sock.get(zmq.EVENTS) & zmq.POLLIN)
 
     def abort(self) -> None:
         """Make the current wait raise ``RefitAborted``; safe from any thread."""
@@ -147,13 +141,7 @@ class Channel:
             if remaining <= 0:
                 raise RefitTimeout(f"{what}: nothing arrived before the deadline", rank=self.rank, transport="zmq")
             try:
-                # What is queued already needs no poll (the monitor still goes first).
-                if self._ready(self._monitor):
-                    ready = {self._monitor: zmq.POLLIN}
-                elif self._ready(self.sock):
-                    ready = {self.sock: zmq.POLLIN}
-                else:
-                    ready = dict(self._poller.poll(min(self.poll_ms, max(1, int(remaining * 1000)))))
+                ready = dict(self._poller.poll(min(self.poll_ms, max(1, int(remaining * 1000)))))
                 if self._monitor in ready:
                     self._monitor.recv_multipart(zmq.NOBLOCK)
                     raise PeerLost(f"{what}: the colocated peer closed its connection (process gone?)",
