@@ -561,11 +561,7 @@ def _groups_in(state: Mapping[str, Any]) -> list[CommGroup]:
     """CommGroups kept in a transport state dict (values, or values of dict values)."""
     out: list[CommGroup] = []
     for value in list(state.values()):
-        items = list(value.values()) if isinstance(value, Mapping) else [value]
-        # Runs on every refit, and states hold per-tensor tables (hundreds of values):
-        # one check per distinct type first, a per-item scan only where a group may be.
-        if not any(issubclass(t, CommGroup) for t in set(map(type, items))):
-            continue
+        items = value.values() if isinstance(value, Mapping) else (value,)
         for item in items:
             if isinstance(item, CommGroup) and item not in out:
                 out.append(item)
