@@ -341,7 +341,7 @@ class ZmqIpcTransport(Transport):
     @staticmethod
     def _holds(ctx: TransportContext, names) -> list[torch.UntypedStorage]:
         if ctx.device.torch_device.type != "cpu":
-            return []  # CUDA IPC maps the allocation: the same address is the same mapping
+            return []  # CUDA: data pointers alone, as the export key (an address names its block)
         return [ctx.params[n].untyped_storage() for n in names]
 
     def _key(self, t: torch.Tensor) -> tuple:
