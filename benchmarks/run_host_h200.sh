@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One H200 call (~2 min): the zmq refit's host path on the GPU.
 # 1. How late the transport's GPU wait (zmq_ipc._sync) sees the end of a ~5 ms kernel on its
-#    stream: polling back to back first (the policy now) vs a 0.2 ms sleep between polls from the
-#    start (the one before), interleaved in one run; each against the same kernel waited for by
-#    torch.cuda.synchronize() (the floor). JSON: median ms late per policy.
+#    stream: polls every 10 us for the first 20 ms (the policy now) vs every 0.2 ms (the one
+#    before) vs a spin (sleep(0) between polls), interleaved in one run; each against the same
+#    kernel waited for by torch.cuda.synchronize() (the floor). JSON: median ms late per policy.
 # 2. The zmq GPU tests (CUDA IPC refits; the event wait: abortable, and bounded by its deadline).
 # 3. bench_fp8_zmq.py on qwen3-8b: the rollout's per-phase host timeline (rollout_phases_ms).
 # Usage (from the repository root, wheels for pyzmq/msgspec in .whl/): bash benchmarks/run_host_h200.sh OUTDIR
@@ -27,20 +27,23 @@ torch.cuda._sleep(10**7)
 end.record()
 torch.cuda.synchronize()
 cycles = int(10**7 * 5.0 / start.elapsed_time(end))  # ~5 ms of GPU time
-rows = {"floor_synchronize": [], "spin_then_sleep": [], "sleep_only": []}
-spin = z._SPIN_S
+# (name, _FAST_POLL_S, _FAST_SLEEP_S): the policy now, the one before, and a true spin
+policies = [("fast_polls_10us", z._FAST_POLL_S, z._FAST_SLEEP_S), ("polls_0.2ms", 0.0, z._FAST_SLEEP_S),
+            ("spin_sleep0", z._FAST_POLL_S, 0.0)]
+keep = (z._FAST_POLL_S, z._FAST_SLEEP_S)
+rows = {name: [] for name in ["floor_synchronize", *(p[0] for p in policies)]}
 for _ in range(40):
-    for name in rows:
+    for name, fast_s, fast_sleep_s in [("floor_synchronize", 0, 0), *policies]:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         torch.cuda._sleep(cycles)
         if name == "floor_synchronize":
             torch.cuda.synchronize()
         else:
-            z._SPIN_S = spin if name == "spin_then_sleep" else 0.0
+            z._FAST_POLL_S, z._FAST_SLEEP_S = fast_s, fast_sleep_s
             z._sync(dev)
         rows[name].append(time.perf_counter() - t0)
-z._SPIN_S = spin
+z._FAST_POLL_S, z._FAST_SLEEP_S = keep
 floor = statistics.median(rows["floor_synchronize"])
 late = {k: round((statistics.median(v) - floor) * 1e3, 4) for k, v in rows.items() if k != "floor_synchronize"}
 out = {"kernel_ms": round(floor * 1e3, 3), "late_ms": late}
