@@ -35,3 +35,17 @@ def test_cuda_ipc_refits_bit_exact_with_a_moved_storage(options):
 def test_cuda_ipc_staged_ring_and_gen_tp2_pairs():
     _run(ZmqSpec(device="cuda:0", refits=2, options={"staged": True, "bucket_bytes": 8192}))
     _run(ZmqSpec(device="cuda:0", gen="tp=2", pairs=2, refits=2, options={"flatten": True}))
+
+
+@pytest.mark.timeout(60)
+def test_gpu_wait_gives_up_at_its_deadline_while_it_polls_fast():
+    import time
+
+    from policyworker.errors import RefitTimeout
+    from policyworker.transports.zmq_ipc import _FAST_POLL_S, _sync
+
+    dev = torch.device("cuda", 0)
+    torch.cuda._sleep(int(4e9))  # a kernel of ~2 s on the current stream
+    with pytest.raises(RefitTimeout):
+        _sync(dev, None, deadline=time.monotonic() + _FAST_POLL_S / 4)  # inside the fast polls
+    torch.cuda.synchronize(dev)

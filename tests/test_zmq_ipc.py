@@ -17,6 +17,7 @@ from policyworker.cli.procs import run_world
 from policyworker.testing import TransportPair, check_transport
 from policyworker.transports import zmq_wire as w
 from policyworker.transports.base import TransportContext
+from policyworker.transports.ipc_handles import share_cpu
 from policyworker.transports.zmq_ipc import ZmqIpcTransport
 from policyworker.layout.local import flat_local_tensors
 
@@ -47,6 +48,28 @@ def test_refits_bit_exact_and_a_moved_storage_is_re_exported():
     assert trainer["outcomes"][1]["notes"][-1] == "handles sent 1, released 1, exported 25"
     assert trainer["outcomes"][2]["notes"] == ["handles sent 0, released 0, exported 25"]  # nothing re-sent
     assert "opened 1 handles" in rollout["outcomes"][1]["notes"]
+
+
+def test_the_source_fingerprint_sees_a_re_pointed_source_at_any_address():
+    # The trainer's per-refit check is data pointers only. On CPU a freed shm storage's
+    # address comes back as another file at once (the allocator reuses it): the source
+    # table holds the storages it was built from, so a re-pointed source cannot land
+    # at its old address while the table is current.
+    def shared() -> torch.Tensor:
+        t = torch.zeros(4096)
+        share_cpu(t)
+        return t
+
+    params = {"a": shared(), "b": shared()}
+    ctx = TransportContext(worker=None, role="send", rank=0, device=device_facts("cpu"), state={}, params=params)
+    names = ["a", "b"]
+    fp, holds = ZmqIpcTransport._fingerprint(params, names), ZmqIpcTransport._holds(ctx, names)
+    assert fp == (params["a"].data_ptr(), params["b"].data_ptr()) and len(holds) == 2
+    for _ in range(20):  # free and map again the same size (without the hold: the old address, often)
+        params["a"].data = shared()
+        assert ZmqIpcTransport._fingerprint(params, names) != fp
+    assert [h.data_ptr() for h in holds] == list(fp)  # the old storages, still alive
+    assert ZmqIpcTransport._fingerprint({"a": params["a"]}, names) is None  # missing: the slow path names it
 
 
 def test_flattened_trainer_refits_in_one_copy():

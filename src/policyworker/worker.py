@@ -43,7 +43,7 @@ import torch
 from .comm import CommGroup, new_group
 from .core import Attachment, WorkerCore
 from .errors import ConfigError, TransportError
-from .layout.local import check_local_tensors, is_dtensor, plan_for_source, shard_views, validate_kv_scales
+from .layout.local import any_dtensor, check_local_tensors, is_dtensor, plan_for_source, shard_views, validate_kv_scales
 from .layout.plan import ReshardPlan
 from .layout.planner import build_plan
 from .transports.base import RefitReport
@@ -127,7 +127,7 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
     def _local_tensors(self, plan: ReshardPlan | None) -> dict[str, torch.Tensor]:
         """What a refit over ``plan`` (None: plan-less) moves, DTensors read as their local shards."""
         tensors = self._named_tensors() if plan is None else self._plan_tensors(plan)
-        if not any(map(is_dtensor, tensors.values())):  # runs every refit: no per-tensor branch
+        if not any_dtensor(tensors.values()):  # runs every refit: one check per type, no per-tensor branch
             return dict(tensors)
         return {k: (v.to_local() if is_dtensor(v) else v) for k, v in tensors.items()}
 
@@ -394,11 +394,11 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
 
 def _open_pair_socket(worker: WorkerCore, *, bind: bool) -> None:
     """The colocated pair's DEALER socket on ``get_zmq_address()``, kept in the zmq state."""
+    state = worker._refit_transport_state("zmq")
+    if state.get("socket") is not None:  # every refit: return before any import
+        return
     from .transports.zmq_channel import open_socket
 
-    state = worker._refit_transport_state("zmq")
-    if state.get("socket") is not None:
-        return
     address = worker.get_zmq_address()
     try:
         zctx, sock = open_socket(address, bind=bind, timeout_s=worker.zmq_timeout_s)

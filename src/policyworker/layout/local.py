@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from ..errors import ConfigError, PlanMismatch
 from .plan import ReshardPlan
 from .planner import as_parallelism, build_plan, plan_from_layouts
 
-__all__ = ["as_plan", "check_local_tensors", "flat_local_tensors", "is_dtensor", "plan_for_source",
+__all__ = ["any_dtensor", "as_plan", "check_local_tensors", "flat_local_tensors", "is_dtensor", "plan_for_source",
            "shard_views", "validate_kv_scales"]
 
 
@@ -54,6 +54,13 @@ def is_dtensor(t: Any) -> bool:
     # Called once per tensor on every refit: the import is looked up once, not per call.
     cls = _dtensor_type()
     return cls is not None and isinstance(t, cls)
+
+
+def any_dtensor(tensors: Iterable[Any]) -> bool:
+    """Whether any of ``tensors`` is a DTensor: one check per distinct type (it runs on every
+    refit, over every parameter, before the trainer can offer it)."""
+    cls = _dtensor_type()
+    return cls is not None and any(issubclass(t, cls) for t in set(map(type, tensors)))
 
 
 def plan_for_source(
