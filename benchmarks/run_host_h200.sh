@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call (~3 min, at most 5.2): the zmq refit's host path on the GPU.
-# 1. How late the transport's GPU wait (zmq_ipc._sync) sees the end of a ~5 ms kernel on its
+# 1. How late the transport's GPU wait (zmq_program._sync) sees the end of a ~5 ms kernel on its
 #    stream: polls every 10 us for the first 20 ms (the policy now) vs every 0.2 ms (the one
 #    before) vs a spin (sleep(0) between polls), interleaved in one run; each against the same
 #    kernel waited for by torch.cuda.synchronize() (the floor). JSON: median ms late per policy.
@@ -17,7 +17,7 @@ import json, statistics, sys, time
 
 import torch
 
-from policyworker.transports import zmq_ipc as z
+from policyworker.transports import zmq_program as z
 
 dev = torch.device("cuda", 0)
 torch.cuda.set_device(dev)

@@ -143,7 +143,7 @@ def test_device_selection_under_visible_device_settings(visible):
 @pytest.mark.timeout(60)
 def test_zmq_gpu_wait_is_an_event_on_the_current_stream_and_abortable():
     from policyworker.errors import RefitAborted
-    from policyworker.transports.zmq_ipc import _sync
+    from policyworker.transports.zmq_program import _sync
 
     dev = torch.device("cuda", 0)
     a = torch.randn(2048, 2048, device=dev)

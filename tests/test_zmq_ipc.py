@@ -18,6 +18,7 @@ from policyworker.testing import TransportPair, check_transport
 from policyworker.transports import zmq_wire as w
 from policyworker.transports.base import TransportContext
 from policyworker.transports.ipc_handles import share_cpu
+from policyworker.transports import zmq_export as zx
 from policyworker.transports.zmq_ipc import ZmqIpcTransport
 from policyworker.layout.local import flat_local_tensors
 
@@ -63,13 +64,13 @@ def test_the_source_fingerprint_sees_a_re_pointed_source_at_any_address():
     params = {"a": shared(), "b": shared()}
     ctx = TransportContext(worker=None, role="send", rank=0, device=device_facts("cpu"), state={}, params=params)
     names = ["a", "b"]
-    fp, holds = ZmqIpcTransport._fingerprint(params, names), ZmqIpcTransport._holds(ctx, names)
+    fp, holds = zx.fingerprint(params, names), zx.holds(ctx, names)
     assert fp == (params["a"].data_ptr(), params["b"].data_ptr()) and len(holds) == 2
     for _ in range(20):  # free and map again the same size (without the hold: the old address, often)
         params["a"].data = shared()
-        assert ZmqIpcTransport._fingerprint(params, names) != fp
+        assert zx.fingerprint(params, names) != fp
     assert [h.data_ptr() for h in holds] == list(fp)  # the old storages, still alive
-    assert ZmqIpcTransport._fingerprint({"a": params["a"]}, names) is None  # missing: the slow path names it
+    assert zx.fingerprint({"a": params["a"]}, names) is None  # missing: the slow path names it
 
 
 def test_flattened_trainer_refits_in_one_copy():

@@ -31,6 +31,10 @@ graph replayed on the pull's stream from the second refit on); for a staged sour
 the trainer while packing the ring bucket. ``state["timing"]`` holds the last pull's
 phase stamps (``time.perf_counter``) for benchmarks.
 
+This module is the protocol: the trainer's side of the sources (flatten, export,
+fingerprint, ring) is :mod:`.zmq_export`, the rollout's copy program (views, coalesced
+copies, the fp8 launch, the GPU wait) is :mod:`.zmq_program`.
+
 Threads: every socket operation and copy runs on the worker's refit executor
 (``ctx.blocking``); :meth:`ZmqIpcTransport.abort` may be called from any thread.
 """
@@ -49,86 +53,17 @@ import torch
 
 from ..config import positive_int, positive_seconds
 from ..errors import ConfigError, PlanMismatch, ProtocolError, PolicyWorkerError, TransportError
-from ..layout import fp8 as _fp8
-from ..layout import fp8_pack as _fp8_pack
-from ..layout.apply import _region, bucket_copies, copy_nbytes, pack, unpack
+from ..layout.apply import copy_nbytes, pack, unpack
 from ..layout.local import validate_kv_scales
 from ..layout.plan import ReshardPlan
+from . import zmq_export as zx
 from . import zmq_wire as w
 from .base import RefitReport, Transport, TransportContext
-from .ipc_handles import export_storage, flatten_into, open_handle, share_cpu, source_view, storage_key
+from .ipc_handles import open_handle
 from .zmq_channel import Channel, open_socket
+from .zmq_program import CopyProgram, _sync, coalesce, compile_program, staged_buckets
 
 __all__ = ["ZmqIpcTransport", "coalesce"]
-
-
-#: For how long :func:`_sync` polls the GPU every ``_FAST_SLEEP_S`` before it falls back
-#: to every ``_SLEEP_S``. A refit's copies take milliseconds; polling every 0.2 ms (~0.27
-#: with the kernel's 50 us timer slack) found their end ~0.14 ms late on average, on
-#: every refit; every 10 us (~60 us with the slack) finds it ~30 us late. Sleeps, not a
-#: spin: the GIL stays free between polls (the loop and the watchdog never wait for
-#: it), and a long wait (a hung or very long kernel) costs few wake-ups.
-_FAST_POLL_S = 0.02
-_FAST_SLEEP_S = 0.00001
-_SLEEP_S = 0.0002
-
-
-def _sync(device: torch.device, chan: Channel | None = None, deadline: float | None = None) -> None:
-    """Wait for this thread's work on ``device``: an event on the current (the transport's)
-    stream, polled so that an abort or the deadline cuts it short. Never a device-wide
-    synchronize, which would also wait on other streams' (possibly hung) kernels.
-
-    Polls every ``_FAST_SLEEP_S`` for the first ``_FAST_POLL_S``, then every ``_SLEEP_S``;
-    each poll checks the abort and the deadline."""
-    if device.type != "cuda":
-        return
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    fast_until = time.monotonic() + _FAST_POLL_S
-    while not event.query():
-        if chan is not None:
-            chan._check_abort("waiting for the GPU")
-        now = time.monotonic()
-        if deadline is not None and now > deadline:
-            from ..errors import RefitTimeout
-
-            raise RefitTimeout("the GPU did not finish the refit's copies before the deadline", transport="zmq")
-        time.sleep(_FAST_SLEEP_S if now < fast_until else _SLEEP_S)
-
-
-_data_ptr = torch.Tensor.data_ptr
-
-
-def _u8(storage: torch.UntypedStorage, begin: int, n: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, begin, (n,))
-
-
-def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(src, dst) copies → fewer copies: runs contiguous and adjacent on *both* sides merge.
-
-    Contiguous copies are ordered by source address, then merged while the next one
-    starts where the previous ended in the same storage on both sides (byte views).
-    Strided copies stay as they are (one strided ``copy_`` each).
-    """
-    flat, strided = [], []
-    for src, dst in pairs:
-        if src.is_contiguous() and dst.is_contiguous():
-            ss, ds = src.untyped_storage(), dst.untyped_storage()
-            n = src.numel() * src.element_size()
-            flat.append((ss.data_ptr(), src.storage_offset() * src.element_size(), ss,
-                         ds.data_ptr(), dst.storage_offset() * dst.element_size(), ds, n, src.device, dst.device))
-        else:
-            strided.append((src, dst))
-    flat.sort(key=lambda r: (r[0], r[1]))
-    runs: list[list[Any]] = []
-    for sp, sb, ss, dp, db, ds, n, sdev, ddev in flat:
-        last = runs[-1] if runs else None
-        if last is not None and last[0] == sp and last[1] + last[6] == sb and last[3] == dp and last[4] + last[6] == db:
-            last[6] += n
-        else:
-            runs.append([sp, sb, ss, dp, db, ds, n, sdev, ddev])
-    out = [(_u8(ss, sb, n, sdev), _u8(ds, db, n, ddev)) for sp, sb, ss, dp, db, ds, n, sdev, ddev in runs]
-    return out + strided
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -268,7 +203,7 @@ class ZmqIpcTransport(Transport):
     def _connect_send(self, ctx: TransportContext) -> None:
         chan, deadline = self._begin(ctx)
         ctx.state.pop("connected_hash", None)
-        self._prepare_sources(ctx)
+        zx.prepare_sources(ctx, staged=self.staged, flatten=self.flatten)
         hello = chan.expect(deadline, "waiting for the rollout's Hello", w.Hello)
         self._welcome(ctx, chan, hello)
 
@@ -302,107 +237,6 @@ class ZmqIpcTransport(Transport):
                          connected_hash=ctx.plan.hash)
 
     # -- trainer side ----------------------------------------------------------------
-    def _prepare_sources(self, ctx: TransportContext) -> list[str]:
-        """Put mappable sources where they can be exported; return notes on moves."""
-        notes = []
-        dev = ctx.device.torch_device
-        names = list(ctx.plan.local_tensors("src", 0))
-        missing = [n for n in names if n not in ctx.params]
-        if missing:
-            raise ConfigError(f"trainer lacks source tensor {missing[0]!r}", rank=ctx.rank, param=missing[0])
-        direct = [] if self.staged else [n for n in names if ctx.params[n].device == dev]
-        flat = ctx.state.get("flat")
-        if self.flatten and direct:
-            flat_ptr = None if flat is None else flat.untyped_storage().data_ptr()
-            if any(ctx.params[n].untyped_storage().data_ptr() != flat_ptr for n in direct):
-                ctx.state["flat"] = flatten_into([ctx.params[n] for n in direct], device=dev,
-                                                 shared_cpu=dev.type == "cpu")
-                notes.append(f"flattened {len(direct)} sources into one buffer")
-        elif dev.type == "cpu":
-            moved = sum(share_cpu(ctx.params[n]) for n in direct)
-            if moved:
-                notes.append(f"moved {moved} storages into shared memory")
-        ctx.state["direct_names"] = set(direct)
-        return notes
-
-    @staticmethod
-    def _fingerprint(params: Mapping[str, torch.Tensor], names) -> tuple | None:
-        """Cheap per-refit check that no source moved: the sources' data pointers in plan
-        order (None when one is missing or not a tensor: the slow path says which).
-
-        It runs on every refit before the Offer, so it is one C-level pass over the
-        parameters. On CPU a freed shm file's address can come back as another file:
-        the cache holds the storages it was built from (:meth:`_holds`), so none of
-        them is freed while its address is the fingerprint's.
-        """
-        try:
-            return tuple(map(_data_ptr, map(params.__getitem__, names)))
-        except (KeyError, TypeError):
-            return None
-
-    @staticmethod
-    def _holds(ctx: TransportContext, names) -> list[torch.UntypedStorage]:
-        if ctx.device.torch_device.type != "cpu":
-            return []  # CUDA: data pointers alone, as the export key (an address names its block)
-        return [ctx.params[n].untyped_storage() for n in names]
-
-    def _key(self, t: torch.Tensor) -> tuple:
-        key = storage_key(t)
-        if t.device.type == "cpu":  # a freed shm file's address can come back as another file
-            key += (t.untyped_storage()._share_filename_cpu_()[1],)
-        return key
-
-    def _export(self, ctx: TransportContext) -> tuple[list[w.SourceRef], list[str]]:
-        st = ctx.state
-        exports: dict[tuple, w.StorageHandle] = st.setdefault("exports", {})
-        keys: dict[str, tuple] = st.setdefault("src_keys", {})
-        refs, moved, used = [], 0, set()
-        for name in ctx.plan.local_tensors("src", 0):
-            t = ctx.params[name]
-            if name not in st["direct_names"]:
-                refs.append(w.SourceRef(name=name, handle=-1, offset=0, dtype=str(t.dtype).removeprefix("torch."),
-                                        shape=tuple(t.shape), stride=tuple(t.stride())))
-                continue
-            key = self._key(t)
-            if name in keys and keys[name] != key:
-                moved += 1
-            keys[name] = key
-            h = exports.get(key)
-            if h is None:
-                st["next_id"] = st.get("next_id", 0) + 1
-                h = exports[key] = export_storage(t, st["next_id"])
-            used.add(key)
-            refs.append(w.SourceRef(name=name, handle=h.id, offset=t.storage_offset(),
-                                    dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape),
-                                    stride=tuple(t.stride())))
-        st["release"] = [exports.pop(k).id for k in list(exports) if k not in used]
-        notes = []
-        if moved:
-            st["reexports"] = st.get("reexports", 0) + moved
-            notes.append(f"re-exported {moved} moved storages")
-        return refs, notes
-
-    def _staged_buckets(self, ctx: TransportContext, rank: int, staged_names: set[str], bucket_bytes: int):
-        plan = ctx.plan
-        names = plan.body.tensor_names
-        copies = [c for t in plan.receives(rank) for c in t.all_copies() if names[c.src_tensor] in staged_names]
-        return bucket_copies(plan, copies, bucket_bytes) if copies else []
-
-    def _ring(self, ctx: TransportContext, slot_bytes: int) -> list[tuple[torch.Tensor, w.StorageHandle]]:
-        st, dev = ctx.state, ctx.device.torch_device
-        ring = st.get("ring")
-        if ring is None or len(ring) != self.staging or ring[0][0].numel() < slot_bytes:
-            ring = []
-            for _ in range(self.staging):
-                buf = torch.empty(slot_bytes, dtype=torch.uint8, device=dev)
-                if dev.type == "cpu":
-                    share_cpu(buf)
-                buf.fill_(0)  # touch the pages once: fresh pages cost more than the copy
-                st["next_id"] = st.get("next_id", 0) + 1
-                ring.append((buf, export_storage(buf, st["next_id"])))
-            st["ring"] = ring
-        return ring
-
     async def send(self, ctx: TransportContext, version: int) -> RefitReport:
         """Offer refit ``version`` to the colocated rollout and wait for its Commit-able Done."""
         self._check_connected(ctx)
@@ -417,15 +251,15 @@ class ZmqIpcTransport(Transport):
         cache, notes = st.get("cache"), []
         # Fast path: a refit whose sources did not move reuses the exported table (a
         # loop of Python over hundreds of params would hold the GIL off the event loop).
-        fp = self._fingerprint(ctx.params, names)
+        fp = zx.fingerprint(ctx.params, names)
         if cache is None or fp is None or cache["fp"] != fp:
             cache = st["cache"] = None  # the old table's storages are not held past this point
-            notes = self._prepare_sources(ctx)
-            refs, more = self._export(ctx)
+            notes = zx.prepare_sources(ctx, staged=self.staged, flatten=self.flatten)
+            refs, more = zx.export(ctx)
             notes += more
             st["epoch"] = st.get("epoch", 0) + 1
-            cache = st["cache"] = {"fp": self._fingerprint(ctx.params, names), "refs": refs, "rank": None,
-                                   "holds": self._holds(ctx, names)}
+            cache = st["cache"] = {"fp": zx.fingerprint(ctx.params, names), "refs": refs, "rank": None,
+                                   "holds": zx.holds(ctx, names)}
         refs = cache["refs"]
         _sync(dev, chan, deadline)  # the trainer's last writes must be visible before the rollout reads
         msg = chan.expect(deadline, "waiting for the rollout's Ready", w.Ready, w.Hello)
@@ -435,8 +269,8 @@ class ZmqIpcTransport(Transport):
         rank = st["peer_rank"]
         if cache["rank"] != rank:
             staged_names = {r.name for r in refs if r.handle < 0}
-            buckets = self._staged_buckets(ctx, rank, staged_names, self.bucket_bytes)
-            ring = self._ring(ctx, max(sum(copy_nbytes(plan, c) for c in b) for b in buckets)) if buckets else []
+            buckets = staged_buckets(plan, rank, staged_names, self.bucket_bytes)
+            ring = zx.ring(ctx, self.staging, max(sum(copy_nbytes(plan, c) for c in b) for b in buckets)) if buckets else []
             cache.update(rank=rank, buckets=buckets, ring=ring)
             st["epoch"] = st.get("epoch", 0) + 1
         buckets, ring, epoch = cache["buckets"], cache["ring"], st["epoch"]
@@ -560,44 +394,20 @@ class ZmqIpcTransport(Transport):
             raise ProtocolError(f"Offer without sources for unknown epoch {offer.epoch}", rank=ctx.rank,
                                 transport=self.name)
         signature = (offer.epoch, tuple(offer.ring), offer.bucket_bytes)
-        program = st.get("program")
+        program: CopyProgram | None = st.get("program")
         notes = [f"opened {len(offer.handles)} handles"] if offer.handles else []
-        if program is None or program[0] != signature or offer.handles or offer.release:
-            program = st["program"] = (signature, *self._compile(ctx, offer, st["sources"][1], opened))
+        if program is None or program.signature != signature or offer.handles or offer.release:
+            program = st["program"] = self._compile(ctx, offer, st["sources"][1], opened)
             notes.append("copy program rebuilt")
-            if len(program[4]):
-                notes.append(f"fp8 launch copies {program[4].copy_bytes} bytes, torch copies {len(program[1])}")
-        _, runs, buckets, ring, quant = program
+            if len(program.quant):
+                notes.append(f"fp8 launch copies {program.quant.copy_bytes} bytes, torch copies {len(program.runs)}")
+        buckets, ring = program.buckets, program.ring
         times["program"] = time.perf_counter()
         if len(buckets) != offer.staged_buckets:
             raise ProtocolError(f"trainer stages {offer.staged_buckets} buckets, the plan says {len(buckets)}",
                                 rank=ctx.rank, transport=self.name)
         st["touched"] = ctx.touched = True  # bytes land in the live tensors from here on
-        nbytes = 0
-        # fp8 hook (issue 16): one fused read of each quantized source, on its own stream
-        # on a GPU, the plain copies it takes as its copy tiles (`runs`: what is left, for
-        # torch); joined into our stream before the wait. Torch's copies are issued
-        # first (the launch is ordered after our stream's earlier work only, by the
-        # fence): a kernel that keeps every SM busy to its end would otherwise leave
-        # them queued behind it, unoverlapped. Once the launch is a captured graph (its
-        # second refit on) it is replayed on our own stream right after torch's copies
-        # (the big ones: the launch keeps every SM busy, so nothing overlapped anyway):
-        # no fence, no stream switch, no join (~0.1 ms of host per refit).
-        inline = quant.replays
-        if inline:
-            for src, dst in runs:
-                dst.copy_(src, non_blocking=True)
-                nbytes += dst.numel() * dst.element_size()
-            times["copies_issued"] = time.perf_counter()
-            nbytes += quant.run_inline()
-        else:
-            quant.fence()
-            for src, dst in runs:
-                dst.copy_(src, non_blocking=True)
-                nbytes += dst.numel() * dst.element_size()
-            times["copies_issued"] = time.perf_counter()
-            nbytes += quant.run(join=False, fenced=True)
-        times["launch_issued"] = time.perf_counter()
+        nbytes = program.issue(times)
         for seq, bucket in enumerate(buckets):
             msg = chan.expect(deadline, "waiting for a BucketReady", w.BucketReady)
             if msg.version != offer.version or msg.seq != seq or not 0 <= msg.slot < len(ring):
@@ -605,12 +415,7 @@ class ZmqIpcTransport(Transport):
             nbytes += unpack(plan, bucket, ring[msg.slot], ctx.params)
             _sync(dev, chan, deadline)  # the slot is reused once acked: finish reading it first
             chan.send(w.BucketDone(version=offer.version, seq=seq), "BucketDone")
-        if len(quant) and dev.type == "cuda" and not inline:
-            from ..ops.fp8_triton import _side_stream
-
-            # The fp8 side stream joins ours (an event, no device-wide sync): the wait
-            # below then covers the quantization too.
-            torch.cuda.current_stream(dev).wait_stream(_side_stream(dev))
+        program.join()  # the fp8 side stream (if the launch ran there) joins ours: the wait covers it
         times["buckets_done"] = time.perf_counter()
         _sync(dev, chan, deadline)
         times["device_done"] = time.perf_counter()
@@ -618,54 +423,11 @@ class ZmqIpcTransport(Transport):
         if nbytes != want:
             raise ProtocolError(f"refit {offer.version}: pulled {nbytes} of {want} bytes", rank=ctx.rank,
                                 transport=self.name)
-        return nbytes, len(runs) + len(buckets) + len(quant), notes
+        return nbytes, program.ncopies, notes
 
     def _compile(self, ctx: TransportContext, offer: w.Offer, sources: list[w.SourceRef],
-                 opened: Mapping[int, torch.UntypedStorage]):
-        plan, dev = ctx.plan, ctx.device.torch_device
-        names = plan.body.tensor_names
-        want = plan.local_tensors("src", 0)
-        refs = {r.name: r for r in sources}
-        if set(refs) != set(want):
-            raise ProtocolError("the Offer's sources are not the plan's source tensors", rank=ctx.rank,
-                                transport=self.name)
-        views, staged = {}, set()
-        for name, ref in refs.items():
-            if tuple(ref.shape) != tuple(want[name].shape) or ref.dtype != want[name].dtype:
-                raise ProtocolError(f"source {name!r} is {ref.dtype}{list(ref.shape)}, the plan says "
-                                    f"{want[name].dtype}{list(want[name].shape)}", rank=ctx.rank, param=name)
-            if ref.handle < 0:
-                staged.add(name)
-            elif ref.handle not in opened:
-                raise ProtocolError(f"source {name!r} names handle {ref.handle}, never sent", rank=ctx.rank,
-                                    transport=self.name)
-            else:
-                views[name] = source_view(opened[ref.handle], ref, dev)
-        pairs, quant = [], []
-        for t in plan.receives(ctx.rank):
-            for c in t.all_copies():
-                src_name = names[c.src_tensor]
-                if src_name in staged:
-                    continue
-                if _fp8.is_fp8_copy(plan, c):  # fp8 hook (issue 16): quantized as it is pulled
-                    quant.append(_fp8_pack.quant_job(plan, c, views[src_name], ctx.params))
-                    continue
-                dst = _region(ctx.params[names[c.dst_tensor]], c.dst_at, c.start, c.stop)
-                pairs.append((_region(views[src_name], c.src_at, c.start, c.stop), dst))
-        buckets = self._staged_buckets(ctx, ctx.rank, staged, offer.bucket_bytes)
-        ring = []
-        for hid in offer.ring:
-            if hid not in opened:
-                raise ProtocolError(f"ring handle {hid} was never sent", rank=ctx.rank, transport=self.name)
-            s = opened[hid]
-            ring.append(_u8(s, 0, s.nbytes(), dev))
-        runs, block = coalesce(pairs), max(1, plan.body.gen_fp8_block)
-        if not quant:
-            return runs, buckets, ring, _fp8_pack.QuantJobs(quant, block)
-        # fp8 hook (issue 16): the plain copies ride in the quantizing launch (copy tiles
-        # of one persistent kernel, no launch per copy); torch copies what it cannot take.
-        jobs = _fp8_pack.QuantJobs(quant, block, copies=runs)
-        return jobs.copies_left, buckets, ring, jobs
+                 opened: Mapping[int, torch.UntypedStorage]) -> CopyProgram:
+        return compile_program(ctx.plan, ctx.rank, ctx.device.torch_device, ctx.params, offer, sources, opened)
 
     # -- close -----------------------------------------------------------------------
     async def aclose(self) -> None:
