@@ -65,3 +65,28 @@ def test_a_world_that_overruns_reports_its_stacks(capfd):
         world.collect(0.5)
     err = capfd.readouterr().err
     assert "test_comm_setup.py" in err and "in _hang" in err  # faulthandler names the hung frame
+
+
+def _one_fails_one_waits(rank: int, ready) -> None:
+    if rank == 1:
+        ready.wait(60)
+        raise ValueError("rank 1 failed on purpose")
+    ready.set()
+    time.sleep(120)  # as a rank blocked on the one that died (a barrier, a collective) would
+
+
+@pytest.mark.timeout(90)
+def test_a_failed_rank_ends_the_wait_for_the_others_after_the_grace(monkeypatch):
+    import multiprocessing as mp
+
+    from policyworker.cli import procs
+
+    monkeypatch.setattr(procs, "FAIL_GRACE_S", 1.0)
+    ready = mp.get_context("spawn").Event()
+    world = start_world(_one_fails_one_waits, 2, (ready,))
+    t0 = time.monotonic()
+    with pytest.raises(ProcessFailed) as info:
+        world.collect(80)  # not the whole 80 s: the grace after rank 1's failure
+    assert time.monotonic() - t0 < 30
+    assert "failed on purpose" in info.value.failures[1]
+    assert "after another rank failed" in info.value.failures[0]

@@ -28,6 +28,9 @@ from typing import Any
 
 from ..errors import ProcessFailed
 
+#: After one rank failed, how long :meth:`World.collect` still waits for the others.
+FAIL_GRACE_S = 10.0
+
 __all__ = ["ProcessFailed", "World", "free_port", "run_world", "start_world"]
 
 
@@ -86,7 +89,10 @@ class World:
     ) -> dict[int, Any]:
         """Wait for every rank's result until ``timeout_s``; kill all on failure.
 
-        ``on_tick`` runs every 0.2 s or so while waiting (progress displays).
+        Once a rank has failed, the others get ``FAIL_GRACE_S`` more to report (a peer's
+        own error is often the better clue), not the whole timeout: a rank blocked on
+        the one that died (a barrier, a collective) would otherwise hold the caller to
+        the end of it. ``on_tick`` runs every 0.2 s or so while waiting (progress displays).
         """
         deadline = time.monotonic() + timeout_s
         out: dict[int, Any] = {}
@@ -95,8 +101,10 @@ class World:
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                why = (f"still running {FAIL_GRACE_S:.0f} s after another rank failed" if failures
+                       else "did not finish in time")
                 for r in pending:
-                    failures[r] = "did not finish in time (its threads' stacks: stderr, 'Current thread')"
+                    failures[r] = f"{why} (its threads' stacks: stderr, 'Current thread')"
                 self._dump_stacks(pending)
                 break
             if on_tick is not None:
@@ -112,12 +120,14 @@ class World:
                         if not p.is_alive() and self.results.empty():
                             failures[r] = f"exited with code {p.exitcode} and no result"
                             pending.discard(r)
+                            deadline = min(deadline, time.monotonic() + FAIL_GRACE_S)
                 continue
             pending.discard(rank)
             if ok:
                 out[rank] = value
             else:
                 failures[rank] = value
+                deadline = min(deadline, time.monotonic() + FAIL_GRACE_S)
         self.close()
         if failures:
             detail = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items()))

@@ -231,11 +231,11 @@ def _own_runs(w) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """The rollout's compiled copy runs (trainer storage → its own tensors), once the
     first refit built them, when the refit is nothing but those runs (no staged buckets,
     no fp8 jobs); else None."""
-    program = w._refit_transport_state("zmq").get("program")
+    program = w._refit_transport_state("zmq").get("program")  # a zmq_program.CopyProgram
     if program is None:
         return None
-    _, runs, buckets, _ring, quant = program
-    return list(runs) if runs and not buckets and not len(quant) else None
+    runs = program.runs
+    return list(runs) if runs and not program.buckets and not len(program.quant) else None
 
 
 def _runs_copy(runs: list[tuple[torch.Tensor, torch.Tensor]], dev: torch.device) -> float:
