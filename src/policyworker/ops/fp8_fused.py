@@ -25,11 +25,12 @@ Copies of at least ``torch_min_bytes`` (``PersistVariant.torch_min_mib``) are le
 the caller too: torch's copy moves a big contiguous run ~10% faster per byte than any
 persistent launch here (``benchmarks/probe_fused_bw.py``), and one launch per such
 copy costs a few µs of host. What a fused launch cannot express is returned to the
-caller (``left``) to copy with torch: copies whose dtypes differ, whose addresses, row strides or row lengths
-are not multiples of 16 bytes (a contiguous run's last ``< 16`` bytes alone go back),
-views that do not fold into 2-D with unit inner stride, strides past the int32
-offsets of a tile. Quantize jobs that are not bf16, not aligned or not made of whole
-tiles are left to :class:`.fp8_persist.PersistProgram`'s other launches.
+caller (``left``) to copy with torch as well: copies whose dtypes differ, whose
+addresses, row strides or row lengths are not multiples of 16 bytes (a contiguous
+run's last ``< 16`` bytes alone go back), views that do not fold into 2-D with unit
+inner stride, strides past the int32 offsets of a tile. Quantize jobs that are not
+bf16, not aligned or not made of whole tiles are left to
+:class:`.fp8_persist.PersistProgram`'s other launches.
 """
 
 from __future__ import annotations

@@ -205,9 +205,9 @@ class PersistVariant:
     least that many MiB are left to the caller (``copies_left``: torch's copy runs at
     the memory's full rate, ~10% above a copy tile's; a launch costs ~5 µs of host,
     less than that 10% of a copy this big), smaller ones ride in the launch (0: all).
-    With per-tile strides ptxas gives the
-    8-warp prefetch loop ~195 registers, one program per SM; capped at 128 it has no
-    spills (sm_90a, Triton 3.6 and 3.9) and two fit, as the grouped kernel's do."""
+    With per-tile strides ptxas gives the 8-warp prefetch loop ~195 registers, one
+    program per SM; capped at 128 it has no spills (sm_90a, Triton 3.6 and 3.9) and
+    two fit, as the grouped kernel's do."""
 
     num_warps: int = 8
     stages: int = 1

@@ -270,7 +270,8 @@ class ZmqIpcTransport(Transport):
         if cache["rank"] != rank:
             staged_names = {r.name for r in refs if r.handle < 0}
             buckets = staged_buckets(plan, rank, staged_names, self.bucket_bytes)
-            ring = zx.ring(ctx, self.staging, max(sum(copy_nbytes(plan, c) for c in b) for b in buckets)) if buckets else []
+            slot = max(sum(copy_nbytes(plan, c) for c in b) for b in buckets) if buckets else 0
+            ring = zx.ring(ctx, self.staging, slot) if buckets else []
             cache.update(rank=rank, buckets=buckets, ring=ring)
             st["epoch"] = st.get("epoch", 0) + 1
         buckets, ring, epoch = cache["buckets"], cache["ring"], st["epoch"]
