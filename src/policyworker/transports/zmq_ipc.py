@@ -45,7 +45,6 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +60,7 @@ from . import zmq_wire as w
 from .base import RefitReport, Transport, TransportContext
 from .ipc_handles import open_handle
 from .zmq_channel import Channel, open_socket
-from .zmq_program import CopyProgram, _sync, coalesce, compile_program, staged_buckets
+from .zmq_program import CopyProgram, _sync, coalesce, compile_program, signature, staged_buckets
 
 __all__ = ["ZmqIpcTransport", "coalesce"]
 
@@ -270,8 +269,9 @@ class ZmqIpcTransport(Transport):
         if cache["rank"] != rank:
             staged_names = {r.name for r in refs if r.handle < 0}
             buckets = staged_buckets(plan, rank, staged_names, self.bucket_bytes)
-            slot = max(sum(copy_nbytes(plan, c) for c in b) for b in buckets) if buckets else 0
-            ring = zx.ring(ctx, self.staging, slot) if buckets else []
+            ring = []
+            if buckets:
+                ring = zx.ring(ctx, self.staging, max(sum(copy_nbytes(plan, c) for c in b) for b in buckets))
             cache.update(rank=rank, buckets=buckets, ring=ring)
             st["epoch"] = st.get("epoch", 0) + 1
         buckets, ring, epoch = cache["buckets"], cache["ring"], st["epoch"]
@@ -394,11 +394,11 @@ class ZmqIpcTransport(Transport):
         elif st.get("sources", (None,))[0] != offer.epoch:
             raise ProtocolError(f"Offer without sources for unknown epoch {offer.epoch}", rank=ctx.rank,
                                 transport=self.name)
-        signature = (offer.epoch, tuple(offer.ring), offer.bucket_bytes)
         program: CopyProgram | None = st.get("program")
         notes = [f"opened {len(offer.handles)} handles"] if offer.handles else []
-        if program is None or program.signature != signature or offer.handles or offer.release:
-            program = st["program"] = self._compile(ctx, offer, st["sources"][1], opened)
+        if program is None or program.signature != signature(offer) or offer.handles or offer.release:
+            program = st["program"] = compile_program(plan, ctx.rank, dev, ctx.params, offer, st["sources"][1],
+                                                      opened)
             notes.append("copy program rebuilt")
             if len(program.quant):
                 notes.append(f"fp8 launch copies {program.quant.copy_bytes} bytes, torch copies {len(program.runs)}")
@@ -425,10 +425,6 @@ class ZmqIpcTransport(Transport):
             raise ProtocolError(f"refit {offer.version}: pulled {nbytes} of {want} bytes", rank=ctx.rank,
                                 transport=self.name)
         return nbytes, program.ncopies, notes
-
-    def _compile(self, ctx: TransportContext, offer: w.Offer, sources: list[w.SourceRef],
-                 opened: Mapping[int, torch.UntypedStorage]) -> CopyProgram:
-        return compile_program(ctx.plan, ctx.rank, ctx.device.torch_device, ctx.params, offer, sources, opened)
 
     # -- close -----------------------------------------------------------------------
     async def aclose(self) -> None:

@@ -27,7 +27,7 @@ from . import zmq_wire as w
 from .ipc_handles import source_view
 from .zmq_channel import Channel
 
-__all__ = ["CopyProgram", "coalesce", "compile_program", "staged_buckets"]
+__all__ = ["CopyProgram", "coalesce", "compile_program", "signature", "staged_buckets"]
 
 
 #: For how long :func:`_sync` polls the GPU every ``_FAST_SLEEP_S`` before it falls back
@@ -94,6 +94,11 @@ def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch
             runs.append([sp, sb, ss, dp, db, ds, n, sdev, ddev])
     out = [(_u8(ss, sb, n, sdev), _u8(ds, db, n, ddev)) for sp, sb, ss, dp, db, ds, n, sdev, ddev in runs]
     return out + strided
+
+
+def signature(offer: w.Offer) -> tuple:
+    """What a copy program depends on besides the handles: the sources' epoch and the ring."""
+    return (offer.epoch, tuple(offer.ring), offer.bucket_bytes)
 
 
 def staged_buckets(plan: ReshardPlan, rank: int, staged_names: set[str], bucket_bytes: int) -> list:
@@ -197,11 +202,8 @@ def compile_program(plan: ReshardPlan, rank: int, device: torch.device, params: 
             raise ProtocolError(f"ring handle {hid} was never sent", rank=rank, transport="zmq")
         s = opened[hid]
         ring.append(_u8(s, 0, s.nbytes(), device))
-    runs, block = coalesce(pairs), max(1, plan.body.gen_fp8_block)
-    signature = (offer.epoch, tuple(offer.ring), offer.bucket_bytes)
-    if not quant:
-        return CopyProgram(signature, runs, buckets, ring, _fp8_pack.QuantJobs(quant, block), device)
     # fp8 hook (issue 16): the plain copies ride in the quantizing launch (copy tiles of
-    # one persistent kernel, no launch per copy); torch copies what it leaves.
-    jobs = _fp8_pack.QuantJobs(quant, block, copies=runs)
-    return CopyProgram(signature, jobs.copies_left, buckets, ring, jobs, device)
+    # one persistent kernel, no launch per copy); torch copies what it leaves (all of
+    # them when nothing is quantized, or on CPU).
+    jobs = _fp8_pack.QuantJobs(quant, max(1, plan.body.gen_fp8_block), copies=coalesce(pairs))
+    return CopyProgram(signature(offer), jobs.copies_left, buckets, ring, jobs, device)
