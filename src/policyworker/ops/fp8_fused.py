@@ -57,10 +57,13 @@ def _row(tiles_ptr, t):
 
 
 @triton.jit
-def _fetch(src_ptr, so, srs, rows, cols, rb, BLOCK: tl.constexpr, STREAM: tl.constexpr):
-    """The tile's bf16 words, ``rows x 8*cols`` of them, zero-padded to BLOCK x BLOCK."""
+def _fetch(src_ptr, so, srs, rows, cols, rb, BLOCK: tl.constexpr, STREAM: tl.constexpr,
+           MASK_ALL: tl.constexpr = False):
+    """The tile's bf16 words, ``rows x 8*cols`` of them, zero-padded to BLOCK x BLOCK.
+    ``MASK_ALL``: one masked load for every tile, no branch (a whole tile's mask is all
+    true): the only kind of load Triton's software pipeliner stages."""
     ptrs = src_ptr + so * 8 + (rb[:, None] * (srs * 8) + rb[None, :])
-    if (rows == BLOCK) & (cols * 8 == BLOCK):  # whole: no mask
+    if not MASK_ALL and ((rows == BLOCK) & (cols * 8 == BLOCK)):  # whole: no mask
         x = _load_tile(ptrs, STREAM)
     else:
         x = tl.load(ptrs, mask=(rb[:, None] < rows) & (rb[None, :] < cols * 8), other=0.0)
@@ -109,12 +112,10 @@ def _fused_kernel(tiles_ptr, ntiles, src_ptr, dst_ptr, cdst_ptr, sc_ptr, BLOCK: 
     else:
         # Triton's software pipeliner stages a loop's loads through shared memory
         # (cp.async, STAGES - 1 tiles in flight per program, no registers held), but only
-        # a load outside any branch: one masked load for every tile (a whole tile's mask
-        # is all true, constant per 16-byte vector).
+        # a load outside any branch: MASK_ALL.
         for t in tl.range(pid, ntiles, nprog, num_stages=STAGES):
             so, do, co, srs, drs, rows, cols = _row(tiles_ptr, t)
-            ptrs = src_ptr + so * 8 + (rb[:, None] * (srs * 8) + rb[None, :])
-            x = tl.load(ptrs, mask=(rb[:, None] < rows) & (rb[None, :] < cols * 8), other=0.0)
+            x = _fetch(src_ptr, so, srs, rows, cols, rb, BLOCK, STREAM, True)
             _put(x, dst_ptr, cdst_ptr, sc_ptr, do, co, drs, rows, cols, rb, BLOCK, DST_ALIGN, FAST_DIV, STREAM,
                  Q_F32)
 
@@ -286,12 +287,13 @@ def build(jobs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], copie
     and ``copies``; ``covered[i]`` the mask of job ``i``'s tiles it quantizes (None: none);
     ``left`` the copies (or parts) torch must still do: also, with ``torch_min_bytes``,
     every contiguous copy at least that big (torch copies those at full rate)."""
-    big = [(a, b) for a, b in copies if torch_min_bytes and a.numel() * a.element_size() >= torch_min_bytes
-           and a.is_contiguous() and b.is_contiguous()]
-    if big:
-        ids = {(id(a), id(b)) for a, b in big}
-        launch, covered, left = build(jobs, [(a, b) for a, b in copies if (id(a), id(b)) not in ids], block, device)
-        return launch, covered, big + left
+    def big(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return (torch_min_bytes > 0 and a.numel() * a.element_size() >= torch_min_bytes and a.is_contiguous()
+                and b.is_contiguous())
+
+    if any(big(a, b) for a, b in copies):
+        launch, covered, left = build(jobs, [p for p in copies if not big(*p)], block, device)
+        return launch, covered, [p for p in copies if big(*p)] + left
     if block % 8:
         return None, [None] * len(jobs), list(copies)
     live = [j for j in jobs if j[0].numel()]
