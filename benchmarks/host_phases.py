@@ -20,10 +20,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def _path(src: str) -> None:
-    sys.path[:0] = [src, str(HERE)]
-
-
 def _preset() -> None:
     from policyworker.models import config as C
 
@@ -37,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--refits", type=int, default=15)
     p.add_argument("--json", default=None)
     ns = p.parse_args(argv)
+    sys.path[:0] = [ns.src, str(HERE)]  # before policyworker's first import; the ranks inherit it
+    _preset()
     import bench_fp8_zmq
     from policyworker.cli.output import write_json
 
@@ -49,11 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# At import in every process (the bench's ranks are spawned and import this module as
-# their main): the sources to measure, then the preset the ranks look up by name.
-_path(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--src=")), None)
-      or (sys.argv[sys.argv.index("--src") + 1] if "--src" in sys.argv else str(HERE.parent / "src")))
-_preset()
+if __name__ == "__mp_main__":  # a spawned rank: the parent's sys.path is here already
+    _preset()
 
 if __name__ == "__main__":
     raise SystemExit(main())
