@@ -136,15 +136,6 @@ class TransportContext:
             return opts.get(key, default)
         return getattr(opts, key, default)
 
-    def setting(self, key: str, default: Any = None) -> Any:
-        """``setup.key`` (a dataclass or a mapping), else ``default``."""
-        setup = self.setup
-        if setup is None:
-            return default
-        if isinstance(setup, Mapping):
-            return setup.get(key, default)
-        return getattr(setup, key, default)
-
 
 class RefitReport(msgspec.Struct, frozen=True, kw_only=True):
     """What one side of one refit did. ``bytes`` counts payload bytes moved by this rank."""
