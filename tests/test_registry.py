@@ -85,6 +85,7 @@ def test_duplicate_third_party_name_fails_only_that_name(fake_plugins):
     assert reg.load("memory") is InMemoryTransport
     rows = {i.name: i for i in reg.list()}
     assert "registered more than once" in rows["dup"].problem and rows["good"].problem is None
+    assert rows["dup"].distribution == "dist-a, dist-b" and rows["dup"].target == "a_mod:T | b_mod:T"
     assert [p.entry_point for p in reg.problems()] == ["dup"]
 
 

@@ -102,6 +102,7 @@ class TransportRegistry:
         self._conflicts: dict[str, TransportLoadError] = {}
         #: Third-party claims on built-in names, ignored (the built-in is kept).
         self._shadowed: dict[str, TransportLoadError] = {}
+        self._claimants: dict[str, list[md.EntryPoint]] = {}
         self._loaded: dict[str, type] = {}
 
     def _entry_points(self) -> dict[str, md.EntryPoint]:
@@ -128,6 +129,7 @@ class TransportRegistry:
                         entry_point=name, distribution=", ".join(sorted({_dist_name(ep) for ep in others})))
                 elif len(claims) > 1:
                     eps[name] = claims[0]
+                    self._claimants[name] = claims
                     self._conflicts[name] = TransportLoadError(
                         f"transport name {name!r} is registered more than once: {_claims(claims)}; it cannot "
                         f"load until one of them is renamed or uninstalled (other transports are unaffected)",
@@ -145,9 +147,15 @@ class TransportRegistry:
         eps = self._entry_points()
         out = []
         for name, ep in sorted(eps.items()):
-            problem = self._conflicts.get(name) or self._shadowed.get(name)
+            conflict = self._conflicts.get(name)
+            if conflict is not None:  # no claimant is "the" transport: show them all
+                claims = self._claimants[name]
+                out.append(TransportInfo(name, conflict.distribution or "", " | ".join(e.value for e in claims),
+                                         False, str(conflict)))
+                continue
+            shadowed = self._shadowed.get(name)
             out.append(TransportInfo(name, _dist_name(ep), ep.value, name in self._loaded,
-                                     None if problem is None else str(problem)))
+                                     None if shadowed is None else str(shadowed)))
         return out
 
     def problems(self) -> list[TransportLoadError]:

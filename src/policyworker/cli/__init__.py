@@ -32,7 +32,8 @@ def _cmd_transports(args: argparse.Namespace) -> int:
             except TransportLoadError as exc:  # show every broken plugin, keep loading the rest
                 failed[info.name] = str(exc)
         for problem in registry.problems():  # e.g. a plugin claiming a built-in's name
-            failed.setdefault(f"{problem.entry_point} ({problem.distribution})", str(problem))
+            if problem.entry_point not in failed:
+                failed[f"{problem.entry_point} ({problem.distribution})"] = str(problem)
         for name, message in failed.items():
             print(f"policyworker transports: {name}: {message}", file=sys.stderr)
         infos = registry.list()
@@ -40,10 +41,11 @@ def _cmd_transports(args: argparse.Namespace) -> int:
         print(json.dumps([dataclasses.asdict(info) for info in infos], indent=2))
     else:
         table = Table(title="policyworker transports")
-        for col in ("name", "distribution", "target", "loaded"):
+        for col in ("name", "distribution", "target", "loaded", "problem"):
             table.add_column(col)
         for info in infos:
-            table.add_row(info.name, info.distribution, info.target, "yes" if info.loaded else "no")
+            problem = "load failed" if info.name in failed else ("name conflict" if info.problem else "")
+            table.add_row(info.name, info.distribution, info.target, "yes" if info.loaded else "no", problem)
         Console().print(table)
     if failed:
         print(f"policyworker transports: {len(failed)} plugin problem(s)", file=sys.stderr)
