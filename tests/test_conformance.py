@@ -232,3 +232,18 @@ async def test_zmq_passes_the_suite(tmp_path):
     result = await check_transport(_zmq_factory(tmp_path))
     assert [r.version for r in result.reports] == [1, 1, 2, 2, 3, 3]
     assert result.timeout_seconds < 4 and result.abort_seconds < 2
+
+
+def test_the_docs_example_runs_as_written(capsys):
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "writing-a-transport.md").read_text(encoding="utf-8")
+    block = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    exec(compile(block, "docs/writing-a-transport.md", "exec"), {"__name__": "docs_example"})
+    assert "6 reports" in capsys.readouterr().out
+
+
+def test_plain_pair_refuses_names_a_module_cannot_hold():
+    with pytest.raises(ConfigError, match="'x.half'"):
+        plain_pair("memory", {"x.half": torch.zeros(2)})

@@ -74,16 +74,21 @@ class _Holder(nn.Module):
 def tensor_module(params: Mapping[str, torch.Tensor]) -> nn.Module:
     """A module whose parameters are copies of ``params`` under the same dotted names
     (integer tensors included, as parameters that need no grad)."""
+    from ..errors import ConfigError
+
     root = _Holder()
     for name, tensor in params.items():
         *path, leaf = name.split(".")
         mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, _Holder())
-            mod = getattr(mod, part)
-        mod.register_parameter(leaf, nn.Parameter(tensor.detach().clone(),
-                                                  requires_grad=tensor.is_floating_point()))
+        try:
+            for part in path:
+                if part not in mod._modules:
+                    mod.add_module(part, _Holder())
+                mod = mod._modules[part]
+            mod.register_parameter(leaf, nn.Parameter(tensor.detach().clone(),
+                                                      requires_grad=tensor.is_floating_point()))
+        except (KeyError, TypeError) as exc:  # torch's refusals of a name: empty, taken by nn.Module
+            raise ConfigError(f"tensor name {name!r} cannot be a module path ({exc}); rename it", param=name) from exc
     return root
 
 
