@@ -19,29 +19,42 @@ __all__ = ["main"]
 
 
 def _cmd_transports(args: argparse.Namespace) -> int:
+    """List the registered transports; with ``--load`` import each, report every broken
+    plugin (and every ignored claim on a built-in name) and exit 1 if there is any."""
     from rich.console import Console
     from rich.table import Table
 
+    from ..errors import TransportLoadError
     from ..registry import TransportRegistry
 
     registry = TransportRegistry()
     infos = registry.list()
+    failed: dict[str, str] = {}
     if args.load:
         for info in infos:
             try:
                 registry.load(info.name)
-            except Exception as exc:  # show every broken plugin, keep listing the rest
-                print(f"{info.name}: {exc}", file=sys.stderr)
+            except TransportLoadError as exc:  # show every broken plugin, keep loading the rest
+                failed[info.name] = str(exc)
+        for problem in registry.problems():  # e.g. a plugin claiming a built-in's name
+            if problem.entry_point not in failed:
+                failed[f"{problem.entry_point} ({problem.distribution})"] = str(problem)
+        for name, message in failed.items():
+            print(f"policyworker transports: {name}: {message}", file=sys.stderr)
         infos = registry.list()
     if args.json:
         print(json.dumps([dataclasses.asdict(info) for info in infos], indent=2))
-        return 0
-    table = Table(title="policyworker transports")
-    for col in ("name", "distribution", "target", "loaded"):
-        table.add_column(col)
-    for info in infos:
-        table.add_row(info.name, info.distribution, info.target, "yes" if info.loaded else "no")
-    Console().print(table)
+    else:
+        table = Table(title="policyworker transports")
+        for col in ("name", "distribution", "target", "loaded", "problem"):
+            table.add_column(col)
+        for info in infos:
+            problem = "load failed" if info.name in failed else ("name conflict" if info.problem else "")
+            table.add_row(info.name, info.distribution, info.target, "yes" if info.loaded else "no", problem)
+        Console().print(table)
+    if failed:
+        print(f"policyworker transports: {len(failed)} plugin problem(s)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -208,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("transports", help="list registered transports (imports none unless --load)")
-    p.add_argument("--load", action="store_true", help="import each one and report failures")
+    p.add_argument("--load", action="store_true",
+                   help="import each one; report broken plugins and exit 1 when there is any")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_transports)
 
