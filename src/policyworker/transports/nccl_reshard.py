@@ -98,8 +98,13 @@ class NcclReshardSetup:
     group: Any = None
     stage: int | None = None
     groups: Any = None
+    # "auto": when the ranks span nodes, each byte crosses into a node once and is
+    # relayed inside it (:mod:`.nccl_relay`); "off": every rank receives from trainers.
+    relay: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.relay not in ("auto", "off"):
+            raise ConfigError(f"relay must be 'auto' or 'off', got {self.relay!r}", transport="nccl_reshard")
         positive_int(self.bucket_bytes, "bucket_bytes", minimum=1024)
         positive_int(self.in_flight, "in_flight")
         positive_int(self.staging, "staging")
@@ -132,10 +137,11 @@ class NcclReshardTransport(Transport):
     @classmethod
     def from_setup(cls, setup: NcclReshardSetup) -> NcclReshardTransport:
         return cls(bucket_bytes=setup.bucket_bytes, in_flight=setup.in_flight, staging=setup.staging,
-                   checksum=setup.checksum)
+                   checksum=setup.checksum, relay=setup.relay)
 
     def __init__(
-        self, *, bucket_bytes: int = 16 << 20, in_flight: int = 16, staging: int = 2, checksum: bool = False
+        self, *, bucket_bytes: int = 16 << 20, in_flight: int = 16, staging: int = 2, checksum: bool = False,
+        relay: str = "auto",
     ) -> None:
         for value, what, low in ((bucket_bytes, "bucket_bytes", 1024), (in_flight, "in_flight", 1),
                                  (staging, "staging", 1)):
@@ -145,6 +151,7 @@ class NcclReshardTransport(Transport):
         self.in_flight = in_flight  # messages outstanding per rank
         self.staging = min(staging, in_flight)  # staging buffers (bucket_bytes each) per rank
         self.checksum = bool(checksum)
+        self.relay = relay
         self._closed = False
         self._active: list[Any] = []  # groups of the refit in progress (abort() aborts them)
 
@@ -180,7 +187,8 @@ class NcclReshardTransport(Transport):
         self._wire(ctx)
         plan = ctx.plan
         members = stage_members(plan)
-        mine = torch.tensor([plan_hash63(plan), self.bucket_bytes, int(self.checksum)], dtype=torch.int64)
+        mine = torch.tensor([plan_hash63(plan), self.bucket_bytes, int(self.checksum), int(self.relay == "auto")],
+                            dtype=torch.int64)
         groups = [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
         if ctx.role == "send":
             stage = ctx.state["stage"]
@@ -190,7 +198,7 @@ class NcclReshardTransport(Transport):
             raise ConfigError(f"plan has {len(members)} stages, rollout joined {len(groups)} stage groups")
         for group in groups:
             dev = group.device
-            gathered = [torch.zeros(3, dtype=torch.int64, device=dev) for _ in range(group.world_size)]
+            gathered = [torch.zeros(4, dtype=torch.int64, device=dev) for _ in range(group.world_size)]
             group.all_gather(gathered, mine.to(dev))
             rows = [g.cpu().tolist() for g in gathered]
             if any(r[0] != rows[0][0] for r in rows):
@@ -200,11 +208,13 @@ class NcclReshardTransport(Transport):
                 )
             if any(r[1:] != rows[0][1:] for r in rows):
                 raise ConfigError(
-                    f"ranks of group {group.name!r} disagree on bucket_bytes/checksum: {sorted({tuple(r[1:]) for r in rows})}",
+                    f"ranks of group {group.name!r} disagree on bucket_bytes/checksum/relay: "
+                    f"{sorted({tuple(r[1:]) for r in rows})}",
                     rank=ctx.rank, transport=self.name,
                 )
         device = groups[0].device
-        schedule = ctx.state["schedule"] = _schedule(plan, ctx, self.bucket_bytes)
+        bulk = self._route(ctx, plan)
+        schedule = ctx.state["schedule"] = _schedule(bulk, ctx, self.bucket_bytes)
         ctx.state["direct_spans"] = _DirectSpans()  # keyed by schedule index: new schedule, new spans
         pair_bytes: dict[tuple[int, int], int] = {}
         for m in schedule:
@@ -216,13 +226,30 @@ class NcclReshardTransport(Transport):
         # exceed a tiny bucket_bytes, and it is always packed; the ring slots then grow
         # to the largest such message.
         biggest = max((m.nbytes for m in schedule if m.copies is not None
-                       and any(_fp8.is_fp8_copy(plan, c) for c in m.copies)), default=0)
+                       and any(_fp8.is_fp8_copy(bulk, c) for c in m.copies)), default=0)
         ring_bytes = max(self.bucket_bytes, biggest) + (8 if self.checksum else 0)
         ring = ctx.state.get("ring")
         if ring is None or len(ring) != self.staging or ring[0].numel() != ring_bytes or ring[0].device != device:
             # Staging lives across refits: fresh pages cost more than the copy itself.
             ctx.state["ring"] = [torch.empty(ring_bytes, dtype=torch.uint8, device=device) for _ in range(self.staging)]
         ctx.state["connected_hash"] = plan.hash
+
+    def _route(self, ctx: TransportContext, plan: ReshardPlan) -> ReshardPlan:
+        """The plan the bulk runs: ``plan``, or its first hop when relays pay (:mod:`.nccl_relay`)."""
+        from .nccl_relay import gather_nodes, node_name, relay_setup
+
+        ctx.state.pop("bulk_plan", None)
+        ctx.state.pop("fanouts", None)
+        update_group = ctx.state.get("update_group")
+        if self.relay != "auto" or update_group is None:
+            return plan
+        train_nodes, gen_nodes = gather_nodes(update_group, plan.body.train_world_size, node_name(),
+                                              self._deadline(ctx))
+        routed = relay_setup(plan, train_nodes, gen_nodes, self.bucket_bytes)
+        if routed is None:
+            return plan
+        ctx.state["bulk_plan"], ctx.state["fanouts"] = routed
+        return routed[0]
 
     # -- refit -----------------------------------------------------------------------
     async def send(self, ctx: TransportContext, version: int) -> RefitReport:
@@ -275,6 +302,22 @@ class NcclReshardTransport(Transport):
         ctx.ready = ready
         return report
 
+    def _fan_out(self, ctx: TransportContext, nbytes: int, failure: Any) -> tuple[int, Any]:
+        """The relay phase (:func:`.nccl_relay.run_fanout`) after the bulk; a lost relay
+        is a failure like a lost trainer (shared in the verdict round)."""
+        from .nccl_relay import run_fanout
+
+        def touch() -> None:
+            ctx.state["touched"] = ctx.touched = True
+
+        members = stage_members(ctx.plan)
+        try:
+            got = run_fanout(ctx.state["fanouts"], ctx.rank, ctx.state["groups"][0], len(members[0]), ctx.params,
+                             ctx.plan, self.in_flight, self._deadline(ctx), touch)
+        except PeerLost as exc:
+            return nbytes, failure if failure is not None else exc
+        return nbytes + got, failure
+
     def _stream(self, ctx: TransportContext):
         device = self._groups(ctx)[0].device
         if device.type != "cuda":
@@ -296,6 +339,8 @@ class NcclReshardTransport(Transport):
                 nbytes, nbuckets, failure = self._send_bulk(ctx, version)
             else:
                 nbytes, nbuckets, version, failure = self._recv_bulk(ctx)
+                if ctx.state.get("fanouts"):
+                    nbytes, failure = self._fan_out(ctx, nbytes, failure)
             if update_group is not None:
                 scales, version, failures, lost = exchange_leftovers(
                     update_group,
@@ -366,7 +411,7 @@ class NcclReshardTransport(Transport):
         messages are skipped and the others still get theirs, so every live rank
         reaches the verdict round promptly and learns of the loss there.
         """
-        plan, params, ring = ctx.plan, ctx.params, ctx.state["ring"]
+        plan, params, ring = ctx.state.get("bulk_plan") or ctx.plan, ctx.params, ctx.state["ring"]
         deadline = self._deadline(ctx)
         schedule = ctx.state["schedule"]
         headers = _header_rows(ctx, version, self.checksum, schedule)
@@ -434,7 +479,7 @@ class NcclReshardTransport(Transport):
         every rank reaches the verdict round, where the failure is shared. A trainer
         that is gone (``PeerLost``) is skipped the same way.
         """
-        plan, params, ring = ctx.plan, ctx.params, ctx.state["ring"]
+        plan, params, ring = ctx.state.get("bulk_plan") or ctx.plan, ctx.params, ctx.state["ring"]
         deadline = self._deadline(ctx)
         hash63 = plan_hash63(plan)
         schedule = ctx.state["schedule"]
