@@ -111,3 +111,15 @@ def test_a_rank_that_never_answers_is_a_bounded_typed_error():
     out = _agree(2, {}, timeout_s=1.0, absent=(1,))
     assert isinstance(out[(0, "raised")], RefitTimeout) and isinstance(out[(0, "raised")], TransportError)
     assert time.monotonic() - t0 < 10.0
+
+
+def test_the_marker_survives_vllm_servers_error_body():
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    # The message holds what sanitizing rewrites (a path, an address); the marker is kept.
+    err = PeerLost("store at /tmp/x/y.sock <obj at 0xdeadbeef> lost", rank=5, transport="nccl_reshard")
+    body = create_error_response(_as_vllm_raises(mark(err))).model_dump_json()
+    back = error_from_text(body)
+    assert type(back) is PeerLost and (back.rank, back.transport) == (5, "nccl_reshard")
+    assert str(back) == "store at /tmp/x/y.sock <obj at 0xdeadbeef> lost"

@@ -61,7 +61,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..ledger import WeightLedger
-from ..errors import ConfigError, PlanMismatch, PolicyWorkerError, ProtocolError, TornWeights, translate_comm_error
+from ..errors import (ConfigError, PlanMismatch, PolicyWorkerError, ProtocolError, RefitTimeout, TornWeights,
+                      translate_comm_error)
 from ..layout.plan import ReshardPlan
 from .vllm_errors import engine_error, mark, typed_errors
 from .vllm_plan import NEEDS_KEY, PLAN_KEY, Needs, encode_needs
@@ -181,8 +182,9 @@ class _Loop:
         try:
             return future.result(timeout_s)
         except TimeoutError:
-            future.cancel()
-            raise
+            if not future.cancel() and future.done():
+                return future.result()  # it finished just as the wait ran out
+            raise RefitTimeout(f"a policyworker call inside vLLM did not return within {timeout_s:g} s") from None
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
