@@ -71,6 +71,16 @@ def test_init_without_trainers_is_bounded_and_typed_then_recovery_commits(world)
 
 
 @pytest.mark.timeout(240)
+def test_postprocess_failing_on_one_rank_swaps_nothing_then_commits(world):
+    cases.postprocess_fails_on_one_rank(world)
+
+
+@pytest.mark.timeout(240)
+def test_swap_failing_on_one_rank_is_torn_everywhere_until_a_full_refit(world):
+    cases.swap_fails_on_one_rank(world)
+
+
+@pytest.mark.timeout(240)
 def test_cpu_linear_torch_and_background_then_prepack_again(world):
     # cpu_linear="torch": vLLM's plain F.linear path reads the received tensors as they
     # are (the commit is a swap, no prepack); "background": the same at commit, then

@@ -66,3 +66,13 @@ def test_tp2_trainer_killed_mid_refit_then_replacement_commits(world):
 @pytest.mark.timeout(240)
 def test_tp2_init_without_trainers_is_bounded_and_typed_then_recovery_commits(world):
     cases.init_without_trainers(world)
+
+
+@pytest.mark.timeout(240)
+def test_tp2_postprocess_failing_on_one_rank_swaps_nothing_then_commits(world):
+    cases.postprocess_fails_on_one_rank(world)
+
+
+@pytest.mark.timeout(240)
+def test_tp2_swap_failing_on_one_rank_is_torn_everywhere_until_a_full_refit(world):
+    cases.swap_fails_on_one_rank(world)

@@ -87,6 +87,9 @@ def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_opt
     save_hf_model(spec, 0, path)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        # Failure tests inject a fault inside the real workers with a function sent through
+        # llm.collective_rpc, which vLLM only serializes with this set.
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             # Trainers import torch + transformers while the engine starts.

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from policyworker.cli.procs import free_port
-from policyworker.errors import ConfigError, PeerLost, RefitTimeout, TransportError
+from policyworker.errors import ConfigError, PeerLost, PolicyWorkerError, RefitTimeout, TornWeights, TransportError
 from policyworker.integrations.vllm import typed_errors
 
 
@@ -144,3 +144,72 @@ def init_without_trainers(world, timeout_s: float = 2.0) -> None:
     replies = world.connect(version=v)
     assert all(r["ok"] for r in replies), replies
     refit_commits(world, v + 1)
+
+
+def fail_once_on(world, rank: int, step: str) -> None:
+    """Make vLLM rank ``rank``'s next ``step`` ("prepare": the post-processing, "commit": the
+    swap) raise once, inside the real worker process (vLLM runs this function there)."""
+
+    def inject(worker) -> bool:
+        engine = worker.weight_transfer_engine
+        if engine.tp_rank != rank:
+            return False
+        stage = engine._stage
+        original = getattr(stage, step)
+
+        def failing(*args, **kwargs):
+            setattr(stage, step, original)  # once
+            raise RuntimeError(f"injected {step} failure on vLLM rank {rank}")
+
+        setattr(stage, step, failing)
+        return True
+
+    assert sum(world.llm.collective_rpc(inject)) == 1
+
+
+def _received_then(world, v: int, step: str):
+    """Trainers send ``v`` and vLLM receives it; then rank 0's ``step`` fails in finish."""
+    world.pool.send({"cmd": "refit", "version": v})
+    world.llm.start_weight_update()
+    world.llm.update_weights({"update_info": {"version": v}})
+    assert [r["version"] for r in world.pool.replies(world.spec.refit_timeout_s)] == [v] * world.spec.n_train
+    fail_once_on(world, 0, step)  # rank 0: at tp=2 not the rank whose reply vLLM reads
+    with pytest.raises(PolicyWorkerError, match=f"injected {step} failure on vLLM rank 0") as info:
+        with typed_errors():
+            world.llm.finish_weight_update(weight_version=str(v))
+    return info.value
+
+
+def _resend_and_commit(world, v: int) -> None:
+    """In the session vLLM kept open: receive ``v`` again, then finish; HF's tokens."""
+    world.pool.send({"cmd": "refit", "version": v})
+    world.llm.update_weights({"update_info": {"version": v}})
+    world.llm.finish_weight_update(weight_version=str(v))
+    world.llm.reset_prefix_cache()
+    assert [r["version"] for r in world.pool.replies(world.spec.refit_timeout_s)] == [v] * world.spec.n_train
+    got = world.tokens()
+    assert got == world.oracle(v) and got != world.history[world.version]
+    assert world.llm.get_weight_version() == str(v)
+    world.version, world.history[v] = v, got
+
+
+def postprocess_fails_on_one_rank(world) -> None:
+    """Every rank post-processes before any swaps: one rank's failure swaps nothing anywhere."""
+    served_at_least_v1(world)
+    v = world.version
+    _received_then(world, v + 1, "prepare")
+    assert_serves(world, v)  # no rank swapped: no mix of versions
+    _resend_and_commit(world, v + 2)  # the trainers' next version
+    refit_commits(world, v + 3)
+
+
+def swap_fails_on_one_rank(world) -> None:
+    """A failed swap marks the engine torn on every rank; a full refit commits and clears it."""
+    served_at_least_v1(world)
+    v = world.version
+    _received_then(world, v + 1, "commit")
+    with pytest.raises(TornWeights):  # every rank refuses until a full refit commits
+        with typed_errors():
+            world.llm.finish_weight_update(weight_version=str(v + 1))
+    _resend_and_commit(world, v + 2)
+    refit_commits(world, v + 3)
