@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from policyworker.integrations.vllm_errors import engine_error
 from policyworker.integrations.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
 
 PROMPTS = [[1, 2, 3, 4], [100, 7, 8, 9, 11]]
@@ -56,8 +57,8 @@ class VllmWorld:
         """Trainers send ``version`` while the controller drives vLLM's four calls.
 
         ``die``: {trainer rank: k} makes that trainer SIGKILL itself after its k-th
-        wait of this refit. Returns (the engine-side exception or None, trainer replies
-        of the trainers still alive).
+        wait of this refit. Returns (the engine-side error, as its policyworker class, or
+        None; trainer replies of the trainers still alive).
         """
         die = die or {}
         for rank in range(self.spec.n_train):
@@ -70,7 +71,7 @@ class VllmWorld:
         try:
             self.llm.update_weights({"update_info": {"version": version}})
         except Exception as exc:  # vLLM re-raises a worker's error as a plain Exception
-            error = exc
+            error = engine_error(exc) or exc  # ... which carries our error's type and attributes
         else:
             self.llm.finish_weight_update(weight_version=str(version))
             self.llm.reset_prefix_cache()  # KV of old weights must not be reused
@@ -86,6 +87,9 @@ def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_opt
     save_hf_model(spec, 0, path)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        # Failure tests inject a fault inside the real workers with a function sent through
+        # llm.collective_rpc, which vLLM only serializes with this set.
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             # Trainers import torch + transformers while the engine starts.

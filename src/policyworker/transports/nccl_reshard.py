@@ -72,8 +72,11 @@ from .nccl_verdict import exchange_leftovers
 __all__ = ["NcclReshardTransport", "exchange_leftovers", "stage_members"]
 
 def _completed(work: Any) -> bool:
+    is_completed = getattr(work, "is_completed", None)
+    if is_completed is None:  # a group's completion future (gloo point-to-point)
+        return work.done() and not work.cancelled() and work.exception() is None
     try:
-        return bool(work.is_completed())
+        return bool(is_completed())
     except RuntimeError:  # an aborted work: it delivered nothing more
         return False
 
