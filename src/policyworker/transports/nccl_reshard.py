@@ -67,6 +67,8 @@ from .nccl_schedule import (
     plan_hash63,
     stage_members,
 )
+from . import nccl_delta
+from .nccl_delta import DeltaSettings
 from .nccl_verdict import exchange_leftovers
 
 __all__ = ["NcclReshardTransport", "exchange_leftovers", "stage_members"]
@@ -88,7 +90,10 @@ class NcclReshardSetup:
     """Attach-time setup. ``bucket_bytes``/``checksum`` must match on every rank.
 
     Trainer: ``group`` (its stage's group) and ``stage``. Receiver: ``groups``
-    (stage → group, every stage of the plan).
+    (stage → group, every stage of the plan). ``delta`` (every rank): refits carry only
+    the changed elements when every receiver holds the trainers' last version
+    (:mod:`.nccl_delta`); ``delta_max_fraction`` and ``delta_full_every`` (trainers)
+    say when a refit is full anyway.
     """
 
     bucket_bytes: int = 16 << 20
@@ -98,9 +103,16 @@ class NcclReshardSetup:
     group: Any = None
     stage: int | None = None
     groups: Any = None
+    delta: bool = False
+    delta_max_fraction: float = 0.25
+    delta_full_every: int | None = None
 
     def __post_init__(self) -> None:
         positive_int(self.bucket_bytes, "bucket_bytes", minimum=1024)
+        if not 0.0 <= self.delta_max_fraction <= 1.0:
+            raise ConfigError(f"delta_max_fraction must be in [0, 1], got {self.delta_max_fraction!r}")
+        if self.delta_full_every is not None:
+            positive_int(self.delta_full_every, "delta_full_every")
         positive_int(self.in_flight, "in_flight")
         positive_int(self.staging, "staging")
         if self.stage is not None:
@@ -111,9 +123,11 @@ class NcclReshardSetup:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NcclReshardOptions:
-    """Per-refit options: ``kv_scales`` (name → float; trainer rank 0's are sent)."""
+    """Per-refit options: ``kv_scales`` (name → float; trainer rank 0's are sent);
+    ``delta=False`` (trainer) makes this refit full when the attachment has delta on."""
 
     kv_scales: Any = None
+    delta: bool | None = None
 
     def __post_init__(self) -> None:
         from ..layout.local import validate_kv_scales
@@ -131,8 +145,11 @@ class NcclReshardTransport(Transport):
 
     @classmethod
     def from_setup(cls, setup: NcclReshardSetup) -> NcclReshardTransport:
-        return cls(bucket_bytes=setup.bucket_bytes, in_flight=setup.in_flight, staging=setup.staging,
-                   checksum=setup.checksum)
+        transport = cls(bucket_bytes=setup.bucket_bytes, in_flight=setup.in_flight, staging=setup.staging,
+                        checksum=setup.checksum)
+        if setup.delta:
+            transport.delta = DeltaSettings(setup.delta_max_fraction, setup.delta_full_every)
+        return transport
 
     def __init__(
         self, *, bucket_bytes: int = 16 << 20, in_flight: int = 16, staging: int = 2, checksum: bool = False
@@ -147,6 +164,7 @@ class NcclReshardTransport(Transport):
         self.checksum = bool(checksum)
         self._closed = False
         self._active: list[Any] = []  # groups of the refit in progress (abort() aborts them)
+        self.delta: DeltaSettings | None = None  # delta mode (see nccl_delta), set from the setup
 
     def abort(self) -> None:
         for group in list(self._active):
@@ -180,7 +198,8 @@ class NcclReshardTransport(Transport):
         self._wire(ctx)
         plan = ctx.plan
         members = stage_members(plan)
-        mine = torch.tensor([plan_hash63(plan), self.bucket_bytes, int(self.checksum)], dtype=torch.int64)
+        mine = torch.tensor([plan_hash63(plan), self.bucket_bytes, int(self.checksum) + 2 * (self.delta is not None)],
+                            dtype=torch.int64)
         groups = [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
         if ctx.role == "send":
             stage = ctx.state["stage"]
@@ -200,7 +219,8 @@ class NcclReshardTransport(Transport):
                 )
             if any(r[1:] != rows[0][1:] for r in rows):
                 raise ConfigError(
-                    f"ranks of group {group.name!r} disagree on bucket_bytes/checksum: {sorted({tuple(r[1:]) for r in rows})}",
+                    f"ranks of group {group.name!r} disagree on bucket_bytes/checksum/delta: "
+                    f"{sorted({tuple(r[1:]) for r in rows})}",
                     rank=ctx.rank, transport=self.name,
                 )
         device = groups[0].device
@@ -228,6 +248,8 @@ class NcclReshardTransport(Transport):
     async def send(self, ctx: TransportContext, version: int) -> RefitReport:
         """Send refit ``version``; ``ctx.options["kv_scales"]`` (name → float) rides along."""
         self._check(ctx)
+        if self.delta is not None:
+            return await ctx.blocking(nccl_delta.refit, self, ctx, version)
         return await ctx.blocking(self._refit, ctx, version)
 
     async def receive(self, ctx: TransportContext, version: int | None = None) -> RefitReport:
@@ -238,6 +260,8 @@ class NcclReshardTransport(Transport):
         failure) and ``ctx.state["kv_scales"]`` holds the received scales.
         """
         self._check(ctx)
+        if self.delta is not None:
+            return await ctx.blocking(nccl_delta.refit, self, ctx, version)
         return await ctx.blocking(self._refit, ctx, version)
 
     def _check(self, ctx: TransportContext) -> None:
