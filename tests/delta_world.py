@@ -9,12 +9,15 @@ full state after every commit (an oracle computed apart from the transport).
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from policyworker import PolicyWorkerError, RolloutWorker
+from policyworker.comm import CommGroup
+from policyworker.testing import faults
 from policyworker.layout import Parallelism, build_plan, dest_shards, source_shards
 from policyworker.models import get_preset, seeded_state_dict
 from policyworker.testing.delta_weights import perturb_
@@ -33,6 +36,7 @@ class DeltaSpec:
     full_at: tuple[int, ...] = ()  # versions the trainers refit with delta=False
     corrupt: tuple[int, int] | None = None  # (rollout rank, version): a live byte flipped after its commit
     refit_timeout_s: float | None = None
+    stall: tuple[int, int, int, float] | None = None  # (train rank, version, its k-th group wait, seconds)
     update_port: int = 0
     stage_ports: list[int] = field(default_factory=list)
     timeout_s: float = 60.0
@@ -82,9 +86,11 @@ def delta_rank(rank: int, spec: DeltaSpec) -> dict[str, Any]:
             await w.init_nccl_reshard_comm_groups(["127.0.0.1"] * train.pp, spec.stage_ports,
                                                   [len(train.stage_ranks(s)) for s in range(train.pp)])
             w.load_refit_plan(plan.refit_info())
-        version = 0
         for v, fraction in enumerate(spec.fractions, start=1):
+            before = {k: t.clone() for k, t in state.items()}
             perturb_(state, fraction, v)
+            if trainer and spec.stall is not None and spec.stall[:2] == (rank, v):
+                faults.after_calls(CommGroup, "wait", spec.stall[2], lambda: time.sleep(spec.stall[3]))
             try:
                 if trainer:
                     for name, t in source_shards(plan, rank, state).items():
@@ -110,7 +116,12 @@ def delta_rank(rank: int, spec: DeltaSpec) -> dict[str, Any]:
                 row = {"ok": False, "version": v, "error": type(exc).__name__, "message": str(exc)[:300]}
                 if not trainer:
                     row["torn"], row["weight_version"] = w.torn, w.weight_version
+                    if not w.torn and w.weight_version == v - 1:  # serves its old version, intact?
+                        have, want = w.weights(), dest_shards(plan, g, before)
+                        row["intact"] = all(same_bits(have[k], want[k]) for k in want)
                 out["outcomes"].append(row)
+                if exc.__class__.__name__ in ("RefitTimeout", "RefitAborted", "PeerLost"):
+                    break  # the groups were aborted: recovery is the drill's business
         await w.shutdown()
         return out
 

@@ -22,8 +22,9 @@ trainers may ask for a full one (``refit(..., delta=False)``). One refit, both s
 3. **Apply**, receiver: nothing live is written until every payload arrived. Then per
    transfer the changed units go into the live bytes (or a staging copy when the
    transfer's destination is not one contiguous span, unpacked after the check) and
-   every copy's checksum is verified; a mismatch fails the refit and the receiver's
-   base becomes -1, so the next refit is full.
+   every copy's checksum is verified; a mismatch fails the refit, marks the receiver
+   torn (its bytes are proven not to be the trainers') and its base becomes -1, so
+   the next refit is full. A failure before the apply leaves the live bytes intact.
 4. **Verdict** over the update group (:func:`exchange_leftovers`), as for a full
    refit: a receiver commits only when every rank succeeded. A trainer's shadow
    counts as version S only after a successful verdict; any failure makes it
@@ -417,6 +418,10 @@ def _apply_one(ctx: TransportContext, t, s: _Stream, head: list[int], payload: t
     names = ctx.plan.body.tensor_names
     for c, a, b in zip(s.copies, got, want):
         if a != b:
+            # The base these bytes grew from is not the trainers' (or the delta was
+            # damaged): whatever this rank holds is suspect, so it must not be served
+            # (torn) until a full refit commits.
+            ctx.touched = True
             raise ProtocolError(f"delta checksum mismatch in {names[c.dst_tensor]!r} from train rank {t.src}: "
                                 f"the bytes after the delta are not the trainer's", rank=ctx.rank,
                                 transport="nccl_reshard", param=names[c.dst_tensor])
