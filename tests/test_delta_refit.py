@@ -70,16 +70,20 @@ def test_checksum_mismatch_fails_nothing_served_next_refit_full_forced_full_and_
 
 @pytest.mark.timeout(120)
 def test_a_stall_mid_delta_times_out_and_leaves_the_rollouts_intact_at_their_version():
-    # Trainer 0 stalls at its 3rd group wait of v3 (the handshake, then its two header
-    # sends), before it posts any payload, past everyone's deadline: the rollouts had
+    # Trainer 0 stalls at its 2nd group wait of v3 (the handshake, then its one header
+    # send), before it posts its payload, past everyone's deadline: the rollouts had
     # received headers only and applied nothing.
-    spec = DeltaSpec(fractions=[1.0, 0.01, 0.01], stall=(0, 3, 3, 8.0), refit_timeout_s=3.0)
+    spec = DeltaSpec(fractions=[1.0, 0.01, 0.01], stall=(0, 3, 2, 8.0), refit_timeout_s=3.0)
     results = _world(spec)
     n_train = spec.train_par.world_size
-    for r in results[n_train:]:
+    for g, r in enumerate(results[n_train:]):
         outs = r["outcomes"]
         assert [o["ok"] for o in outs] == [True, True, False], outs
         assert outs[1]["delta"] and outs[1]["exact"]
         failed = outs[2]
         assert failed["error"] in ("RefitTimeout", "RefitAborted"), failed
-        assert failed["weight_version"] == 2 and not failed["torn"] and failed["intact"], failed
+        assert failed["weight_version"] == 2
+        if g == 0:  # its trainer never sent the payload: nothing of v3 was applied
+            assert not failed["torn"] and failed["intact"], failed
+        else:  # it may have applied its own trainer's delta (then torn, as a full refit would be)
+            assert failed["torn"] or failed["intact"], failed
