@@ -17,7 +17,10 @@ def _units(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fraction, kind", [(0.0, D.NONE), (0.001, D.SPARSE), (0.03, D.SPARSE), (0.2, D.BITMAP),
                                             (1.0, D.RAW)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_round_trip_is_bit_exact_and_picks_the_smallest_encoding(fraction, kind, dtype):
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+def test_round_trip_is_bit_exact_and_picks_the_smallest_encoding(fraction, kind, dtype, path, monkeypatch):
+    if path == "torch":  # the device path (CUDA), run on CPU tensors
+        monkeypatch.setattr(D, "_numpy_ok", lambda t: False)
     g = torch.Generator().manual_seed(1)
     n = 200_003  # several 65,536-unit blocks and a ragged end
     old = torch.randn(n, generator=g).to(dtype)
