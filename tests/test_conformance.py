@@ -20,6 +20,7 @@ from policyworker.models import get_preset, seeded_state_dict
 from policyworker.cli.procs import free_port
 from policyworker.testing import TransportPair, check_transport, memory_pair_factory
 from policyworker.transports.base import TransportContext
+from policyworker.transports.nccl_delta import DeltaSettings
 from policyworker.transports.nccl_reshard import NcclReshardTransport
 
 pytestmark = pytest.mark.anyio
@@ -47,7 +48,7 @@ def _groups(n: int = 2) -> list[tuple]:
         return list(pool.map(join, range(n)))
 
 
-def _nccl_factory(plan, recv_plan=None):
+def _nccl_factory(plan, recv_plan=None, delta=False):
     config = get_preset("tiny")
     src = {k: v.clone() for k, v in seeded_state_dict(config, seed=0, dtype=torch.float32).items()}
     recv_plan = recv_plan or plan
@@ -70,8 +71,10 @@ def _nccl_factory(plan, recv_plan=None):
             for e in execs:
                 e.shutdown(wait=False)
 
-        return TransportPair(NcclReshardTransport(bucket_bytes=4096), s_ctx, NcclReshardTransport(bucket_bytes=4096),
-                             r_ctx, expected=lambda p: dest_shards(plan, 0, p), close=close)
+        sender, receiver = NcclReshardTransport(bucket_bytes=4096), NcclReshardTransport(bucket_bytes=4096)
+        if delta:  # every refit after the first a delta, even at 100% changed (the suite's perturbation)
+            sender.delta = receiver.delta = DeltaSettings(max_fraction=1.0)
+        return TransportPair(sender, s_ctx, receiver, r_ctx, expected=lambda p: dest_shards(plan, 0, p), close=close)
 
     return factory
 
@@ -83,4 +86,17 @@ async def test_nccl_reshard_passes_the_suite():
     other = build_plan(config, "tp=1", "tp=1", 1, 1, dtype=torch.bfloat16)
     result = await check_transport(_nccl_factory(plan), mismatched_factory=_nccl_factory(plan, other))
     assert [r.version for r in result.reports] == [1, 1, 2, 2, 3, 3]
+    assert result.timeout_seconds < 4 and result.abort_seconds < 2
+
+
+@pytest.mark.multiprocess
+async def test_nccl_reshard_in_delta_mode_passes_the_suite():
+    config = get_preset("tiny")
+    plan = build_plan(config, "tp=1", "tp=1", 1, 1, dtype=torch.bfloat16)
+    other = build_plan(config, "tp=1", "tp=1", 1, 1, dtype=torch.float32)
+    result = await check_transport(_nccl_factory(plan, delta=True),
+                                   mismatched_factory=_nccl_factory(plan, other, delta=True))
+    assert [r.version for r in result.reports] == [1, 1, 2, 2, 3, 3]
+    kinds = [r.notes[-1].split(" ")[0] for r in result.reports]
+    assert kinds == ["full:", "full:", "delta", "delta", "delta", "delta"], [r.notes for r in result.reports]
     assert result.timeout_seconds < 4 and result.abort_seconds < 2

@@ -127,6 +127,17 @@ def _smallest(n: int, k: int, unit: int) -> int:
     return min((SPARSE, BITMAP, RAW), key=lambda c: (blob_bytes(c, n, k, unit), c))
 
 
+def _dense(a: np.ndarray, b: np.ndarray) -> bool:
+    """True when so many 8-byte words differ that a sparse encoding cannot be the smallest."""
+    per = 8 // a.itemsize
+    words = a.size // per
+    if per == 1 or not words or a.ctypes.data % 8 or b.ctypes.data % 8:
+        return False
+    end = words * per
+    changed_words = int(np.count_nonzero(a[:end].view(np.uint64) != b[:end].view(np.uint64)))
+    return changed_words * 16 >= a.size  # at least n/16 changed units: a bitmap is no larger
+
+
 def _changed_np(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(ascending indices, values of ``a``) where two 1-D unit arrays differ.
 
@@ -155,15 +166,30 @@ def _changed_np(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _encode_np(cur: torch.Tensor, old: torch.Tensor, n: int, unit: int) -> Encoded:
     # numpy on CPU: its compare, flatnonzero and boolean indexing are ~3-10x torch's on one core.
     a, b = cur.numpy(), old.numpy()
-    idx, vals = _changed_np(a, b)
-    k = idx.size
+    mask = None
+    if _dense(a, b):
+        # Many changes: a unit mask, no index arrays (a bitmap or the raw bytes win here).
+        mask = a != b
+        k = int(np.count_nonzero(mask))
+        kind = _smallest(n, k, unit)
+        if kind == SPARSE:
+            mask = None
+    if mask is None:
+        idx, vals = _changed_np(a, b)
+        k = idx.size
+        kind = _smallest(n, k, unit) if k else NONE
     if k == 0:
         return Encoded(NONE, 0, torch.empty(0, dtype=torch.uint8))
-    kind = _smallest(n, k, unit)
     out = np.zeros(blob_bytes(kind, n, k, unit), dtype=np.uint8)
     if kind == RAW:
         out[:n * unit] = a.view(np.uint8)
         return Encoded(RAW, k, torch.from_numpy(out))
+    if kind == BITMAP and mask is not None:
+        nbits = -(-n // 8)
+        out[:nbits] = np.packbits(mask)
+        at = _pad8(nbits)
+        out[at:at + k * unit].view(a.dtype)[:] = a[mask]
+        return Encoded(BITMAP, k, torch.from_numpy(out))
     if kind == SPARSE:
         nblocks = -(-n // _BLOCK)
         out[:4 * nblocks].view(np.int32)[:] = np.bincount(idx >> _BLOCK_BITS, minlength=nblocks)

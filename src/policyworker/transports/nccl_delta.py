@@ -8,8 +8,8 @@ trainers may ask for a full one (``refit(..., delta=False)``). One refit, both s
    says the version it sends, the version of its *shadow* (the bytes it last sent,
    per transfer) and whether it wants a delta (option, ``delta_full_every``, the
    changed fraction estimated on a sample against ``delta_max_fraction``); a
-   receiver says its *base*: its committed version, or -1 when torn, new, or after a
-   failed delta. Every rank decides the same: a delta only when every trainer wants
+   receiver says its *base*: the version its last good refit landed when its ledger
+   committed and holds it untorn, else -1 (new, torn, after any failed refit). Every rank decides the same: a delta only when every trainer wants
    one, all shadows are of one version S and every receiver's base is S. Otherwise
    the refit is the plain full one (``NcclReshardTransport._refit``), after which
    the trainers refresh their shadows.
@@ -113,6 +113,7 @@ class _State:
     streams: dict[tuple, _Stream] = field(default_factory=dict)  # trainer: by source regions
     shadow_version: int | None = None  # trainer: the version its shadows hold, after a good verdict
     base_valid: bool = True  # receiver: False after a failed delta (next refit full)
+    received: int | None = None  # receiver: the version its last good refit returned
 
 
 def _make_stream(plan: ReshardPlan, copies: list[Copy]) -> _Stream:
@@ -200,8 +201,12 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
         want, ppm = _trainer_wants(ctx, st, settings, streams, int(version))
         row = [_HS_MAGIC, _TRAINER, int(version), -1 if st.shadow_version is None else st.shadow_version, want, ppm]
     else:
+        # The base is what this transport last received, if the worker's ledger (when
+        # there is one) committed it and holds it untorn.
         ledger = getattr(ctx.worker, "ledger", None)
-        base = ledger.version if ledger is not None and not ledger.torn and st.base_valid else -1
+        held = ledger is None or (ledger.version == st.received and not ledger.torn)
+        base = st.received if st.received is not None and held and st.base_valid else -1
+        st.received = None  # until this refit succeeds
         row = [_HS_MAGIC, _RECEIVER, base, 0, 0, 0]
     transport._active = [update_group]
     try:
@@ -219,7 +224,7 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
             st.shadow_version = int(version)
         else:
             shadow = 0
-            st.base_valid = True
+            st.base_valid, st.received = True, report.version
         return _report(report, notes=(f"full: {reason}",), wire=report.bytes, shadow=shadow,
                        seconds=time.perf_counter() - t0)
     groups = [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
@@ -252,6 +257,8 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
                              rank=ctx.rank, transport=transport.name)
     if ctx.role == "send":
         st.shadow_version = int(version)
+    else:
+        st.received = int(got_version)
     shadow = sum(s.nbytes for s in streams.values()) if streams else 0
     return RefitReport(transport=transport.name, role=ctx.role, version=int(got_version), bytes=nbytes,
                        seconds=time.perf_counter() - t0, wire_bytes=wire, shadow_bytes=shadow,
