@@ -50,7 +50,8 @@ def _groups(n: int = 2) -> list[tuple]:
 
 def _nccl_factory(plan, recv_plan=None, delta=False):
     config = get_preset("tiny")
-    src = {k: v.clone() for k, v in seeded_state_dict(config, seed=0, dtype=torch.float32).items()}
+    dtype = getattr(torch, plan.params[0].dtype)
+    src = {k: v.clone() for k, v in seeded_state_dict(config, seed=0, dtype=dtype).items()}
     recv_plan = recv_plan or plan
     facts = device_facts("cpu")
 
