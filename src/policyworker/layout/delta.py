@@ -27,6 +27,7 @@ unless weights collide; it is a matrix-vector product, ~5 GB/s on one CPU core
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -299,8 +300,12 @@ def changed_fraction(cur: torch.Tensor, old: torch.Tensor, stride: int = 127) ->
     return int((a != b).sum()), a.numel()
 
 
-_W = None
 _ROW = 128  # words per row of the matrix-vector product
+
+
+@functools.lru_cache(maxsize=8)
+def _row_weights(device: torch.device) -> torch.Tensor:
+    return _weights(_ROW, 1, device)
 
 
 def _weights(n: int, salt: int, device: torch.device) -> torch.Tensor:
@@ -315,7 +320,6 @@ def _weights(n: int, salt: int, device: torch.device) -> torch.Tensor:
 
 def checksum(data: torch.Tensor) -> int:
     """64-bit linear hash of the bytes of a contiguous tensor (see the module docstring)."""
-    global _W
     raw = data.reshape(-1).view(torch.uint8) if data.is_contiguous() else data.contiguous().reshape(-1).view(torch.uint8)
     n = raw.numel()
     words = n // 8
@@ -325,15 +329,14 @@ def checksum(data: torch.Tensor) -> int:
         raw, words = padded, _pad8(n) // 8
     x = raw.view(torch.int64)
     rows = words // _ROW
-    if _W is None or _W.device != raw.device:
-        _W = _weights(_ROW, 1, raw.device)
+    w = _row_weights(raw.device)
     total = 0
     if rows:
         mat = x.narrow(0, 0, rows * _ROW).view(rows, _ROW)
-        per_row = torch.mv(mat, _W) if raw.device.type == "cpu" else (mat * _W).sum(1)
+        per_row = torch.mv(mat, w) if raw.device.type == "cpu" else (mat * w).sum(1)
         total += int((per_row * _weights(rows, 2, raw.device)).sum())
     rest = words - rows * _ROW
     if rest:
-        tail = int((x.narrow(0, rows * _ROW, rest) * _W[:rest]).sum())
+        tail = int((x.narrow(0, rows * _ROW, rest) * w[:rest]).sum())
         total += tail * int(_weights(rows + 1, 2, raw.device)[rows])
     return (total + n) & _M64
