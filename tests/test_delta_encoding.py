@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policyworker.errors import ProtocolError
+from policyworker.errors import ConfigError, ProtocolError
+from policyworker.transports.nccl_reshard import NcclReshardOptions, NcclReshardSetup
 from policyworker.layout import delta as D
 from policyworker.transports.nccl_delta import _HS_MAGIC, _NO_SHADOW, _RECEIVER, _TRAINER, _WANT_DELTA, decide
 
@@ -99,3 +100,20 @@ def test_the_handshake_decides_delta_only_when_every_base_matches():
     assert not decide([_row(_TRAINER, 5, 4), _row(_TRAINER, 5, 3), _row(_RECEIVER, 4)])[0]
     with pytest.raises(ProtocolError):
         decide([[0, 0, 0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("bad", [{"delta_max_fraction": 1.5}, {"delta_max_fraction": -0.1},
+                                 {"delta_full_every": 0}])
+def test_bad_delta_settings_fail_at_attach(bad):
+    with pytest.raises(ConfigError):
+        NcclReshardSetup(delta=True, **bad)
+
+
+def test_delta_settings_parse_from_plain_keywords():
+    from policyworker.config import parse
+
+    setup = parse(NcclReshardSetup, {"delta": True, "delta_max_fraction": 0.1, "delta_full_every": 8}, what="t")
+    assert (setup.delta, setup.delta_max_fraction, setup.delta_full_every) == (True, 0.1, 8)
+    assert parse(NcclReshardOptions, {"delta": False}, what="t").delta is False
+    with pytest.raises(ConfigError):
+        parse(NcclReshardSetup, {"delta": "yes"}, what="t")

@@ -20,7 +20,7 @@ def _world(spec: DeltaSpec) -> list[dict]:
 @pytest.mark.timeout(120)
 def test_several_delta_versions_land_bit_exact_and_move_few_bytes():
     spec = DeltaSpec(train="tp=2,pp=2", gen="tp=2,dp=2", fractions=[1.0, 0.01, 0.03, 0.0, 1.0, 0.02],
-                     full_at=())
+                     options={"delta": True, "delta_full_every": 4})
     results = _world(spec)
     rollouts = results[spec.train_par.world_size:]
     for r in rollouts:
@@ -28,8 +28,10 @@ def test_several_delta_versions_land_bit_exact_and_move_few_bytes():
         assert [o["ok"] for o in outs] == [True] * 6, outs
         assert [o["exact"] for o in outs] == [True] * 6, outs
         assert [o["version"] for o in outs] == [1, 2, 3, 4, 5, 6]
-        # v1: no shadow yet; v5: every element changed (past delta_max_fraction) -> full
-        assert [o["delta"] for o in outs] == [False, True, True, True, False, True], [o["notes"] for o in outs]
+        # v1: no shadow yet; v4: delta_full_every; v5: every element changed (past
+        # delta_max_fraction) -> full
+        assert [o["delta"] for o in outs] == [False, True, True, False, False, True], [o["notes"] for o in outs]
+        assert "delta_full_every" in outs[3]["notes"][-1] and "too many" in outs[4]["notes"][-1]
         assert all(o["bytes"] == o["expected_bytes"] for o in outs)
         for o in outs:
             if o["delta"]:
