@@ -248,6 +248,9 @@ class NcclReshardTransport(Transport):
     async def send(self, ctx: TransportContext, version: int) -> RefitReport:
         """Send refit ``version``; ``ctx.options["kv_scales"]`` (name → float) rides along."""
         self._check(ctx)
+        if self.delta is None and ctx.option("delta"):
+            raise ConfigError("delta=True needs the setup's delta=True on every rank of the attachment",
+                              rank=ctx.rank, transport=self.name)
         if self.delta is not None:
             return await ctx.blocking(nccl_delta.refit, self, ctx, version)
         return await ctx.blocking(self._refit, ctx, version)
