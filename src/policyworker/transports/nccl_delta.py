@@ -110,7 +110,7 @@ class _Stream:
 @dataclass(slots=True)
 class _State:
     plan_hash: str
-    streams: dict[tuple, _Stream] = field(default_factory=dict)  # trainer: by source regions
+    streams: dict[tuple, _Stream] = field(default_factory=dict)  # trainer: by source regions; receiver: by peer
     shadow_version: int | None = None  # trainer: the version its shadows hold, after a good verdict
     base_valid: bool = True  # receiver: False after a failed delta (next refit full)
     received: int | None = None  # receiver: the version its last good refit returned
@@ -379,7 +379,10 @@ def _receive(ctx: TransportContext, st: _State, version: int, deadline: float):
     groups = ctx.state["groups"]
     dev = _device(ctx)
     transfers = plan.receives(ctx.rank)
-    streams = [_make_stream(plan, t.all_copies()) for t in transfers]
+    for t in transfers:  # kept across refits: their staging (non-contiguous destinations) too
+        if ("dst", t.stage, t.src) not in st.streams:
+            st.streams[("dst", t.stage, t.src)] = _make_stream(plan, t.all_copies())
+    streams = [st.streams[("dst", t.stage, t.src)] for t in transfers]
     rows = torch.zeros((max(1, len(transfers)), _HDR_LEN), dtype=torch.int64, device=dev)
     peers = [(groups[t.stage], members[t.stage].index(t.src)) for t in transfers]
     failure: PolicyWorkerError | None = _post_all(
