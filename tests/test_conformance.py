@@ -176,8 +176,10 @@ async def _join(port: int, name: str):
     return groups
 
 
-def _nccl_factory():
+def _nccl_factory(delta: bool = False):
     plan = _plan()
+    # delta: every refit after the first a delta, even at 100% changed (the suite's perturbation)
+    extra = {"delta": True, "delta_max_fraction": 1.0} if delta else {}
 
     async def factory() -> TransportPair:
         trainer = TorchPolicyWorker(build_model(CONFIG, seed=0), device="cpu", timeout_s=20)
@@ -195,8 +197,8 @@ def _nccl_factory():
 
         source = dict(trainer.model.named_parameters())
         return TransportPair(trainer, rollout, "nccl_reshard",
-                             {"plan": plan, "group": s_stage, "stage": 0, "bucket_bytes": 4096},
-                             {"plan": plan, "groups": {0: r_stage}, "bucket_bytes": 4096},
+                             {"plan": plan, "group": s_stage, "stage": 0, "bucket_bytes": 4096, **extra},
+                             {"plan": plan, "groups": {0: r_stage}, "bucket_bytes": 4096, **extra},
                              source=source, expected=lambda p: dest_shards(plan, 0, p), close=close)
 
     return factory
@@ -209,6 +211,16 @@ async def test_nccl_reshard_passes_the_suite():
     assert [r.version for r in result.reports] == [1, 1, 2, 2, 3, 3]
     assert result.timeout_seconds < 4 and result.abort_seconds < 2
     assert result.receive_steps >= 1 and result.cuts
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+async def test_nccl_reshard_in_delta_mode_passes_the_suite():
+    result = await check_transport(_nccl_factory(delta=True))
+    assert [r.version for r in result.reports] == [1, 1, 2, 2, 3, 3]
+    kinds = [r.notes[-1].split(" ")[0] for r in result.reports]
+    assert kinds == ["full:", "full:", "delta", "delta", "delta", "delta"], [r.notes for r in result.reports]
+    assert result.timeout_seconds < 4 and result.abort_seconds < 2
 
 
 def _zmq_factory(directory):

@@ -96,6 +96,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError("bench needs --transport nccl_reshard|zmq or --engine vllm")
     if args.transport == "zmq":
         return _bench_zmq(args)
+    if args.delta:
+        return _bench_delta(args)
     from .refit_bench import RefitBenchSpec, run_refit_bench
 
     spec = RefitBenchSpec(preset=args.preset, train=args.train, gen=args.gen, refits=args.refits,
@@ -105,6 +107,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                                                            file=sys.stderr, flush=True))
     write_json(args.json, result, echo=True)
     return 0 if result["bit_exact"] in (True, None) else 1
+
+
+def _bench_delta(args: argparse.Namespace) -> int:
+    from .delta_bench import DeltaBenchSpec, run_delta_bench
+
+    spec = DeltaBenchSpec(preset=args.preset, train=args.train, gen=args.gen, dtype=args.dtype,
+                          real_steps=args.real_steps, timeout_s=args.timeout)
+    result = run_delta_bench(spec, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    write_json(args.json, result, echo=True)
+    return 0 if result["bit_exact"] else 1
 
 
 def _bench_zmq(args: argparse.Namespace) -> int:
@@ -216,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-params", choices=["flat", "views"], default="flat",
                    help="nccl_reshard: trainers hold their shards in one buffer, or send views of a full model")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check (large presets)")
+    p.add_argument("--delta", action="store_true",
+                   help="nccl_reshard: delta refits at several changed fractions vs full refits, same run")
+    p.add_argument("--real-steps", type=int_at_least(1), default=3,
+                   help="--delta: AdamW steps (lr 1e-6) of the toy model for the measured changed fraction")
     p.add_argument("--timeout", type=positive_float, default=300.0)
     p.add_argument("--json", metavar="PATH", type=json_path)
     p.set_defaults(func=_cmd_bench)

@@ -67,6 +67,8 @@ from .nccl_schedule import (
     plan_hash63,
     stage_members,
 )
+from . import nccl_delta
+from .nccl_delta import DeltaSettings
 from .nccl_verdict import exchange_leftovers
 
 __all__ = ["NcclReshardTransport", "exchange_leftovers", "stage_members"]
@@ -91,7 +93,10 @@ class NcclReshardSetup:
     """Attach-time setup. ``bucket_bytes``/``checksum`` must match on every rank.
 
     Trainer: ``group`` (its stage's group) and ``stage``. Receiver: ``groups``
-    (stage → group, every stage of the plan).
+    (stage → group, every stage of the plan). ``delta`` (every rank): refits carry only
+    the changed elements when every receiver holds the trainers' last version
+    (:mod:`.nccl_delta`); ``delta_max_fraction`` and ``delta_full_every`` (trainers)
+    say when a refit is full anyway.
     """
 
     bucket_bytes: int = 16 << 20
@@ -102,13 +107,21 @@ class NcclReshardSetup:
     stage: int | None = None
     groups: Any = None
     # "auto": when the ranks span nodes, each byte crosses into a node once and is
-    # relayed inside it (:mod:`.nccl_relay`); "off": every rank receives from trainers.
+    # relayed inside it (:mod:`.nccl_relay`; full refits only); "off": every rank
+    # receives from trainers.
     relay: str = "auto"
+    delta: bool = False
+    delta_max_fraction: float = 0.25
+    delta_full_every: int | None = None
 
     def __post_init__(self) -> None:
         if self.relay not in ("auto", "off"):
             raise ConfigError(f"relay must be 'auto' or 'off', got {self.relay!r}", transport="nccl_reshard")
         positive_int(self.bucket_bytes, "bucket_bytes", minimum=1024)
+        if not 0.0 <= self.delta_max_fraction <= 1.0:
+            raise ConfigError(f"delta_max_fraction must be in [0, 1], got {self.delta_max_fraction!r}")
+        if self.delta_full_every is not None:
+            positive_int(self.delta_full_every, "delta_full_every")
         positive_int(self.in_flight, "in_flight")
         positive_int(self.staging, "staging")
         if self.stage is not None:
@@ -119,9 +132,11 @@ class NcclReshardSetup:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NcclReshardOptions:
-    """Per-refit options: ``kv_scales`` (name → float; trainer rank 0's are sent)."""
+    """Per-refit options: ``kv_scales`` (name → float; trainer rank 0's are sent);
+    ``delta=False`` (trainer) makes this refit full when the attachment has delta on."""
 
     kv_scales: Any = None
+    delta: bool | None = None
 
     def __post_init__(self) -> None:
         from ..layout.local import validate_kv_scales
@@ -139,8 +154,11 @@ class NcclReshardTransport(Transport):
 
     @classmethod
     def from_setup(cls, setup: NcclReshardSetup) -> NcclReshardTransport:
-        return cls(bucket_bytes=setup.bucket_bytes, in_flight=setup.in_flight, staging=setup.staging,
-                   checksum=setup.checksum, relay=setup.relay)
+        transport = cls(bucket_bytes=setup.bucket_bytes, in_flight=setup.in_flight, staging=setup.staging,
+                        checksum=setup.checksum, relay=setup.relay)
+        if setup.delta:
+            transport.delta = DeltaSettings(setup.delta_max_fraction, setup.delta_full_every)
+        return transport
 
     def __init__(
         self, *, bucket_bytes: int = 16 << 20, in_flight: int = 16, staging: int = 2, checksum: bool = False,
@@ -157,6 +175,7 @@ class NcclReshardTransport(Transport):
         self.relay = relay
         self._closed = False
         self._active: list[Any] = []  # groups of the refit in progress (abort() aborts them)
+        self.delta: DeltaSettings | None = None  # delta mode (see nccl_delta), set from the setup
 
     def abort(self) -> None:
         for group in list(self._active):
@@ -190,7 +209,8 @@ class NcclReshardTransport(Transport):
         self._wire(ctx)
         plan = ctx.plan
         members = stage_members(plan)
-        mine = torch.tensor([plan_hash63(plan), self.bucket_bytes, int(self.checksum), int(self.relay == "auto")],
+        mine = torch.tensor([plan_hash63(plan), self.bucket_bytes, int(self.checksum) + 2 * (self.delta is not None),
+                             int(self.relay == "auto")],
                             dtype=torch.int64)
         groups = [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
         if ctx.role == "send":
@@ -211,7 +231,7 @@ class NcclReshardTransport(Transport):
                 )
             if any(r[1:] != rows[0][1:] for r in rows):
                 raise ConfigError(
-                    f"ranks of group {group.name!r} disagree on bucket_bytes/checksum/relay: "
+                    f"ranks of group {group.name!r} disagree on bucket_bytes/checksum/delta/relay: "
                     f"{sorted({tuple(r[1:]) for r in rows})}",
                     rank=ctx.rank, transport=self.name,
                 )
@@ -244,7 +264,7 @@ class NcclReshardTransport(Transport):
         ctx.state.pop("bulk_plan", None)
         ctx.state.pop("fanouts", None)
         update_group = ctx.state.get("update_group")
-        if self.relay != "auto" or update_group is None:
+        if self.relay != "auto" or self.delta is not None or update_group is None:
             return plan
         train_nodes, gen_nodes = gather_nodes(update_group, plan.body.train_world_size, node_name(),
                                               self._deadline(ctx))
@@ -258,6 +278,11 @@ class NcclReshardTransport(Transport):
     async def send(self, ctx: TransportContext, version: int) -> RefitReport:
         """Send refit ``version``; ``ctx.options["kv_scales"]`` (name → float) rides along."""
         self._check(ctx)
+        if self.delta is None and ctx.option("delta"):
+            raise ConfigError("delta=True needs the setup's delta=True on every rank of the attachment",
+                              rank=ctx.rank, transport=self.name)
+        if self.delta is not None:
+            return await ctx.blocking(nccl_delta.refit, self, ctx, version)
         return await ctx.blocking(self._refit, ctx, version)
 
     async def receive(self, ctx: TransportContext, version: int | None = None) -> RefitReport:
@@ -268,6 +293,8 @@ class NcclReshardTransport(Transport):
         failure) and ``ctx.state["kv_scales"]`` holds the received scales.
         """
         self._check(ctx)
+        if self.delta is not None:
+            return await ctx.blocking(nccl_delta.refit, self, ctx, version)
         return await ctx.blocking(self._refit, ctx, version)
 
     def _check(self, ctx: TransportContext) -> None:
