@@ -36,7 +36,7 @@ from ..layout.planner import as_parallelism, plan_from_layouts
 from ..layout.rules import dtype_name, rule_layout
 from ..torch_worker import TorchPolicyWorker
 
-__all__ = ["LoraMeta", "LoraPolicyWorker", "adapter_tensors", "base_hash", "base_tensors", "lora_meta",
+__all__ = ["LoraMerger", "LoraMeta", "LoraPolicyWorker", "adapter_tensors", "base_hash", "base_tensors", "lora_meta",
            "lora_plan", "merge_lora", "tensor_hash"]
 
 _PREFIX = "base_model.model."
@@ -204,3 +204,42 @@ class LoraPolicyWorker(TorchPolicyWorker):
         state["seed_plan"] = state["plan"] = plan
         return plan.refit_info()
 
+
+
+class LoraMerger:
+    """Serve an adapter merged into a rollout's own weights: ``W = W0 + s·B·A`` after each commit.
+
+    ``weights``: this rank's serving tensors of the targeted linears by plain name
+    (``<linear>.weight``, shards in the same generation layout as the factors: the
+    rules shard ``B`` like a column-parallel ``W``'s rows and ``A`` like a row-parallel
+    ``W``'s columns, so the local product is exactly this rank's part of ``B @ A``).
+    Their values now are the base ``W0``, kept (one copy) so every version merges onto the
+    base, never onto the previous version. ``merge`` computes every merged tensor before
+    writing any: a bad factor raises ``ConfigError`` with the weights unchanged.
+    """
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], scaling: float) -> None:
+        self.weights = dict(weights)
+        self.scaling = float(scaling)
+        self._base = {n: w.detach().clone() for n, w in self.weights.items()}
+
+    def merge(self, factors: Mapping[str, torch.Tensor]) -> None:
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in factors.items():
+            m = re.fullmatch(r"(.+)\.lora_(A|B)\.weight", name)
+            if m is None:
+                raise ConfigError(f"{name!r} is not a LoRA factor", param=name)
+            pairs.setdefault(f"{m.group(1)}.weight", {})[m.group(2)] = t
+        merged = {}
+        with torch.no_grad():
+            for target, ab in pairs.items():
+                if target not in self.weights or set(ab) != {"A", "B"}:
+                    raise ConfigError(f"cannot merge into {target!r}: no such weight here, or a factor is missing",
+                                      param=target)
+                w0, a, b = self._base[target], ab["A"], ab["B"]
+                if (b.shape[0], a.shape[1]) != tuple(w0.shape) or a.shape[0] != b.shape[1]:
+                    raise ConfigError(f"factors B{list(b.shape)} @ A{list(a.shape)} do not fit {target!r} "
+                                      f"{list(w0.shape)}", param=target)
+                merged[target] = merge_lora(w0, a, b, self.scaling)
+            for target, value in merged.items():
+                self.weights[target].copy_(value)

@@ -130,14 +130,17 @@ async def prepare_vllm_lora_refit(worker: Any, train_parallelism: Any, gen_world
 
     def build() -> ReshardPlan:
         base = worker.base_hash()
-        check_engines(read_engines(group.store, gen_world_size), base, worker.meta)
+        engines = read_engines(group.store, gen_world_size)
         plan = plan_for_vllm_lora(worker._refit_model_source(), worker._refit_gen_config(), train_parallelism,
                                   train_world_size, gen_world_size)
         if worker.rank == 0:
+            # Published before the checks: the vLLM workers check it too and fail at
+            # once, instead of waiting out the store's timeout for a plan never sent.
             try:
                 group.store.set(PLAN_KEY, encode(LoraPlanInfo(meta=worker.meta, base_hash=base, plan=plan.to_wire())))
             except Exception as exc:  # the store raises DistStoreError/RuntimeError when its host is gone
                 raise translate_comm_error(exc, rank=worker.rank, what="publishing the vLLM LoRA plan") from exc
+        check_engines(engines, base, worker.meta)
         return plan
 
     plan = await worker._run(build)
