@@ -96,8 +96,8 @@ def _rank(rank: int, spec: LoraWorldSpec, gen: str, n_gen: int, ports: tuple[int
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("gen,n_gen", [("tp=1", 1), ("tp=2", 2)])
-def test_adapter_refits_into_rollouts_unmerged_and_merged_like_peft(gen, n_gen):
+def test_adapter_refits_into_rollouts_unmerged_and_merged_like_peft():
+    gen, n_gen = "tp=2", 2  # sharded factors and sharded merges (vLLM's test covers whole ones)
     spec = _spec()
     results = run_world(_rank, N_TRAIN + n_gen, (spec, gen, n_gen, (free_port(), free_port())), timeout_s=150.0)
     trainers, rollouts = results[:N_TRAIN], results[N_TRAIN:]
@@ -109,8 +109,8 @@ def test_adapter_refits_into_rollouts_unmerged_and_merged_like_peft(gen, n_gen):
     # Each rollout receives exactly its shard of the adapter, each byte once.
     for version in range(REFITS):
         assert sum(t["sent"][version] for t in trainers) == sum(r["recv"] for r in rollouts)
-    if n_gen == 1:
-        assert rollouts[0]["recv"] == adapter
+    # What is sharded arrives once; what is replicated (A of column layers, B of row layers) once per rank.
+    assert adapter < sum(r["recv"] for r in rollouts) < n_gen * adapter
 
 
 def test_rules_place_factors_like_their_base():

@@ -112,3 +112,38 @@ def test_trainer_killed_mid_adapter_refit_keeps_previous_adapter(world):
     assert got == world.oracle(v + 1) and got != world.history[v]
     assert world.llm.get_weight_version() == str(v + 1)
     world.version, world.history[v + 1] = v + 1, got
+
+
+def _restart_trainer0(world, spec) -> None:
+    world.pool.send({"cmd": "stop"}, [0])
+    assert world.pool.reply(0, 30.0)["ok"]
+    world.pool.wait_dead(0, 30.0)
+    world.pool.spec = spec
+    world.pool.start(0)
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_on_another_base_is_refused_at_connect_and_nothing_changes(world):
+    import dataclasses
+
+    _served_at_least_v1(world)
+    v = world.version
+    _restart_trainer0(world, dataclasses.replace(world.spec, base_seed=7))
+    try:
+        replies = world.connect(version=v)
+        # Trainer 0 (another base) refuses; trainer 1 holds vLLM's base and has nothing to refuse.
+        assert replies[0].get("error") == "PlanMismatch" and replies[1]["ok"], replies
+        # vLLM refuses trainer 0's plan too (it carries that base's hash), before a byte moves.
+        with pytest.raises(Exception, match=r"PlanMismatch: .*base"):
+            world.llm.start_weight_update()
+        assert world.tokens() == world.history[v]
+        assert world.llm.get_weight_version() == str(v)
+    finally:
+        _restart_trainer0(world, world.spec)
+    replies = world.connect(version=v)
+    assert all(r["ok"] for r in replies), replies
+    error, replies = world.refit(v + 1)
+    assert error is None and [r["version"] for r in replies] == [v + 1, v + 1], replies
+    got = world.tokens()
+    assert got == world.oracle(v + 1) and got != world.history[v]
+    world.version, world.history[v + 1] = v + 1, got

@@ -36,6 +36,7 @@ the previous ``LoRAModel`` back (torn only if even that fails).
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import time
 from typing import Any
@@ -55,6 +56,7 @@ BACKEND_LORA = "policyworker-lora"
 LORA_NAME = "policy"
 LORA_ID = 1
 _PATH = "policyworker-lora://"
+logger = logging.getLogger(__name__)
 
 
 def lora_request(name: str = LORA_NAME, lora_int_id: int = LORA_ID) -> Any:
@@ -313,8 +315,8 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         if worker is not None and self._loop is not None:
             try:
                 self._call(worker.shutdown(), worker.timeout_s)
-            except PolicyWorkerError:
-                pass  # the groups are being rebuilt; their closing errors say nothing new
+            except PolicyWorkerError as exc:
+                logger.warning("policyworker-lora: closing the old groups failed: %s", exc)
 
     def shutdown(self) -> None:
         self._close_worker()

@@ -1,7 +1,7 @@
 """Trainer processes that refit a LoRA adapter into vLLM: the tests' and the bench's world.
 
 As :mod:`.vllm_world`, with each trainer a ``LoraPolicyWorker`` over a PEFT LoRA model
-on version 0's base. Version ``v``'s adapter is drawn from ``torch.Generator`` seeded
+on version 0's base (``base_seed``'s, to test a base that is not the engine's). Version ``v``'s adapter is drawn from ``torch.Generator`` seeded
 ``v`` (factors in name order, normal with ``std``), so the controller can build the same
 adapter for the oracle: Hugging Face PEFT's greedy generation with it.
 """
@@ -26,6 +26,8 @@ class LoraWorldSpec(WorldSpec):
     alpha: float = 16.0
     targets: list[str] = field(default_factory=lambda: list(PROJECTIONS))
     std: float = 0.15
+    #: The base's weights: ``hf_model(spec, base_seed)`` (the engine loads seed 0's).
+    base_seed: int = 0
 
     def make_worker(self, rank: int) -> Any:
         from .peft import LoraPolicyWorker
@@ -61,11 +63,11 @@ def adapter_weights(spec: LoraWorldSpec, version: int, model: Any) -> dict[str, 
 
 
 def peft_model(spec: LoraWorldSpec, version: int | None) -> Any:
-    """Version 0's base with a LoRA adapter (version ``version``'s factors; None: PEFT's init)."""
+    """The base (``base_seed``'s weights) with a LoRA adapter (version ``version``'s factors; None: PEFT's init)."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(hf_model(spec, 0), LoraConfig(r=spec.r, lora_alpha=spec.alpha,
+    model = get_peft_model(hf_model(spec, spec.base_seed), LoraConfig(r=spec.r, lora_alpha=spec.alpha,
                                                          target_modules=list(spec.targets)))
     if version is not None:
         from .peft import adapter_tensors
