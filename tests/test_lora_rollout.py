@@ -95,6 +95,7 @@ def _rank(rank: int, spec: LoraWorldSpec, gen: str, n_gen: int, ports: tuple[int
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_adapter_refits_into_rollouts_unmerged_and_merged_like_peft():
     gen, n_gen = "tp=2", 2  # sharded factors and sharded merges (vLLM's test covers whole ones)

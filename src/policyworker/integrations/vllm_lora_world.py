@@ -1,9 +1,10 @@
 """Trainer processes that refit a LoRA adapter into vLLM: the tests' and the bench's world.
 
 As :mod:`.vllm_world`, with each trainer a ``LoraPolicyWorker`` over a PEFT LoRA model
-on version 0's base (``base_seed``'s, to test a base that is not the engine's). Version ``v``'s adapter is drawn from ``torch.Generator`` seeded
-``v`` (factors in name order, normal with ``std``), so the controller can build the same
-adapter for the oracle: Hugging Face PEFT's greedy generation with it.
+on version 0's base (``base_seed``'s, to test a base that is not the engine's). Version
+``v``'s adapter is drawn from ``torch.Generator`` seeded ``v`` (factors in name order,
+normal with ``std``), so the controller can build the same adapter for the oracle:
+Hugging Face PEFT's greedy generation with it.
 """
 
 from __future__ import annotations
