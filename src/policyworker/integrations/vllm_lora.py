@@ -21,13 +21,14 @@ weight_transfer_config={"backend": "policyworker-lora"})``), the trainers being
     engine steps, replaces the adapter registered under the stable id by it and
     activates it (vLLM's ``set_lora`` writes each slot's buffers). The previous version's
     ``LoRAModel`` is dropped: memory stays one adapter. vLLM's worker then resets its
-    LoRA state (it assumes a weight update replaced the base); the adapter just
-    committed is put straight back (see ``_remove_all_adapters``).
+    LoRA state (it assumes a weight update replaced the base); the committed adapter is
+    put straight back (see ``_remove_all_adapters``).
 
 Requests name the adapter by :func:`lora_request` — one stable name and id, which always
 mean the committed version; after a commit, reset the prefix cache as for a dense refit
 (cached KV of the old adapter must not be reused). Before the first commit there is no
-adapter to serve: such a request fails. All-or-nothing: a refit that fails to arrive
+adapter to serve: do not send requests naming it yet (vLLM would try to load it from
+its placeholder path and fail the engine). All-or-nothing: a refit that fails to arrive
 changes nothing vLLM serves; everything that can fail in the install (metadata,
 names, rank) is checked before the old adapter is removed, and a failure after it puts
 the previous ``LoRAModel`` back (torn only if even that fails).
@@ -103,7 +104,6 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         self.tp_size = get_tensor_model_parallel_world_size()
         self.lora_config = vllm_config.lora_config
         self._committed: Any = None
-        self._reinstall = False
         self._vllm_remove_all = self.manager.remove_all_adapters
         self.manager.remove_all_adapters = self._remove_all_adapters
         self._base_hash: str | None = None
@@ -262,25 +262,22 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
             self.ledger.fail(not self._restore(previous))
             raise
         self.ledger.commit(version)
-        self._committed, self._reinstall = lora, True
+        self._committed = lora
         self.last_install_s = time.perf_counter() - t0
 
     def _remove_all_adapters(self) -> None:
-        """The manager's ``remove_all_adapters``, then our adapter back when it follows our commit.
+        """The manager's ``remove_all_adapters``, then the committed adapter straight back.
 
-        vLLM's worker resets its LoRA state after every ``finish_weight_update``
-        (``reset_lora_state``: adapters trained on replaced base weights must go). This
-        backend never replaces the base, so the adapter it just committed stays valid:
-        it is put back at once. Any other reset (a base reload through another path)
-        drops it for good, and requests naming it fail until the next commit.
+        vLLM's worker resets its LoRA state after every ``finish_weight_update`` and
+        every base reload (``reset_lora_state``: it assumes the base changed). This
+        backend never changes the base, and the committed adapter exists only in
+        memory: were it dropped, a request naming it would make vLLM try to load it
+        from its (placeholder) path and fail the engine.
         """
         self._vllm_remove_all()
-        reinstall, self._reinstall = self._reinstall, False
-        if not reinstall or self._committed is None:
-            self._committed = None
-            return
-        self.manager.add_adapter(self._committed)
-        self.manager.activate_adapter(LORA_ID)
+        if self._committed is not None:
+            self.manager.add_adapter(self._committed)
+            self.manager.activate_adapter(LORA_ID)
 
     def _install(self, lora: Any) -> None:
         manager = self.manager
