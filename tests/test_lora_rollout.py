@@ -169,3 +169,16 @@ def test_merge_is_peft_exact_in_float32_and_within_one_rounding_in_bf16():
     assert not torch.equal(got.double(), exact)  # bf16 inputs are not the fp32 ones: the bound is the contract
     with pytest.raises(ConfigError, match="do not fit"):
         LoraMerger({"x.weight": w.clone()}, 2.0).merge({"x.lora_A.weight": a, "x.lora_B.weight": b[:5]})
+
+
+def test_bench_lora_needs_the_vllm_engine():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src") + os.pathsep
+               + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "policyworker.cli", "bench", "--lora", "16"], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode != 0 and "ConfigError: bench --lora RANK refits into vLLM" in proc.stderr

@@ -53,6 +53,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.lora is not None and args.engine != "vllm":
+        from ..errors import ConfigError
+
+        raise ConfigError("bench --lora RANK refits into vLLM: add --engine vllm")
     if args.engine == "vllm" and args.lora is not None:
         from ..integrations.vllm_lora_bench import run_vllm_lora_bench
 
