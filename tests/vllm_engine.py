@@ -80,9 +80,12 @@ class VllmWorld:
 
 
 @contextlib.contextmanager
-def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_options=None):
+def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_options=None, spec=None,
+               world_cls=None, **llm_kwargs: Any):
+    """``spec``: the trainers' (default: dense); ``world_cls``: a VllmWorld subclass; ``llm_kwargs``: more LLM args."""
     pytest.importorskip("vllm")
-    spec = WorldSpec(config=config, timeout_s=60.0, refit_timeout_s=60.0, reshard_options=reshard_options or {})
+    if spec is None:
+        spec = WorldSpec(config=config, timeout_s=60.0, refit_timeout_s=60.0, reshard_options=reshard_options or {})
     path = str(tmp_path_factory.mktemp(f"vllm-tp{tp}") / "model")
     save_hf_model(spec, 0, path)
     with pytest.MonkeyPatch.context() as mp:
@@ -98,9 +101,9 @@ def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_opt
 
             llm = LLM(path, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype="float32", enforce_eager=True,
                       max_model_len=128, max_num_seqs=4, seed=0,
-                      weight_transfer_config={"backend": "policyworker"})
+                      **{"weight_transfer_config": {"backend": "policyworker"}, **llm_kwargs})
             pool = pool_future.result(timeout=120)
-        world = VllmWorld(llm=llm, pool=pool, spec=spec, tp=tp)
+        world = (world_cls or VllmWorld)(llm=llm, pool=pool, spec=spec, tp=tp)
         try:
             yield world
         finally:

@@ -80,6 +80,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.lora is not None and args.engine != "vllm":
+        from ..errors import ConfigError
+
+        raise ConfigError("bench --lora RANK refits into vLLM: add --engine vllm")
+    if args.engine == "vllm" and args.lora is not None:
+        from ..integrations.vllm_lora_bench import run_vllm_lora_bench
+
+        result = run_vllm_lora_bench(rank=args.lora, preset=args.preset, train=args.vllm_train, refits=args.refits,
+                                     dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20),
+                                     timeout_s=args.timeout, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        write_json(args.json, result, echo=True)
+        return 0 if result["tokens_match_peft"] or args.dtype != "float32" else 1
     if args.engine == "vllm":
         from ..integrations.vllm_bench import run_vllm_bench
 
@@ -205,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=["nccl_reshard", "zmq"])
     p.add_argument("--engine", choices=["vllm"], help="vllm: refit a real vLLM engine (nccl_reshard) vs its "
                    "same-run gloo ceiling and a safetensors checkpoint + vLLM reload_weights")
+    p.add_argument("--lora", type=int, metavar="RANK", help="--engine vllm: refit a rank-RANK LoRA adapter "
+                   "(backend policyworker-lora) against full refits of the model, same run")
     p.add_argument("--vllm-train", default="tp=2", help="--engine vllm: trainer layout")
     p.add_argument("--vllm-tp", type=int, default=1, help="--engine vllm: vLLM tensor_parallel_size")
     p.add_argument("--vllm-executor", choices=["mp", "uni"], default="mp",

@@ -80,15 +80,18 @@ AGREE_SLACK_S = 30.0
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register backend ``"policyworker"`` (lazily)."""
+    """The ``vllm.general_plugins`` entry point: register backend ``"policyworker"`` (lazily),
+    and ``"policyworker-lora"`` (:mod:`.vllm_lora`: refits of a LoRA adapter)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "PolicyworkerWeightTransferEngine")
-    except ValueError:
-        # vLLM may run general plugins more than once per process; the first
-        # registration stands (the factory refuses a second one with ValueError).
-        pass
+    for name, module, cls in ((BACKEND, __name__, "PolicyworkerWeightTransferEngine"),
+                              ("policyworker-lora", f"{__package__}.vllm_lora", "PolicyworkerLoraEngine")):
+        try:
+            WeightTransferEngineFactory.register_engine(name, module, cls)
+        except ValueError:
+            # vLLM may run general plugins more than once per process; the first
+            # registration stands (the factory refuses a second one with ValueError).
+            pass
     install_single_reply()
 
 

@@ -65,7 +65,8 @@ def _await_background_prepack(worker: Any, timeout_s: float = 60.0) -> int:
 class _Engine:
     """The controller's side: the LLM plus the trainer pool."""
 
-    def __init__(self, spec: WorldSpec, *, tp: int, log, executor: str = "mp", cpu_linear: str = "prepack") -> None:
+    def __init__(self, spec: WorldSpec, *, tp: int, log, executor: str = "mp", cpu_linear: str = "prepack",
+                 llm_kwargs: dict[str, Any] | None = None) -> None:
         if executor not in ("mp", "uni") or (executor == "uni" and tp != 1):
             raise ConfigError(f"vLLM executor {executor!r} with tp={tp}: 'mp' (any tp) or 'uni' (tp=1)")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -94,7 +95,8 @@ class _Engine:
                 t0 = time.perf_counter()
                 self.llm = LLM(self.path, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype=spec.dtype,
                                enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0,
-                               weight_transfer_config={"backend": "policyworker"}, **extra)
+                               **{"weight_transfer_config": {"backend": "policyworker"}, **extra,
+                                  **(llm_kwargs or {})})
                 self.startup_s = time.perf_counter() - t0
                 self.pool = pool.result(timeout=300)
         except BaseException:
