@@ -81,7 +81,8 @@ AGREE_SLACK_S = 30.0
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register backend ``"policyworker"`` (lazily)."""
+    """The ``vllm.general_plugins`` entry point: register backend ``"policyworker"`` (lazily), for
+    vLLM's workers and for its trainer API (:mod:`.vllm_trainer`)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:
@@ -91,6 +92,9 @@ def register() -> None:
         # registration stands (the factory refuses a second one with ValueError).
         pass
     install_single_reply()
+    from .vllm_trainer import register_trainer
+
+    register_trainer()  # the same name in vLLM's trainer API (WeightTransferTrainerFactory)
 
 
 # -- typed init / update info -------------------------------------------------------------
