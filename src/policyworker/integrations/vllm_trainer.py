@@ -19,9 +19,9 @@ registers this trainer engine; a trainer process that never starts vLLM runs vLL
 Each rank: ``trainer_init`` joins the update group (hosted by trainer rank 0 at
 ``host:update_port``) and the stage group (``stage_port``), while the sender (rank 0)
 has the engine join them through ``client.init_weight_transfer_engine``; every rank then
-reads the engine ranks' needs and builds the same plan (rank 0 publishes it).
-``send_weights`` iterates ``source`` (every rank, in lockstep: for FSDP the iteration
-is the all-gather), and sends version ``v + 1`` (``v``: ``init_info.version``, then
+reads the engine ranks' needs and builds the same plan (rank 0 publishes it), checked
+against the tensors of a first pass over ``source``. ``send_weights`` iterates ``source``
+(every rank, in lockstep: for FSDP the iteration is the all-gather), and sends version ``v + 1`` (``v``: ``init_info.version``, then
 each update's); the sender drives ``start_weight_update`` → ``update_weights({"version":
 v + 1})`` (concurrently with the sends) → ``finish_weight_update(str(v + 1))``. Every
 wait is bounded (``timeout_s``, ``refit_timeout_s``); a failed update raises on every
@@ -208,6 +208,7 @@ class PolicyworkerTrainerWeightTransferEngine(TrainerWeightTransferEngine[Policy
             raise ConfigError("trainer rank 0 drives the engine: pass its client")
         engine = cls(client=client, source=source, info=init_info)
         try:
+            engine._load_source()  # the plan is checked against this rank's tensors when it is made
             engine._connect()
         except BaseException:
             engine.shutdown()
