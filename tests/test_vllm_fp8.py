@@ -169,3 +169,30 @@ def test_fp8_needs_must_agree_and_cut_on_blocks():
     # A tp=4 trainer cuts the 256 rows at 64: inside a block.
     with pytest.raises(PlanError, match="inside a 128-block"):
         plan_for_vllm(specs, "tp=4", 4, [_needs(0, 128, [W]), _needs(1, 128, [W])])
+
+
+def test_engine_refuses_fp8_it_cannot_refit():
+    """Per-tensor FP8, non-square blocks, static activation scales, other methods: a ConfigError
+    naming the layer (vLLM's own method classes, their attributes set as vLLM's config would)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.quantization.fbgemm_fp8 import FBGEMMFp8LinearMethod
+    from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
+
+    from policyworker.errors import ConfigError
+    from policyworker.integrations.vllm_fp8 import block_fp8_size
+
+    def layer(method_cls, **attrs):
+        method = object.__new__(method_cls)
+        method.__dict__.update(attrs)
+        return SimpleNamespace(quant_method=method, prefix="model.layers.0.mlp.down_proj")
+
+    assert block_fp8_size(layer(Fp8LinearMethod, weight_block_size=[128, 128], act_q_static=False)) == 128
+    for attrs, match in (({"weight_block_size": None, "act_q_static": False}, "per-tensor FP8 is not supported"),
+                         ({"weight_block_size": [128, 64], "act_q_static": False}, "square block-FP8 only"),
+                         ({"weight_block_size": [128, 128], "act_q_static": True}, "static activation scales")):
+        with pytest.raises(ConfigError, match=match) as info:
+            block_fp8_size(layer(Fp8LinearMethod, **attrs))
+        assert "model.layers.0.mlp.down_proj" in str(info.value)
+    with pytest.raises(ConfigError, match=r"is quantized \(FBGEMMFp8LinearMethod\)"):
+        block_fp8_size(layer(FBGEMMFp8LinearMethod))
