@@ -21,8 +21,8 @@ Each rank: ``trainer_init`` joins the update group (hosted by trainer rank 0 at
 has the engine join them through ``client.init_weight_transfer_engine``; every rank then
 reads the engine ranks' needs and builds the same plan (rank 0 publishes it), checked
 against the tensors of a first pass over ``source``. ``send_weights`` iterates ``source``
-(every rank, in lockstep: for FSDP the iteration is the all-gather), and sends version ``v + 1`` (``v``: ``init_info.version``, then
-each update's); the sender drives ``start_weight_update`` → ``update_weights({"version":
+(every rank, in lockstep: for FSDP the iteration is the all-gather) and sends version
+``v + 1`` (``v``: ``init_info.version``, then each update's); the sender drives ``start_weight_update`` → ``update_weights({"version":
 v + 1})`` (concurrently with the sends) → ``finish_weight_update(str(v + 1))``. Every
 wait is bounded (``timeout_s``, ``refit_timeout_s``); a failed update raises on every
 rank, the engine keeps serving ``v`` and the version does not advance.
@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
 
-from ..errors import ConfigError, PolicyWorkerError
+from ..errors import ConfigError, PolicyWorkerError, ProtocolError
 from ..worker import AbstractPolicyWorker
 
 __all__ = ["BACKEND", "LLMWeightSyncClient", "PolicyworkerTrainerInitInfo", "PolicyworkerTrainerWeightTransferEngine",
@@ -166,8 +166,6 @@ class PolicyworkerTrainerWeightTransferEngine(TrainerWeightTransferEngine[Policy
     def __init__(self, *, client: Any, source: Any, info: PolicyworkerTrainerInitInfo) -> None:
         super().__init__(client=client, source=source, is_sender=info.is_sender)
         self.info = info
-        #: The version the engine serves (the last this engine committed, or ``info.version``).
-        self.version = info.version
         self._meta = list(source.metadata())
         specs = {m.name: (tuple(m.shape), m.dtype) for m in self._meta}
         if len(specs) != len(self._meta):
@@ -187,6 +185,17 @@ class PolicyworkerTrainerWeightTransferEngine(TrainerWeightTransferEngine[Policy
         except BaseException:
             self._stop_loop()
             raise
+
+    @property
+    def version(self) -> int:
+        """The version of the last update sent (``init_info.version`` before the first).
+
+        It advances only when every rank's send of it succeeded (the refit's shared
+        verdict), on every rank alike; the engine serves it once rank 0's
+        ``finish_weight_update`` returned (a failed commit is retried by the next update,
+        one version higher).
+        """
+        return self.worker.refit_version
 
     def _call(self, coro: Any, timeout_s: float) -> Any:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -256,19 +265,19 @@ class PolicyworkerTrainerWeightTransferEngine(TrainerWeightTransferEngine[Policy
         bound = self.info.refit_timeout_s or self.info.timeout_s
 
         def refit() -> Any:
-            return self._call(self.worker.nccl_reshard_refit(refit_timeout_s=self.info.refit_timeout_s), bound)
+            report = self._call(self.worker.nccl_reshard_refit(refit_timeout_s=self.info.refit_timeout_s), bound)
+            if report.version != version:
+                raise ProtocolError(f"trainer rank {self.info.rank} sent version {report.version}, expected {version}",
+                                    rank=self.info.rank)
+            return report
 
         if not self.is_sender:
             refit()
-            self.version = version
             return
         self.client.start_weight_update()
         # update_weights returns once the engine received everything: run it beside the sends.
-        report = _beside(refit, self.client.update_weights, {"version": version}, bound=bound + 30.0)
-        if report.version != version:
-            raise ConfigError(f"trainer rank 0 sent version {report.version}, expected {version}")
+        _beside(refit, self.client.update_weights, {"version": version}, bound=bound + 30.0)
         self.client.finish_weight_update(weight_version=str(version))
-        self.version = version
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
