@@ -144,3 +144,19 @@ def test_controller_on_vllms_trainer_api_refits_through_policyworker(llm):
         if proc.is_alive():
             proc.kill()
             proc.join(5)
+
+
+def test_trainer_init_info_is_checked_when_given():
+    base = dict(host="10.0.0.1", update_port=29600, stage_port=29601, world_size=2, gen_world_size=1)
+    info = PolicyworkerTrainerInitInfo(rank=1, **base, engine_init={"cpu_linear": "torch", "rank_offset": 0})
+    assert PolicyworkerTrainerInitInfo.backend == "policyworker"
+    assert info.engine_info() == {"host": "10.0.0.1", "update_port": 29600, "stage_ports": [29601],
+                                  "trainers_per_stage": [2], "gen_world_size": 1, "timeout_s": 120.0,
+                                  "refit_timeout_s": 120.0, "reshard_options": {}, "cpu_linear": "torch",
+                                  "rank_offset": 0}
+    with pytest.raises(ConfigError, match="outside the trainer world"):
+        PolicyworkerTrainerInitInfo(rank=2, **base)
+    with pytest.raises(ConfigError, match="gen_world_size must be an int >= 1"):
+        PolicyworkerTrainerInitInfo(rank=0, **{**base, "gen_world_size": 0})
+    with pytest.raises(ConfigError, match=r"may not set \['stage_ports'\]"):
+        PolicyworkerTrainerInitInfo(rank=0, **base, engine_init={"stage_ports": [1]})

@@ -298,15 +298,17 @@ class PolicyworkerTrainerWeightTransferEngine(TrainerWeightTransferEngine[Policy
 def _beside(ours: Any, rpc: Any, arg: Any, *, bound: float) -> Any:
     """Run ``rpc(arg)`` on a side thread while ``ours()`` runs here; return ours' result.
 
-    Our error wins (the engine's call then fails too, for the same cause, and is waited
-    for up to ``bound``); else the engine's error is raised.
+    Our error wins, with the engine's (waited for up to ``bound``: it fails too, usually
+    for the same cause) added as a note; else the engine's error is raised.
     """
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         future = ex.submit(rpc, arg)
         try:
             result = ours()
-        except BaseException:
-            concurrent.futures.wait([future], timeout=bound)
+        except BaseException as exc:
+            done, _ = concurrent.futures.wait([future], timeout=bound)
+            if done and future.exception() is not None:
+                exc.add_note(f"the engine's {getattr(rpc, '__name__', 'call')} failed too: {future.exception()!r}")
             raise
         future.result(timeout=bound)
     return result
