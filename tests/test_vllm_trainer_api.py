@@ -59,6 +59,7 @@ def _trainer_rank(rank: int, info: dict, commands, replies) -> None:
         replies.put({"ok": True})
         while (cmd := commands.get(timeout=300)) != "stop":
             _load(model, cmd)
+            replies.put({"ok": True, "loaded": cmd})  # both ranks then send at about the same time
             engine.send_weights()
             replies.put({"ok": True, "version": engine.version})
         engine.shutdown()
@@ -129,6 +130,7 @@ def test_controller_on_vllms_trainer_api_refits_through_policyworker(llm):
         for version in (1, 2):
             _load(model, version)  # rank 0's training step
             commands.put(version)  # rank 1's
+            assert _reply(replies, proc, 120.0) == {"ok": True, "loaded": version}
             trainer.send_weights()
             assert _reply(replies, proc, 120.0) == {"ok": True, "version": version}
             assert trainer.version == version and llm.get_weight_version() == str(version)
