@@ -202,7 +202,8 @@ class VllmStage:
                 for k in (0, 1):
                     self._views[k][t.need.name].copy_(box)
             for stage in slot.sets:
-                same = torch.equal(stage, scratch)
+                # bit for bit (float8 has no torch.equal on CPU)
+                same = stage.dtype == scratch.dtype and torch.equal(stage.view(torch.uint8), scratch.view(torch.uint8))
                 stage.zero_()
                 if not same:
                     name = slot.targets[0].need.name if slot.targets else "?"
