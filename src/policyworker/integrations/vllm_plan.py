@@ -26,6 +26,7 @@ import msgspec
 
 from ..errors import ConfigError, PlanError, translate_comm_error
 from ..layout.boxes import Layout, LocalSpec, Piece
+from ..layout.experts import expert_specs
 from ..layout.local import is_dtensor
 from ..layout.parallelism import Parallelism
 from ..layout.plan import ReshardPlan
@@ -125,7 +126,7 @@ def source_layout(source: Any, train: Parallelism, train_world_size: int, *, dty
         specs = {n: (s, dtype_name(dtype)) for n, (s, _) in param_specs(source).items()}
         return specs, rule_layout(specs, train, config=source, fused=False)
     if isinstance(source, Mapping):
-        specs = {n: (tuple(s), dtype_name(d)) for n, (s, d) in source.items()}
+        specs = {n: (tuple(s), dtype_name(d)) for n, (s, d) in expert_specs(source).items()}
         return specs, rule_layout(specs, train, fused=False)
     raise ConfigError(f"a refit source must be a ModelConfig, {{name: (shape, dtype)}} or DTensors, got "
                       f"{type(source).__name__}")

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..errors import ConfigError
+from .vllm_moe import expert_targets, is_routed_experts
 from .vllm_plan import Need, Needs
 
 __all__ = ["Target", "needs_from_vllm_model", "vllm_targets"]
@@ -106,8 +108,9 @@ def vllm_targets(model: torch.nn.Module) -> list[Target]:
     ``num_heads`` on its ``tp_rank``, kv heads by ``tp_rank // num_kv_head_replicas``
     (replicated when tp exceeds them), the vocabulary by the embedding's own shard
     indices (vLLM pads it; only real rows are needed), row-parallel inputs by
-    ``input_size_per_partition``; norms whole. Layers it does not know (fused MoE,
-    quantized or LoRA-wrapped layers) are a ConfigError naming them.
+    ``input_size_per_partition``; norms whole; routed experts (``FusedMoE``) per local
+    expert, see :mod:`.vllm_moe`. Layers it does not know (quantized or LoRA-wrapped
+    layers, quantized or padded experts) are a ConfigError naming them.
     """
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import LinearBase
@@ -118,6 +121,9 @@ def vllm_targets(model: torch.nn.Module) -> list[Target]:
     for name, param in model.named_parameters():
         mod_name, _, pname = name.rpartition(".")
         module = model.get_submodule(mod_name)
+        if is_routed_experts(module):  # FusedMoE's experts: each local expert's boxes
+            targets += expert_targets(module, mod_name, pname, Target)
+            continue
         if getattr(module, "quant_method", None) is not None and \
                 type(module.quant_method).__name__ not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
             raise ConfigError(f"{mod_name} is quantized ({type(module.quant_method).__name__}); the policyworker "
