@@ -35,7 +35,7 @@ from torch import nn
 from ._aio import run_in_executor
 from .checkpoint import AsyncCheckpointWriter, read_checkpoint
 from .errors import CheckpointError, ConfigError, PolicyWorkerError
-from .layout.experts import expert_specs, expert_views, has_fused_experts
+from .layout.experts import expert_local_views, expert_specs, expert_views, has_fused_experts
 from .layout.local import is_dtensor, shard_views
 from .worker import AbstractPolicyWorker
 
@@ -277,6 +277,9 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         if self._refit_params is not None:
             return self._refit_params
         if self._sharded:  # DTensors: the core sends their local shards
+            if self._fused_experts:  # plans name each expert: views of the fused shards
+                return expert_local_views({n: _local(t) for n, t in self._params},
+                                          plan.local_tensors("src", self.rank))
             return self._named_tensors()
         if self._fused_experts:  # plans name each expert: views of the fused tensors
             return shard_views(plan, 0 if plan.body.train_world_size == 1 else self.rank,

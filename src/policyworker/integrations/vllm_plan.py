@@ -26,7 +26,7 @@ import msgspec
 
 from ..errors import ConfigError, PlanError, translate_comm_error
 from ..layout.boxes import Layout, LocalSpec, Piece
-from ..layout.experts import expert_specs
+from ..layout.experts import expert_specs, split_expert_layout
 from ..layout.local import is_dtensor
 from ..layout.parallelism import Parallelism
 from ..layout.plan import ReshardPlan
@@ -121,7 +121,7 @@ def source_layout(source: Any, train: Parallelism, train_world_size: int, *, dty
     if isinstance(source, Mapping) and source and all(is_dtensor(t) for t in source.values()):
         from ..layout.dtensor import dtensor_layout, dtensor_specs
 
-        return dtensor_specs(source), dtensor_layout(source, world_size=train_world_size)
+        return split_expert_layout(dtensor_specs(source), dtensor_layout(source, world_size=train_world_size))
     if isinstance(source, ModelConfig):
         specs = {n: (s, dtype_name(dtype)) for n, (s, _) in param_specs(source).items()}
         return specs, rule_layout(specs, train, config=source, fused=False)

@@ -9,6 +9,12 @@ the box ``[e, 0:I, 0:H]`` of the fused tensor, its up ``[e, I:2I, 0:H]``, its do
 ``[e, 0:H, 0:I]``: plans stay in per-expert names, and a trainer holding fused tensors
 offers views of them (no copies), so a shard of an expert is sent straight from the
 fused storage.
+
+A sharded trainer (FSDP2: DTensors) holds a fused tensor's local shard; sharded over
+experts (``Shard(0)``, replicas allowed) each rank holds whole experts, and
+:func:`split_expert_layout` / :func:`expert_local_views` make those experts' members
+its local tensors. A fused tensor split inside an expert (its rows or columns) is a
+PlanError naming it.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PlanError
+from .boxes import Layout, LocalSpec, Piece
 
-__all__ = ["expert_specs", "expert_views", "has_fused_experts"]
+__all__ = ["expert_local_views", "expert_specs", "expert_views", "has_fused_experts", "split_expert_layout"]
 
 _FUSED = re.compile(r"(.*\.mlp\.experts\.)(gate_up_proj|down_proj)")
 
@@ -80,4 +87,64 @@ def expert_views(tensors: Mapping[str, Any]) -> dict[str, Any]:
         for member, e, rows, _ in _split(name, tuple(full.shape)):
             view = full[e]
             out[member] = view if rows is None else view.narrow(0, rows[0], rows[1] - rows[0])
+    return out
+
+
+def split_expert_layout(specs: Mapping[str, tuple[tuple[int, ...], Any]],
+                        layout: Layout) -> tuple[dict[str, tuple[tuple[int, ...], Any]], Layout]:
+    """``(specs, layout)`` of a DTensor source with every fused expert tensor replaced by its
+    members: a rank holding experts ``[e0, e1)`` of a fused tensor whole holds each of
+    their members whole, as a local tensor of the member's name (see
+    :func:`expert_local_views`)."""
+    fused = {n for n in specs if _FUSED.fullmatch(n)}
+    if not fused:
+        return dict(specs), layout
+    pieces: dict[str, list[Piece]] = {}
+    tensors = {r: {n: t for n, t in mine.items() if n not in fused} for r, mine in layout.tensors.items()}
+    for name in specs:
+        if name not in fused:
+            if name in layout.pieces:
+                pieces[name] = list(layout.pieces[name])
+            continue
+        shape, dtype = tuple(specs[name][0]), specs[name][1]
+        members = _split(name, shape)
+        for m, _, _, _ in members:
+            pieces[m] = []
+        for p in layout.pieces.get(name, []):
+            if tuple(p.start[1:]) != (0, 0) or tuple(p.stop[1:]) != shape[1:] or any(p.at[1:]):
+                raise PlanError(f"train rank {p.rank} holds rows or columns {list(p.start)}..{list(p.stop)} of "
+                                f"fused expert tensor {name!r} {list(shape)}: shard fused experts over experts "
+                                "(dim 0) only", rank=p.rank, param=name)
+            for m, e, _, mshape in members:
+                if p.start[0] <= e < p.stop[0]:
+                    pieces[m].append(Piece(p.rank, m, (0, 0), mshape, (0, 0)))
+                    tensors.setdefault(p.rank, {})[m] = LocalSpec(mshape, str(dtype).removeprefix("torch."))
+    return expert_specs(specs), Layout(world_size=layout.world_size, stage_of_rank=layout.stage_of_rank,
+                                       pieces=pieces, tensors=tensors)
+
+
+def expert_local_views(local: Mapping[str, Any], wanted: Any) -> dict[str, Any]:
+    """``local`` (a rank's local shards by name) plus, for each member name in ``wanted``
+    held through a fused tensor's shard, a view of it: the shard holds experts
+    ``[e0, e1)`` whole (:func:`split_expert_layout`), ``e0`` the lowest expert wanted of it."""
+    out = {n: t for n, t in local.items() if not _FUSED.fullmatch(n)}
+    member = re.compile(r"(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+    first: dict[str, int] = {}
+    want = []
+    for n in wanted:
+        m = member.fullmatch(n)
+        if m and n not in out:
+            fused = m.group(1) + ("down_proj" if m.group(3) == "down_proj" else "gate_up_proj")
+            e = int(m.group(2))
+            first[fused] = min(first.get(fused, e), e)
+            want.append((n, fused, e, m.group(3)))
+    for n, fused, e, kind in want:
+        shard = local.get(fused)
+        if shard is None:
+            raise ConfigError(f"this rank has no local shard of {fused!r} for {n!r}", param=n)
+        view = shard.detach()[e - first[fused]]
+        if kind != "down_proj":
+            half = view.shape[0] // 2
+            view = view.narrow(0, 0 if kind == "gate_proj" else half, half)
+        out[n] = view
     return out
