@@ -179,3 +179,22 @@ def test_fsdp2_fused_experts_refit_exact(tmp_path) -> None:
     assert t0["hash"] == t1["hash"] == r["hash"] and t0["version"] == t1["version"] == r["version"] == 1
     assert r["exact"] and r["experts"] == 2 * 4 * 3
     assert r["total"] == r["need"]
+
+
+def test_fused_experts_split_inside_an_expert_are_refused():
+    from torch.distributed.tensor import Shard
+
+    from policyworker.errors import PlanError
+    from policyworker.layout.dtensor import placement_layout
+    from policyworker.layout.experts import split_expert_layout
+
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    rows = {name: ((4, 64, 64), torch.float32, torch.arange(2), [Shard(1)])}
+    with pytest.raises(PlanError, match=r"shard fused experts over experts") as info:
+        split_expert_layout({name: ((4, 64, 64), "float32")}, placement_layout(rows, world_size=2))
+    assert info.value.param == name
+    experts = {name: ((4, 64, 64), torch.float32, torch.arange(2), [Shard(0)])}
+    specs, layout = split_expert_layout({name: ((4, 64, 64), "float32")}, placement_layout(experts, world_size=2))
+    assert sorted(layout.tensors[1]) == sorted(f"model.layers.0.mlp.experts.{e}.{m}_proj.weight"
+                                                for e in (2, 3) for m in ("gate", "up"))
+    assert specs["model.layers.0.mlp.experts.3.up_proj.weight"] == ((32, 64), "float32")

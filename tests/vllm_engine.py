@@ -50,16 +50,16 @@ class VllmWorld:
         return greedy_tokens(self.hf(version), PROMPTS, MAX_TOKENS)
 
     def use_trainers(self, train: str) -> None:
-        """Replace the trainer processes by a fresh pool of layout ``train`` (connect next)."""
-        self.pool.close()
+        """Plan from trainer layout ``train`` (as many ranks) from the next connect on."""
+        if self.spec.n_train != dataclasses.replace(self.spec, train=train).n_train:
+            raise ValueError(f"{train} needs another number of trainers than {self.spec.train}")
         self.spec = dataclasses.replace(self.spec, train=train)
-        self.pool = TrainerPool(self.spec)
 
     def connect(self, version: int, **init: Any) -> list[dict[str, Any]]:
         """Every trainer and the engine join fresh groups (also the recovery path).
 
         ``init``: more ``init_info`` keys for the engine."""
-        info = {**self.pool.connect(gen_world_size=self.tp, version=version), **init}
+        info = {**self.pool.connect(gen_world_size=self.tp, version=version, train=self.spec.train), **init}
         self.llm.init_weight_transfer_engine({"init_info": info})
         return self.pool.replies(self.spec.timeout_s)
 
