@@ -28,6 +28,7 @@ import msgspec
 from ..errors import ConfigError, PlanError, translate_comm_error
 from ..layout.boxes import Layout, LocalSpec, Piece
 from ..layout.fp8 import Fp8Target, fp8_layout
+from ..layout.experts import expert_specs, split_expert_layout
 from ..layout.local import is_dtensor
 from ..layout.parallelism import Parallelism
 from ..layout.plan import ReshardPlan
@@ -148,12 +149,12 @@ def source_layout(source: Any, train: Parallelism, train_world_size: int, *, dty
     if isinstance(source, Mapping) and source and all(is_dtensor(t) for t in source.values()):
         from ..layout.dtensor import dtensor_layout, dtensor_specs
 
-        return dtensor_specs(source), dtensor_layout(source, world_size=train_world_size)
+        return split_expert_layout(dtensor_specs(source), dtensor_layout(source, world_size=train_world_size))
     if isinstance(source, ModelConfig):
         specs = {n: (s, dtype_name(dtype)) for n, (s, _) in param_specs(source).items()}
         return specs, rule_layout(specs, train, config=source, fused=False)
     if isinstance(source, Mapping):
-        specs = {n: (tuple(s), dtype_name(d)) for n, (s, d) in source.items()}
+        specs = {n: (tuple(s), dtype_name(d)) for n, (s, d) in expert_specs(source).items()}
         return specs, rule_layout(specs, train, fused=False)
     raise ConfigError(f"a refit source must be a ModelConfig, {{name: (shape, dtype)}} or DTensors, got "
                       f"{type(source).__name__}")

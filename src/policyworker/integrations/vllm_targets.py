@@ -18,6 +18,7 @@ import torch
 
 from ..errors import ConfigError
 from .vllm_fp8 import fp8_fields, fp8_targets
+from .vllm_moe import expert_targets, is_routed_experts
 from .vllm_plan import Need, Needs
 
 __all__ = ["Target", "needs_from_vllm_model", "needs_of", "vllm_targets"]
@@ -113,8 +114,9 @@ def vllm_targets(model: torch.nn.Module) -> list[Target]:
     (replicated when tp exceeds them), the vocabulary by the embedding's own shard
     indices (vLLM pads it; only real rows are needed), row-parallel inputs by
     ``input_size_per_partition``; norms whole; block-FP8 linear layers' weights as fp8
-    boxes plus their derived block scales (:mod:`.vllm_fp8`). Layers it does not know
-    (fused MoE, other quantized or LoRA-wrapped layers) are a ConfigError naming them.
+    boxes plus their derived block scales (:mod:`.vllm_fp8`); routed experts (``FusedMoE``)
+    per local expert (:mod:`.vllm_moe`). Layers it does not know (other quantized or
+    LoRA-wrapped layers, quantized or padded experts) are a ConfigError naming them.
     """
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import LinearBase
@@ -125,6 +127,9 @@ def vllm_targets(model: torch.nn.Module) -> list[Target]:
     for name, param in model.named_parameters():
         mod_name, _, pname = name.rpartition(".")
         module = model.get_submodule(mod_name)
+        if is_routed_experts(module):  # FusedMoE's experts: each local expert's boxes
+            targets += expert_targets(module, mod_name, pname, Target)
+            continue
         quantized = getattr(module, "quant_method", None) is not None and \
             type(module.quant_method).__name__ not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
         if quantized and not isinstance(module, LinearBase):
