@@ -201,6 +201,7 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
         want, ppm = _trainer_wants(ctx, st, settings, streams, int(version))
         row = [_HS_MAGIC, _TRAINER, int(version), -1 if st.shadow_version is None else st.shadow_version, want, ppm]
     else:
+        ctx.touched = False  # nothing live is written before the apply (a failed handshake leaves v-1 intact)
         # The base is what this transport last received, if the worker's ledger (when
         # there is one) committed it and holds it untorn.
         ledger = getattr(ctx.worker, "ledger", None)
