@@ -101,6 +101,9 @@ class InMemoryTransport(Transport):
 
     async def receive(self, ctx: TransportContext, version: int) -> RefitReport:
         self._check_open()
+        # An abort belongs to the refit it ended: a cancelled or timed-out receive must
+        # not fail the next one (a deadline that fired before this point leaves no wait).
+        self._aborted.clear()
         ctx.touched = False
         wait = self.timeout_s if ctx.deadline is None else max(0.0, min(self.timeout_s, ctx.deadline.remaining()))
         return await ctx.blocking(self._receive, ctx, version, wait)
