@@ -22,7 +22,8 @@ def test_drill_every_scenario_passes(tmp_path):
     assert set(rows) == set(SCENARIOS) == {
         "kill-rollout-mid-refit", "kill-trainer-mid-refit", "stall-rollout-past-deadline",
         "stand-down-during-refit", "corrupt-bucket", "plan-hash-mismatch", "restart-and-recover",
-        "cancel-awaiting-refit",
+        "cancel-awaiting-refit", "rollout-never-calls", "stale-attempt-arrives-late", "sigint-rollout-mid-refit",
+        "options-mismatch-at-connect",
         "zmq-kill-rollout-mid-refit", "zmq-kill-trainer-mid-refit", "zmq-stall-rollout-past-deadline",
         "zmq-restart-and-recover", "zmq-cancel-awaiting-refit",
         "sglang-engine-refuses-bucket", "sglang-engine-times-out", "sglang-cancel-awaiting-refit",
@@ -49,4 +50,9 @@ def test_drill_every_scenario_passes(tmp_path):
     assert stall["errors"] == ["RefitTimeout"] or "RefitTimeout" in stall["errors"]
     assert stall["detect_seconds"] <= stall["scenario"]["refit_timeout_s"] + 2.0
     assert rows["plan-hash-mismatch"]["errors"] == ["PlanMismatch"]
+    # the new fault kinds: a deadline, not a hang; SIGINT exits 130; a mismatch touches nothing
+    assert "RefitTimeout" in rows["rollout-never-calls"]["errors"]
+    assert rows["stale-attempt-arrives-late"]["errors"] == ["RefitTimeout"]
+    assert rows["sigint-rollout-mid-refit"]["checks"]["victim_exit_130"]
+    assert rows["options-mismatch-at-connect"]["checks"]["untouched"]
     assert proc.returncode == 0

@@ -22,11 +22,13 @@ replacement, which then serves the following cells.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import multiprocessing as mp
 import queue
 import shutil
 import tempfile
+import threading
 import time
 
 import pytest
@@ -42,6 +44,8 @@ pytestmark = [pytest.mark.multiprocess]
 
 CELLS = cells()
 CELL_TIMEOUT_S = 150.0
+#: The whole matrix, every world side by side (a bound, not a goal: CI takes ~3 min).
+MATRIX_TIMEOUT_S = 900.0
 
 
 class MatrixWorld:
@@ -123,19 +127,51 @@ class MatrixWorld:
         return codes
 
 
+class Matrix:
+    """Runs every transport's cells in its own world, the worlds side by side (a cell
+    spends most of its time waiting out a deadline, so worlds overlap well); a test
+    waits for its own cell's result."""
+
+    def __init__(self, todo: list[Cell]) -> None:
+        self.futures = {c.id: concurrent.futures.Future() for c in todo}
+        self.worlds: dict[str, MatrixWorld] = {}
+        self.codes: dict[str, list[int | None]] = {}
+        self.threads = []
+        for t in dict.fromkeys(c.transport for c in todo):
+            th = threading.Thread(target=self._run, args=(t, [c for c in todo if c.transport == t]),
+                                  name=f"matrix-{t}", daemon=True)
+            th.start()
+            self.threads.append(th)
+
+    def _run(self, transport: str, todo: list[Cell]) -> None:
+        world = None
+        for cell in todo:
+            try:
+                if world is None or not world.procs:  # a failed cell closed it: start afresh
+                    world = self.worlds[transport] = MatrixWorld(transport)
+                self.futures[cell.id].set_result((world.run(cell), world))
+            except BaseException as exc:  # noqa: BLE001 - the cell's test reports it
+                self.futures[cell.id].set_exception(exc)
+        if world is not None and world.procs:
+            self.codes[transport] = world.close()
+
+    def result(self, cell: Cell):
+        return self.futures[cell.id].result(timeout=MATRIX_TIMEOUT_S)
+
+    def join(self) -> dict[str, list[int | None]]:
+        for th in self.threads:
+            th.join(MATRIX_TIMEOUT_S)
+        return self.codes
+
+
 @pytest.fixture(scope="module")
-def worlds():
-    live: dict[str, MatrixWorld] = {}
-
-    def get(transport: str) -> MatrixWorld:
-        w = live.get(transport)
-        if w is None or not w.procs:
-            w = live[transport] = MatrixWorld(transport)
-        return w
-
-    get.live = live  # type: ignore[attr-defined]
-    yield get
-    for w in live.values():
+def matrix(request):
+    selected = [item.callspec.params["cell"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec") and "cell" in item.callspec.params]
+    m = Matrix(selected or CELLS)
+    yield m
+    m.join()
+    for w in m.worlds.values():
         if w.procs:
             w.close()
 
@@ -162,11 +198,10 @@ def _check_side(cell: Cell, k: int, side: str, rec: dict | None, expect, ended: 
         assert rec.get("stood_down", 0) >= 1, f"{where}: stand_down_refit_watchdog disarmed nothing"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(MATRIX_TIMEOUT_S + 60)
 @pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
-def test_cell(cell: Cell, worlds) -> None:
-    world = worlds(cell.transport)
-    out, ended = world.run(cell)
+def test_cell(cell: Cell, matrix) -> None:
+    (out, ended), world = matrix.result(cell)
     for k, step in enumerate(cell.steps):
         for side in ("trainer", "rollout"):
             expect = getattr(step, side)
@@ -204,8 +239,8 @@ def test_every_pair_is_a_cell_or_excluded_with_a_reason() -> None:
     assert set(TRANSPORTS) == {c.transport for c in CELLS}
 
 
-@pytest.mark.timeout(120)
-def test_processes_exit_cleanly(worlds) -> None:
-    """Runs after the cells: every shared process stops on request with exit code 0."""
-    codes = {t: w.close() for t, w in worlds.live.items() if w.procs}
+@pytest.mark.timeout(MATRIX_TIMEOUT_S + 60)
+def test_processes_exit_cleanly(matrix) -> None:
+    """After the cells: every shared process stopped on request with exit code 0."""
+    codes = matrix.join()
     assert codes and all(c == 0 for cs in codes.values() for c in cs), codes
