@@ -33,6 +33,8 @@ CANCEL_BOUND_S = 3.0
 #: matrix's process turns the KeyboardInterrupt into SystemExit(130) after recording).
 SIGINT_EXIT = 130
 KILLED_EXIT = -9  # SIGKILL
+#: zmq's own wait bound (``timeout_s`` of its setup): a re-attach waits this long for the trainer.
+ZMQ_TIMEOUT_S = 6.0
 
 # What a side may see (error kinds; PolicyWorkerError subclasses unless named otherwise).
 COMM = ("PeerLost", "RefitAborted", "RefitTimeout", "TransportError")
@@ -154,7 +156,13 @@ def _cell(transport: str, fault: str) -> Cell:
     if fault == "torn_again":
         # A cancelled refit (torn iff touched), then, from there, a refit whose trainer never calls.
         first = _cell(transport, "cancel_task").steps[0]
-        return Cell(transport, fault, (first, Step("never_calls", "trainer", idle, timeout)), rec)
+        if transport == "files":  # the writer committed v2 in step 1: the torn reader catches up
+            second = ok
+        elif transport == "zmq":  # the re-attach (a new session) waits zmq's own timeout_s for the trainer
+            second = Expect(TIMEOUT, ZMQ_TIMEOUT_S)
+        else:
+            second = timeout
+        return Cell(transport, fault, (first, Step("never_calls", "trainer", idle, second)), rec)
     if fault == "stale":
         # The trainer's attempt (other bytes) is cut short while the rollout is absent
         # (files: cancelled mid-write); then the retry's bytes, not the stale ones, must land.

@@ -19,13 +19,12 @@ from policyworker.layout import build_plan, dest_shards
 from policyworker.models import get_preset, seeded_state_dict
 from policyworker.testing.toy_model import build_model
 
-from .matrix_cells import OWN_BOUND_S
+from .matrix_cells import OWN_BOUND_S, ZMQ_TIMEOUT_S
 
 PRESET = "tiny"
 CONFIG = get_preset(PRESET)
 #: Small buckets / files: a refit is many messages, so "mid-bulk" is a real point.
 NCCL_SETUP = {"bucket_bytes": 4096, "in_flight": 4}
-ZMQ_TIMEOUT_S = 6.0
 SGLANG_SETUP = {"bucket_bytes": 16 << 10}
 
 
@@ -321,7 +320,8 @@ class SglangSide(Side):
 
     async def refit(self, version: int, timeout: float, seed: int | None = None):
         self._load(version, seed)
-        return await self.w.sglang_refit(engine=self.engine, refit_timeout_s=timeout)
+        # Explicit versions: a replacement rank announces the survivors' version (the recipe).
+        return await self.w.refit("sglang_ipc", version=version, engine=self.engine, refit_timeout_s=timeout)
 
     def hook(self):
         if self.rank == 0:

@@ -191,6 +191,7 @@ async def run_side(side, cell: dict, barrier, *, replacement: bool) -> dict[str,
             await _sync(barrier, "done-0")
             await side.open(1)
         else:
+            await _sync(barrier, "start")  # both processes are up: connect waits start together
             await side.open(0)
             await side.refit(1, FINAL_DEADLINE_S)
             if side.name == "rollout":
@@ -249,7 +250,10 @@ async def _run_cell(rank: int, cell: dict, barrier, replacement: bool) -> dict[s
 
 def serve(rank: int, transport: str, cmds, results, barrier, first: dict | None) -> None:
     """A matrix process: run cells until told to stop (``None``)."""
+    import faulthandler
+
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a cell that overruns dumps its stacks
     if transport == "memory":
         barrier = threading.Barrier(2)
     cell, replacement = first, first is not None

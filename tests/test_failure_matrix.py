@@ -25,8 +25,10 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import multiprocessing as mp
+import os
 import queue
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -43,7 +45,7 @@ from .matrix_world import serve
 pytestmark = [pytest.mark.multiprocess]
 
 CELLS = cells()
-CELL_TIMEOUT_S = 150.0
+CELL_TIMEOUT_S = 120.0
 #: The whole matrix, every world side by side (a bound, not a goal: CI takes ~3 min).
 MATRIX_TIMEOUT_S = 900.0
 
@@ -105,6 +107,11 @@ class MatrixWorld:
                     continue
                 out.update(value)
                 pending.discard(rank)
+            if pending:
+                for r in pending:  # their stacks go to stderr (faulthandler, see serve)
+                    if self.procs[r].is_alive():
+                        os.kill(self.procs[r].pid, signal.SIGUSR1)
+                time.sleep(1.0)
             assert not pending, f"ranks {sorted(pending)} did not finish {cell.id} in {CELL_TIMEOUT_S:.0f} s"
         except BaseException:
             self.close()
@@ -211,6 +218,9 @@ def test_cell(cell: Cell, matrix) -> None:
         if k < len(rec):  # the rollout survived this step: what it holds now
             r = rec[k]
             where = f"{cell.id} step {k}"
+            if r["error"] == "ok":  # a refit that committed (a torn reader catching up): clean, newer
+                assert not r["torn"] and r["serves"] and min(r["version_after"]) > max(r["version_before"]), r
+                continue
             assert r["version_after"] == r["version_before"], f"{where}: version moved {r}"
             assert r["torn"] == (r["torn_before"] or r["touched"]), \
                 f"{where}: torn={r['torn']} but a live byte {'was' if r['touched'] else 'was not'} changed"

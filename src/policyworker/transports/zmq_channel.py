@@ -86,6 +86,8 @@ class Channel:
         self.poll_ms = max(1, int(poll_s * 1000))
         self.aborted = threading.Event()
         self.deadline_obj: Any = None
+        #: Bounds each wait once the refit's deadline was stood down (the transport's timeout_s).
+        self.fallback_s: float | None = None
         #: The current refit attempt (None: none open; only a Ready may open one).
         self.attempt: str | None = None
         self.stale = 0
@@ -96,9 +98,15 @@ class Channel:
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
 
-    def begin(self, aborted: threading.Event, deadline_obj: Any, attempt: str | None) -> None:
-        """A refit (or connect) starts: its own abort event, deadline and attempt token."""
+    def begin(self, aborted: threading.Event, deadline_obj: Any, attempt: str | None,
+              fallback_s: float | None = None) -> None:
+        """A refit (or connect) starts: its own abort event, deadline and attempt token.
+
+        ``fallback_s``: once ``deadline_obj`` is stood down, a wait ends this long after it
+        started (the controller disarmed the deadline; the transport's own bound stays).
+        """
         self.aborted, self.deadline_obj, self.attempt = aborted, deadline_obj, attempt
+        self.fallback_s = fallback_s
         while self._monitor.poll(0):  # a disconnect before this refit is not this refit's
             self._monitor.recv_multipart(zmq.NOBLOCK)
 
@@ -134,10 +142,15 @@ class Channel:
             raise TransportError(f"{what}: {exc}", rank=self.rank, transport="zmq") from exc
 
     def recv(self, deadline: float, what: str) -> w.ZmqMessage:
-        """The next message; RefitTimeout at ``deadline``, RefitAborted on abort."""
+        """The next message; RefitTimeout at ``deadline`` (or ``fallback_s`` into the wait once
+        the deadline was stood down), RefitAborted on abort."""
+        started = time.monotonic()
         while True:
             self._check_abort(what)
-            remaining = deadline - time.monotonic()
+            bound = deadline
+            if self.fallback_s is not None and getattr(self.deadline_obj, "stood_down", False):
+                bound = min(deadline, started + self.fallback_s)
+            remaining = bound - time.monotonic()
             if remaining <= 0:
                 raise RefitTimeout(f"{what}: nothing arrived before the deadline", rank=self.rank, transport="zmq")
             try:

@@ -181,7 +181,8 @@ class ZmqIpcTransport(Transport):
         chan = self._channel(ctx)
         self._executor = ctx.executor
         # The rollout draws a fresh attempt per refit (its Ready opens it on the trainer).
-        chan.begin(self._abort_ev, ctx.deadline, secrets.token_hex(6) if ctx.role == "receive" else None)
+        chan.begin(self._abort_ev, ctx.deadline, secrets.token_hex(6) if ctx.role == "receive" else None,
+                   self.timeout_s)
         deadline = ctx.deadline.at if ctx.deadline is not None else time.monotonic() + self.timeout_s
         return chan, deadline
 
