@@ -32,7 +32,7 @@ from .matrix_cells import (DEADLINE_S, STAND_DOWN_AT_S, STAND_DOWN_DEADLINE_S, S
 from .matrix_sides import SIDES, side_names
 
 FINAL_DEADLINE_S = 60.0
-SYNC_S = 120.0
+SYNC_S = 300.0
 #: The record of an interrupted side, posted by the process before it exits.
 _PARTIAL: dict[str, Any] = {}
 

@@ -52,7 +52,8 @@ def test_drill_every_scenario_passes(tmp_path):
     assert rows["plan-hash-mismatch"]["errors"] == ["PlanMismatch"]
     # the new fault kinds: a deadline, not a hang; SIGINT exits 130; a mismatch touches nothing
     assert "RefitTimeout" in rows["rollout-never-calls"]["errors"]
-    assert rows["stale-attempt-arrives-late"]["errors"] == ["RefitTimeout"]
+    assert "RefitTimeout" in rows["stale-attempt-arrives-late"]["errors"]
+    assert rows["stale-attempt-arrives-late"]["checks"]["untouched"]
     assert rows["sigint-rollout-mid-refit"]["checks"]["victim_exit_130"]
     assert rows["options-mismatch-at-connect"]["checks"]["untouched"]
     assert proc.returncode == 0

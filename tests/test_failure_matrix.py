@@ -45,7 +45,7 @@ from .matrix_world import serve
 pytestmark = [pytest.mark.multiprocess]
 
 CELLS = cells()
-CELL_TIMEOUT_S = 120.0
+CELL_TIMEOUT_S = 300.0
 #: The whole matrix, every world side by side (a bound, not a goal: CI takes ~3 min).
 MATRIX_TIMEOUT_S = 900.0
 

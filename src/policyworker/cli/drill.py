@@ -73,7 +73,8 @@ SCENARIOS = {
                  refit_timeout_s=3.0),
         # Both rollouts are absent for the trainers' first v2 attempt, which carries other bytes;
         # after the rebuild the retry's bytes, not the stale attempt's, must land (bit-exact).
-        Scenario("stale-attempt-arrives-late", "stale", 2, ("RefitTimeout",), refit_timeout_s=3.0),
+        Scenario("stale-attempt-arrives-late", "stale", 2, ("RefitTimeout", "RefitAborted", "PeerLost"),
+                 refit_timeout_s=3.0),
         # SIGINT to a rollout mid-refit: it shuts down and exits 130 (never SIGABRT); a
         # replacement joins and everyone commits.
         Scenario("sigint-rollout-mid-refit", "sigint", 3, _COMM),
@@ -354,8 +355,10 @@ def _judge(sc: Scenario, results: dict[int, dict]) -> dict[str, Any]:
         checks["stand_down_counted"] = bool(sd) and all(s["count"] >= 1 for s in sd)
     if sc.fault == "sigint":  # the interrupted process shut down and exited 130, not by SIGABRT
         checks["victim_exit_130"] = ranks[sc.victim].get("victim_exitcode") == 130
-    if sc.fault in ("options", "never_calls", "stale"):  # refused before a byte moved: nobody torn
-        checks["untouched"] = not any(f.get("torn") for r in ranks for f in r["failures"])
+    if sc.fault == "options":  # the victim is refused at its connect, before a byte lands: not torn
+        checks["untouched"] = not any(f.get("torn") for f in ranks[sc.victim]["failures"])
+    if sc.fault == "stale":  # the rollouts never took part in the stale attempt: nothing of it landed
+        checks["untouched"] = not any(r["failures"] for r in ranks[N_TRAIN:])
     if sc.fault == "kill_mid" and detect is not None:
         checks["prompt"] = detect < sc.refit_timeout_s  # the transport told before the deadline
     return {
