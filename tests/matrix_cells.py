@@ -34,7 +34,7 @@ CANCEL_BOUND_S = 3.0
 SIGINT_EXIT = 130
 KILLED_EXIT = -9  # SIGKILL
 #: zmq's own wait bound (``timeout_s`` of its setup): a re-attach waits this long for the trainer.
-ZMQ_TIMEOUT_S = 6.0
+ZMQ_TIMEOUT_S = 20.0
 
 # What a side may see (error kinds; PolicyWorkerError subclasses unless named otherwise).
 COMM = ("PeerLost", "RefitAborted", "RefitTimeout", "TransportError")

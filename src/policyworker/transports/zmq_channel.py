@@ -73,6 +73,11 @@ def open_socket(endpoint: str, *, bind: bool, timeout_s: float) -> tuple[zmq.Con
     return ctx, sock
 
 
+class StartedOver(TransportError):
+    """The colocated rollout opened a new attempt or session mid-refit (its message is
+    kept for the next wait): the trainer may follow it within the same refit."""
+
+
 class Channel:
     """Typed send/receive of :mod:`.zmq_wire` messages with deadlines.
 
@@ -186,8 +191,8 @@ class Channel:
                         self.attempt = msg.attempt or None
                     return msg
                 self._stash.append(msg)
-                raise TransportError(f"{what}: the rollout started over ({type(msg).__name__} mid-refit)",
-                                     rank=self.rank, transport="zmq")
+                raise StartedOver(f"{what}: the rollout started over ({type(msg).__name__} mid-refit)",
+                                  rank=self.rank, transport="zmq")
             token = getattr(msg, "attempt", None)
             if token is not None and token != (self.attempt or ""):
                 self.stale += 1  # a message of an older attempt (it failed): not ours
