@@ -148,10 +148,10 @@ def _cell(transport: str, fault: str) -> Cell:
     if fault in ("options", "plan"):
         victim = "trainer" if transport == "sglang_ipc" else "rollout"
         mismatch = Expect(MISMATCH, d)
-        # The side that changed refuses at its connect; its peer, already connected, learns
-        # it from its own connect check or by its deadline. files: the writer never looks
-        # at its readers; it commits.
-        trainer = ok if transport == "files" else Expect(MISMATCH + COMM, d)
+        # Every side connects afresh (nccl_reshard: a new world first; zmq: the rollout's
+        # Hello; sglang_ipc: both ranks re-attach) and refuses there. files: the writer
+        # never looks at its readers; it commits.
+        trainer = ok if transport == "files" else mismatch
         return Cell(transport, fault, (Step(fault, victim, trainer, mismatch),), rec, may_touch=False)
     if fault == "torn_again":
         # A cancelled refit (torn iff touched), then, from there, a refit whose trainer never calls.

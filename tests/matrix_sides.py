@@ -45,6 +45,7 @@ class Side:
     transport = ""
     #: (object, attribute) whose k-th call is the fault point: k=1 before the bulk, k=MID mid-bulk.
     MID = 4
+    SIGINT_AT: int | None = None  # default MID
 
     def __init__(self, name: str, cell: dict[str, Any]) -> None:
         self.name, self.cell = name, cell
@@ -113,6 +114,11 @@ class NcclSide(Side):
     async def recover(self, epoch: int) -> None:
         self.epoch = epoch
         await self._join()
+
+    async def fresh_connect(self) -> None:
+        """Both sides join a new world (the last epoch's ports): every attachment connects
+        again at the next refit, so the connect check runs on every rank."""
+        await self.recover(len(self.cell["ports"]) - 1)
 
     async def refit(self, version: int, timeout: float, seed: int | None = None):
         if self.name == "trainer":
@@ -291,6 +297,7 @@ class SglangSide(Side):
 
     transport = "sglang_ipc"
     MID = 2
+    SIGINT_AT = 1  # rank 1 has few waits: interrupted later, its part may be complete already
 
     async def open(self, epoch: int) -> None:
         from policyworker.sglang_engine import InProcessSglangEngine

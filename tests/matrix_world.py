@@ -89,6 +89,8 @@ async def _step(side, step: dict, cell: dict, k: int) -> dict[str, Any]:
     is_rollout = me == "rollout"
     if fault in ("options", "plan") and me == victim:
         await side.mismatch(fault)
+    if fault in ("options", "plan") and hasattr(side, "fresh_connect"):
+        await side.fresh_connect()
     snap = {n: t.clone() for n, t in side.live().items()} if is_rollout else None
     if is_rollout:
         rec["version_before"] = [r.weight_version for r in side.rollouts()]
@@ -104,7 +106,7 @@ async def _step(side, step: dict, cell: dict, k: int) -> dict[str, Any]:
         remove = faults.after_calls(*hook, 1 if fault == "killed_before" else side.MID,
                                     faults.signal_self(signal.SIGKILL))
     elif fault == "sigint" and me == victim:
-        remove = faults.after_calls(*hook, side.MID, faults.signal_self(signal.SIGINT))
+        remove = faults.after_calls(*hook, side.SIGINT_AT or side.MID, faults.signal_self(signal.SIGINT))
     elif fault == "stall" and me == victim:
         remove = faults.after_calls(*hook, side.MID, faults.signal_self(signal.SIGSTOP))
     elif fault == "stand_down" and me != victim:

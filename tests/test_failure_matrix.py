@@ -50,6 +50,20 @@ CELL_TIMEOUT_S = 300.0
 MATRIX_TIMEOUT_S = 900.0
 
 
+_PORTS_LOCK = threading.Lock()
+_PORTS_USED: set[int] = set()
+
+
+def _port() -> int:
+    """A free port not handed to any cell of this session yet (worlds draw side by side)."""
+    with _PORTS_LOCK:
+        while True:
+            port = free_port()
+            if port not in _PORTS_USED:
+                _PORTS_USED.add(port)
+                return port
+
+
 class MatrixWorld:
     """One transport's long-lived processes and their queues."""
 
@@ -74,11 +88,11 @@ class MatrixWorld:
 
     def run(self, cell: Cell) -> tuple[dict, dict[int, int]]:
         """Run one cell; return {side: record} and {rank: exit code} of processes that ended."""
-        epochs = len(cell.steps) + 1
+        epochs = len(cell.steps) + 2  # one per recovery, and one for a fresh connect (mismatch steps)
         work = tempfile.mkdtemp(prefix="pwmatrix-")
         spec = {"id": cell.id, "transport": cell.transport, "fault": cell.fault, "recovery": cell.recovery,
                 "steps": [dataclasses.asdict(s) | {"trainer": None, "rollout": None} for s in cell.steps],
-                "ports": [[free_port(), free_port()] for _ in range(epochs)], "dir": work,
+                "ports": [[_port(), _port()] for _ in range(epochs)], "dir": work,
                 "pids": {s: self.procs[self.rank_of(s)].pid for s in ("trainer", "rollout")}}
         for q in self.cmds:
             q.put(spec)
