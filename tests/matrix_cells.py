@@ -133,7 +133,9 @@ def _cell(transport: str, fault: str) -> Cell:
             return Cell(transport, fault, (Step(kind, victim, dead, Expect(COMM, d)),), rec)
         return Cell(transport, fault, (Step(kind, victim, sender_after_rollout_fault, dead),), rec)
     if fault == "stall":  # the trainer stops (SIGSTOP) mid-bulk: the rollout's deadline fires
-        return Cell(transport, fault, (Step("stall", "trainer", Expect(COMM, 6 * d), timeout),), rec)
+        # files: once continued, the writer may finish its version (readers land it later).
+        kinds = ("ok", *COMM) if ff else COMM
+        return Cell(transport, fault, (Step("stall", "trainer", Expect(kinds, 6 * d), timeout),), rec)
     if fault == "stand_down":  # the trainer never calls; the rollout stands down its deadline
         own = Expect(("RefitTimeout", "RefitAborted", "PeerLost", "TransportError"), STAND_DOWN_AT_S + OWN_BOUND_S)
         return Cell(transport, fault, (Step("stand_down", "trainer", idle, own),), rec, may_touch=False)
@@ -144,7 +146,9 @@ def _cell(transport: str, fault: str) -> Cell:
     if fault == "sigint":
         if transport == "sglang_ipc":  # rank 1 is interrupted; rank 0 (and its engine) sees a lost peer
             return Cell(transport, fault, (Step("sigint", "trainer", dead, Expect(COMM, d)),), rec)
-        return Cell(transport, fault, (Step("sigint", "rollout", sender_after_rollout_fault, dead),), rec)
+        # The interrupt lands on the loop; the executor may finish the rollout's part (its last
+        # message) first, and the trainer then succeeds. The interrupted rollout never commits.
+        return Cell(transport, fault, (Step("sigint", "rollout", Expect(("ok", *COMM), d), dead),), rec)
     if fault in ("options", "plan"):
         victim = "trainer" if transport == "sglang_ipc" else "rollout"
         mismatch = Expect(MISMATCH, d)

@@ -256,6 +256,11 @@ def serve(rank: int, transport: str, cmds, results, barrier, first: dict | None)
 
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a cell that overruns dumps its stacks
+    # Warm up before any cell: building a model imports much of torch lazily (seconds on a
+    # busy host) — a cost no connect wait of a cell should pay.
+    from .matrix_sides import CONFIG, build_model
+
+    build_model(CONFIG, seed=0, dtype=torch.float32)
     if transport == "memory":
         barrier = threading.Barrier(2)
     cell, replacement = first, first is not None
