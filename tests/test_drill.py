@@ -55,5 +55,6 @@ def test_drill_every_scenario_passes(tmp_path):
     assert "RefitTimeout" in rows["stale-attempt-arrives-late"]["errors"]
     assert rows["stale-attempt-arrives-late"]["checks"]["untouched"]
     assert rows["sigint-rollout-mid-refit"]["checks"]["victim_exit_130"]
+    assert rows["options-mismatch-at-connect"]["errors"] == ["ConfigError"]
     assert rows["options-mismatch-at-connect"]["checks"]["untouched"]
     assert proc.returncode == 0

@@ -78,8 +78,9 @@ SCENARIOS = {
         # SIGINT to a rollout mid-refit: it shuts down and exits 130 (never SIGABRT); a
         # replacement joins and everyone commits.
         Scenario("sigint-rollout-mid-refit", "sigint", 3, _COMM),
-        # A rollout attaches with other bucket_bytes: refused at connect, nothing touched.
-        Scenario("options-mismatch-at-connect", "options", 3, ("ConfigError", "PlanMismatch", *_COMM)),
+        # In a new world a rollout connects with other bucket_bytes: refused at connect on every
+        # rank (ConfigError), nothing touched; the controller fixes it and everyone rebuilds.
+        Scenario("options-mismatch-at-connect", "options", 3, ("ConfigError",)),
         Scenario("zmq-kill-rollout-mid-refit", "kill_mid", 1, _COMM, transport="zmq"),
         Scenario("zmq-kill-trainer-mid-refit", "kill_mid", 0, _COMM, transport="zmq"),
         Scenario("zmq-stall-rollout-past-deadline", "stop_mid", 1, ("RefitTimeout", "RefitAborted"),
@@ -191,6 +192,13 @@ def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: 
                 faults.die_after_waits(6, signal.SIGINT)
             elif faulty and sc.fault == "options":
                 w.reshard_options = {**options, "bucket_bytes": 2 * options["bucket_bytes"]}
+            if sc.fault == "options" and version == FAULT_VERSION and not out["failures"] \
+                    and not out.get("fresh_world"):
+                # A new world first (init_collective): every rank connects again at this refit,
+                # so the options are compared on every rank, and the victim's are refused there.
+                out["fresh_world"] = True
+                epoch += 1
+                await join(w, epoch)
             elif faulty and sc.fault == "flip":
                 state = w._refit_transport_state("nccl_reshard")
                 first = next(m for m in state["schedule"] if m.copies is not None)
