@@ -160,18 +160,24 @@ class Channel:
                 raise RefitTimeout(f"{what}: nothing arrived before the deadline", rank=self.rank, transport="zmq")
             try:
                 ready = dict(self._poller.poll(min(self.poll_ms, max(1, int(remaining * 1000)))))
+                if self.sock in ready:
+                    # What the peer sent before it went away is read first (e.g. a Commit
+                    # sent right before its process closed the socket): data beats a disconnect.
+                    try:
+                        frame = self.sock.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        frame = None
+                    if frame is not None:
+                        return w.decoder.decode(frame.buffer)
                 if self._monitor in ready:
                     self._monitor.recv_multipart(zmq.NOBLOCK)
                     raise PeerLost(f"{what}: the colocated peer closed its connection (process gone?)",
                                    rank=self.rank, transport="zmq")
-                if self.sock not in ready:
-                    continue
-                frame = self.sock.recv(zmq.NOBLOCK, copy=False)
+                continue
             except zmq.Again:
                 continue
             except zmq.ZMQError as exc:
                 raise TransportError(f"{what}: {exc}", rank=self.rank, transport="zmq") from exc
-            return w.decoder.decode(frame.buffer)
 
     def expect(self, deadline: float, what: str, *types: type) -> w.ZmqMessage:
         """The next message of ``types`` in the current attempt; stale ones are dropped.
