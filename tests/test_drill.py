@@ -11,18 +11,19 @@ from policyworker.cli.drill import SCENARIOS
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_drill_every_scenario_passes(tmp_path):
     out = tmp_path / "drill.json"
     proc = subprocess.run([sys.executable, "-m", "policyworker.cli", "drill", "--json", str(out)],
-                          capture_output=True, text=True, timeout=580)
+                          capture_output=True, text=True, timeout=880)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = {r["name"]: r for r in data["scenarios"]}
     assert set(rows) == set(SCENARIOS) == {
         "kill-rollout-mid-refit", "kill-trainer-mid-refit", "stall-rollout-past-deadline",
         "stand-down-during-refit", "corrupt-bucket", "plan-hash-mismatch", "restart-and-recover",
-        "cancel-awaiting-refit",
+        "cancel-awaiting-refit", "rollout-never-calls", "stale-attempt-arrives-late", "sigint-rollout-mid-refit",
+        "options-mismatch-at-connect",
         "zmq-kill-rollout-mid-refit", "zmq-kill-trainer-mid-refit", "zmq-stall-rollout-past-deadline",
         "zmq-restart-and-recover", "zmq-cancel-awaiting-refit",
         "sglang-engine-refuses-bucket", "sglang-engine-times-out", "sglang-cancel-awaiting-refit",
@@ -53,4 +54,11 @@ def test_drill_every_scenario_passes(tmp_path):
     # a rollout killed mid-delta is replaced; the retry is full, the next refit a delta again
     delta = rows["delta-kill-rollout-mid-delta"]["checks"]
     assert delta["full_after_replacement"] and delta["delta_after_recovery"], delta
+    # the new fault kinds: a deadline, not a hang; SIGINT exits 130; a mismatch touches nothing
+    assert "RefitTimeout" in rows["rollout-never-calls"]["errors"]
+    assert "RefitTimeout" in rows["stale-attempt-arrives-late"]["errors"]
+    assert rows["stale-attempt-arrives-late"]["checks"]["untouched"]
+    assert rows["sigint-rollout-mid-refit"]["checks"]["victim_exit_130"]
+    assert rows["options-mismatch-at-connect"]["errors"] == ["ConfigError"]
+    assert rows["options-mismatch-at-connect"]["checks"]["untouched"]
     assert proc.returncode == 0

@@ -46,6 +46,7 @@ _COMM = ("PeerLost", "RefitAborted", "RefitTimeout")
 class Scenario:
     name: str
     fault: str  # kill_mid | stop_mid | standdown | kill_between | flip | bad_plan | cancel | refuse | engine_stall
+    #            | never_calls | stale | sigint | options
     victim: int  # global rank: nccl_reshard 0, 1 trainers, 2, 3 rollouts; zmq 0 trainer, 1 rollout
     expect: tuple[str, ...]  # error types acceptable on the survivors
     refit_timeout_s: float = 6.0
@@ -68,6 +69,19 @@ SCENARIOS = {
         # torn or intact at its old version; everyone rebuilds and commits.
         Scenario("cancel-awaiting-refit", "cancel", 3, (*_COMM, "Cancelled", "TransportError"),
                  refit_timeout_s=3.0),
+        # A rollout never calls v2: the trainers' deadline fires (RefitTimeout), everyone rebuilds.
+        Scenario("rollout-never-calls", "never_calls", 3, ("RefitTimeout", "RefitAborted", "PeerLost"),
+                 refit_timeout_s=3.0),
+        # Both rollouts are absent for the trainers' first v2 attempt, which carries other bytes;
+        # after the rebuild the retry's bytes, not the stale attempt's, must land (bit-exact).
+        Scenario("stale-attempt-arrives-late", "stale", 2, ("RefitTimeout", "RefitAborted", "PeerLost"),
+                 refit_timeout_s=3.0),
+        # SIGINT to a rollout mid-refit: it shuts down and exits 130 (never SIGABRT); a
+        # replacement joins and everyone commits.
+        Scenario("sigint-rollout-mid-refit", "sigint", 3, _COMM),
+        # In a new world a rollout connects with other bucket_bytes: refused at connect on every
+        # rank (ConfigError), nothing touched; the controller fixes it and everyone rebuilds.
+        Scenario("options-mismatch-at-connect", "options", 3, ("ConfigError",)),
         Scenario("zmq-kill-rollout-mid-refit", "kill_mid", 1, _COMM, transport="zmq"),
         Scenario("zmq-kill-trainer-mid-refit", "kill_mid", 0, _COMM, transport="zmq"),
         Scenario("zmq-stall-rollout-past-deadline", "stop_mid", 1, ("RefitTimeout", "RefitAborted"),
@@ -178,15 +192,35 @@ def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: 
                 faults.die_after_waits(6, signal.SIGKILL)
             elif faulty and sc.fault in ("stop_mid", "standdown"):
                 faults.die_after_waits(6, signal.SIGSTOP)
+            elif faulty and sc.fault == "sigint":
+                faults.die_after_waits(6, signal.SIGINT)
+            elif faulty and sc.fault == "options":
+                w.reshard_options = {**options, "bucket_bytes": 2 * options["bucket_bytes"]}
+            if sc.fault == "options" and version == FAULT_VERSION and not out["failures"] \
+                    and not out.get("fresh_world"):
+                # A new world first (init_collective): every rank connects again at this refit,
+                # so the options are compared on every rank, and the victim's are refused there.
+                out["fresh_world"] = True
+                epoch += 1
+                await join(w, epoch)
             elif faulty and sc.fault == "flip":
                 state = w._refit_transport_state("nccl_reshard")
                 first = next(m for m in state["schedule"] if m.copies is not None)
                 first.group = faults.FlippingGroup(first.group)
             t0 = time.monotonic()
             rebuilt = False
+            absent = version == FAULT_VERSION and not out["failures"] and not out.get("was_absent") and (
+                (sc.fault == "never_calls" and victim) or (sc.fault == "stale" and not trainer))
+            if absent:  # this rollout does not call: it waits out the trainers' deadline, then rebuilds
+                out["was_absent"] = True
+                await asyncio.sleep(sc.refit_timeout_s + 1.0)
+                epoch += 1
+                await join(w, epoch)
+                continue
+            stale = sc.fault == "stale" and trainer and version == FAULT_VERSION and not out["failures"]
             try:
                 if trainer:
-                    new = seeded_state_dict(config, seed=version, dtype=torch.float32)
+                    new = seeded_state_dict(config, seed=1000 + version if stale else version, dtype=torch.float32)
                     with torch.no_grad():
                         for name, p in model.named_parameters():
                             p.copy_(new[name])
@@ -218,6 +252,8 @@ def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: 
                         out["mixed"] = True
             except (PolicyWorkerError, asyncio.CancelledError) as exc:
                 if isinstance(exc, asyncio.CancelledError) and not (faulty and sc.fault == "cancel"):
+                    if faulty and sc.fault == "sigint":  # KeyboardInterrupt cancelled the refit
+                        await w.shutdown()
                     raise
                 row = failure_row(exc, version=version, t0=t0, w=w, trainer=trainer, out=out, expected=expected)
                 kind = row["error"]
@@ -226,7 +262,9 @@ def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: 
                 events.put(("failed", rank))
                 if victim and sc.fault == "bad_plan" and kind == "PlanMismatch":
                     w.load_refit_plan(plan.refit_info())  # the controller hands out the right plan
-                if (kind in _COMM or kind == "Cancelled") and not rebuilt:
+                if victim and sc.fault == "options":
+                    w.reshard_options = options  # the controller fixes the setup
+                if (kind in _COMM or kind == "Cancelled" or sc.fault == "options") and not rebuilt:
                     epoch += 1
                     await join(w, epoch)
                 if len(out["failures"]) > 4:
@@ -242,7 +280,10 @@ def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: 
         await w.shutdown()
         return out
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None  # 128 + SIGINT, the worker shut down; never SIGABRT
 
 
 def _replacement(_index: int, rank: int, sc: Scenario, ports: list[dict], events) -> dict[str, Any]:
@@ -288,7 +329,7 @@ def collect_with_replacement(world: Any, sc: Scenario, events: Any, timeout_s: f
     ``replace()`` (a one-rank world) as soon as it is seen dead, and the replacement's
     result stands in for the victim's. Every wait is bounded by ``timeout_s``.
     """
-    dies = sc.fault in ("kill_mid", "kill_between")
+    dies = sc.fault in ("kill_mid", "kill_between", "sigint")
     resume = resume_on.get(sc.fault, set())
     replacement = None
 
@@ -308,6 +349,7 @@ def collect_with_replacement(world: Any, sc: Scenario, events: Any, timeout_s: f
     results = world.collect(timeout_s, allow_dead=[sc.victim] if dies else [], on_tick=tick)
     if replacement is not None:
         results[sc.victim] = replacement.collect(max(10.0, timeout_s - (time.monotonic() - t0)))[0]
+        results[sc.victim]["victim_exitcode"] = world.procs[sc.victim].exitcode
     return results
 
 
@@ -331,6 +373,12 @@ def _judge(sc: Scenario, results: dict[int, dict]) -> dict[str, Any]:
     if sc.fault == "standdown":
         sd = [r["stood_down"] for r in ranks if r["stood_down"]]
         checks["stand_down_counted"] = bool(sd) and all(s["count"] >= 1 for s in sd)
+    if sc.fault == "sigint":  # the interrupted process shut down and exited 130, not by SIGABRT
+        checks["victim_exit_130"] = ranks[sc.victim].get("victim_exitcode") == 130
+    if sc.fault == "options":  # the victim is refused at its connect, before a byte lands: not torn
+        checks["untouched"] = not any(f.get("torn") for f in ranks[sc.victim]["failures"])
+    if sc.fault == "stale":  # the rollouts never took part in the stale attempt: nothing of it landed
+        checks["untouched"] = not any(r["failures"] for r in ranks[N_TRAIN:])
     if sc.fault == "kill_mid" and detect is not None:
         checks["prompt"] = detect < sc.refit_timeout_s  # the transport told before the deadline
     return {

@@ -66,6 +66,8 @@ def _child(target: Callable[..., Any], rank: int, args: tuple, results, env: dic
     try:
         value = target(rank, *args)
         results.put((rank, True, value))
+    except SystemExit:  # a chosen exit code (e.g. 130 after a KeyboardInterrupt): the process's own
+        raise
     except BaseException:  # report every failure, KeyboardInterrupt included, then exit
         results.put((rank, False, traceback.format_exc()))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from ..comm import CommGroup
@@ -57,20 +58,23 @@ class FlippingGroup:
         self._group.wait(work, **kw)
 
 
-def die_after_waits(k: int, sig: int = signal.SIGKILL) -> None:
+def die_after_waits(k: int, sig: int = signal.SIGKILL) -> Callable[[], None]:
     """After this process's ``k``-th ``CommGroup.wait`` from now, send itself ``sig``.
 
     SIGKILL: the process dies mid-refit. SIGSTOP: it freezes mid-refit until someone
     sends SIGCONT. The patch removes itself once it fired.
     """
-    after_calls(CommGroup, "wait", k, signal_self(sig))
+    return after_calls(CommGroup, "wait", k, signal_self(sig))
 
 
-def after_calls(cls: type, attr: str, k: int, action) -> None:
+def after_calls(cls: Any, attr: str, k: int, action) -> Callable[[], None]:
     """Run ``action()`` at this process's ``k``-th call of ``cls.attr`` from now, then the call.
 
-    The patch removes itself once it fired. Used for zmq channel waits
-    (``Channel.expect``) and engine calls, where ``die_after_waits`` counts group waits.
+    ``cls`` is a class or a module (a module function's first argument passes through
+    as ``self``). The patch removes itself once it fired; the returned callable removes
+    it earlier (a fault whose refit ended before the k-th call must not leak into the
+    next). Used for zmq channel waits (``Channel.expect``), engine calls and file
+    writes, where ``die_after_waits`` counts group waits.
     """
     real = getattr(cls, attr)
     count = 0
@@ -79,11 +83,16 @@ def after_calls(cls: type, attr: str, k: int, action) -> None:
         nonlocal count
         count += 1
         if count == k:
-            setattr(cls, attr, real)
+            remove()
             action()
         return real(self, *args, **kw)
 
+    def remove() -> None:
+        if getattr(cls, attr) is patched:
+            setattr(cls, attr, real)
+
     setattr(cls, attr, patched)
+    return remove
 
 
 def signal_self(sig: int):

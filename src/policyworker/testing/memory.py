@@ -121,6 +121,9 @@ class InMemoryTransport(Transport):
         per executor step, checking for an abort between them: an abort mid-copy leaves
         the weights torn, as in any transport that writes in place."""
         self._check_open()
+        # An abort belongs to the refit it ended: a cancelled or timed-out receive must
+        # not fail the next one (a deadline that fired before this point leaves no wait).
+        self._aborted.clear()
         ctx.touched = False
         t0 = time.perf_counter()
         wait = self.timeout_s if ctx.deadline is None else max(0.0, min(self.timeout_s, ctx.deadline.remaining()))

@@ -73,6 +73,11 @@ def open_socket(endpoint: str, *, bind: bool, timeout_s: float) -> tuple[zmq.Con
     return ctx, sock
 
 
+class StartedOver(TransportError):
+    """The colocated rollout opened a new attempt or session mid-refit (its message is
+    kept for the next wait): the trainer may follow it within the same refit."""
+
+
 class Channel:
     """Typed send/receive of :mod:`.zmq_wire` messages with deadlines.
 
@@ -86,6 +91,8 @@ class Channel:
         self.poll_ms = max(1, int(poll_s * 1000))
         self.aborted = threading.Event()
         self.deadline_obj: Any = None
+        #: Bounds each wait once the refit's deadline was stood down (the transport's timeout_s).
+        self.fallback_s: float | None = None
         #: The current refit attempt (None: none open; only a Ready may open one).
         self.attempt: str | None = None
         self.stale = 0
@@ -96,9 +103,15 @@ class Channel:
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
 
-    def begin(self, aborted: threading.Event, deadline_obj: Any, attempt: str | None) -> None:
-        """A refit (or connect) starts: its own abort event, deadline and attempt token."""
+    def begin(self, aborted: threading.Event, deadline_obj: Any, attempt: str | None,
+              fallback_s: float | None = None) -> None:
+        """A refit (or connect) starts: its own abort event, deadline and attempt token.
+
+        ``fallback_s``: once ``deadline_obj`` is stood down, a wait ends this long after it
+        started (the controller disarmed the deadline; the transport's own bound stays).
+        """
         self.aborted, self.deadline_obj, self.attempt = aborted, deadline_obj, attempt
+        self.fallback_s = fallback_s
         while self._monitor.poll(0):  # a disconnect before this refit is not this refit's
             self._monitor.recv_multipart(zmq.NOBLOCK)
 
@@ -134,26 +147,37 @@ class Channel:
             raise TransportError(f"{what}: {exc}", rank=self.rank, transport="zmq") from exc
 
     def recv(self, deadline: float, what: str) -> w.ZmqMessage:
-        """The next message; RefitTimeout at ``deadline``, RefitAborted on abort."""
+        """The next message; RefitTimeout at ``deadline`` (or ``fallback_s`` into the wait once
+        the deadline was stood down), RefitAborted on abort."""
+        started = time.monotonic()
         while True:
             self._check_abort(what)
-            remaining = deadline - time.monotonic()
+            bound = deadline
+            if self.fallback_s is not None and getattr(self.deadline_obj, "stood_down", False):
+                bound = min(deadline, started + self.fallback_s)
+            remaining = bound - time.monotonic()
             if remaining <= 0:
                 raise RefitTimeout(f"{what}: nothing arrived before the deadline", rank=self.rank, transport="zmq")
             try:
                 ready = dict(self._poller.poll(min(self.poll_ms, max(1, int(remaining * 1000)))))
+                if self.sock in ready:
+                    # What the peer sent before it went away is read first (e.g. a Commit
+                    # sent right before its process closed the socket): data beats a disconnect.
+                    try:
+                        frame = self.sock.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        frame = None
+                    if frame is not None:
+                        return w.decoder.decode(frame.buffer)
                 if self._monitor in ready:
                     self._monitor.recv_multipart(zmq.NOBLOCK)
                     raise PeerLost(f"{what}: the colocated peer closed its connection (process gone?)",
                                    rank=self.rank, transport="zmq")
-                if self.sock not in ready:
-                    continue
-                frame = self.sock.recv(zmq.NOBLOCK, copy=False)
+                continue
             except zmq.Again:
                 continue
             except zmq.ZMQError as exc:
                 raise TransportError(f"{what}: {exc}", rank=self.rank, transport="zmq") from exc
-            return w.decoder.decode(frame.buffer)
 
     def expect(self, deadline: float, what: str, *types: type) -> w.ZmqMessage:
         """The next message of ``types`` in the current attempt; stale ones are dropped.
@@ -173,8 +197,8 @@ class Channel:
                         self.attempt = msg.attempt or None
                     return msg
                 self._stash.append(msg)
-                raise TransportError(f"{what}: the rollout started over ({type(msg).__name__} mid-refit)",
-                                     rank=self.rank, transport="zmq")
+                raise StartedOver(f"{what}: the rollout started over ({type(msg).__name__} mid-refit)",
+                                  rank=self.rank, transport="zmq")
             token = getattr(msg, "attempt", None)
             if token is not None and token != (self.attempt or ""):
                 self.stale += 1  # a message of an older attempt (it failed): not ours

@@ -59,7 +59,7 @@ from . import zmq_export as zx
 from . import zmq_wire as w
 from .base import RefitReport, Transport, TransportContext
 from .ipc_handles import open_handle
-from .zmq_channel import Channel, open_socket
+from .zmq_channel import Channel, StartedOver, open_socket
 from .zmq_program import CopyProgram, _sync, coalesce, compile_program, signature, staged_buckets
 
 __all__ = ["ZmqIpcTransport", "coalesce"]
@@ -181,7 +181,8 @@ class ZmqIpcTransport(Transport):
         chan = self._channel(ctx)
         self._executor = ctx.executor
         # The rollout draws a fresh attempt per refit (its Ready opens it on the trainer).
-        chan.begin(self._abort_ev, ctx.deadline, secrets.token_hex(6) if ctx.role == "receive" else None)
+        chan.begin(self._abort_ev, ctx.deadline, secrets.token_hex(6) if ctx.role == "receive" else None,
+                   self.timeout_s)
         deadline = ctx.deadline.at if ctx.deadline is not None else time.monotonic() + self.timeout_s
         return chan, deadline
 
@@ -259,8 +260,21 @@ class ZmqIpcTransport(Transport):
             st["epoch"] = st.get("epoch", 0) + 1
             cache = st["cache"] = {"fp": zx.fingerprint(ctx.params, names), "refs": refs, "rank": None,
                                    "holds": zx.holds(ctx, names)}
-        refs = cache["refs"]
         _sync(dev, chan, deadline)  # the trainer's last writes must be visible before the rollout reads
+        while True:
+            try:
+                return self._attempt(ctx, chan, deadline, version, cache, notes, t0)
+            except StartedOver:
+                # The rollout re-attached or retried mid-attempt (after a failure of its own):
+                # this attempt is abandoned on both sides (its messages carry its token); follow
+                # the rollout's new Hello / Ready, within the same deadline.
+                continue
+
+    def _attempt(self, ctx: TransportContext, chan: Channel, deadline: float, version: int, cache: dict,
+                 notes: list, t0: float) -> RefitReport:
+        plan, st, dev = ctx.plan, ctx.state, ctx.device.torch_device
+        refs = cache["refs"]
+        notes = list(notes)
         msg = chan.expect(deadline, "waiting for the rollout's Ready", w.Ready, w.Hello)
         while isinstance(msg, w.Hello):  # the rollout reconnected (new session): welcome it again
             self._welcome(ctx, chan, msg)
