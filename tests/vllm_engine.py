@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import gc
 import os
 from dataclasses import dataclass, field
@@ -42,14 +43,24 @@ class VllmWorld:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    def hf(self, version: int) -> Any:
+        """The Hugging Face model with version ``version``'s weights."""
+        return hf_model(self.spec, version)
+
     def oracle(self, version: int) -> list[list[int]]:
-        return greedy_tokens(hf_model(self.spec, version), PROMPTS, MAX_TOKENS)
+        return greedy_tokens(self.hf(version), PROMPTS, MAX_TOKENS)
+
+    def use_trainers(self, train: str) -> None:
+        """Plan from trainer layout ``train`` (as many ranks) from the next connect on."""
+        if self.spec.n_train != dataclasses.replace(self.spec, train=train).n_train:
+            raise ValueError(f"{train} needs another number of trainers than {self.spec.train}")
+        self.spec = dataclasses.replace(self.spec, train=train)
 
     def connect(self, version: int, **init: Any) -> list[dict[str, Any]]:
         """Every trainer and the engine join fresh groups (also the recovery path).
 
         ``init``: more ``init_info`` keys for the engine."""
-        info = {**self.pool.connect(gen_world_size=self.tp, version=version), **init}
+        info = {**self.pool.connect(gen_world_size=self.tp, version=version, train=self.spec.train), **init}
         self.llm.init_weight_transfer_engine({"init_info": info})
         return self.pool.replies(self.spec.timeout_s)
 
@@ -80,12 +91,14 @@ class VllmWorld:
 
 
 @contextlib.contextmanager
-def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_options=None, spec=None,
-               world_cls=None, **llm_kwargs: Any):
-    """``spec``: the trainers' (default: dense); ``world_cls``: a VllmWorld subclass; ``llm_kwargs``: more LLM args."""
+def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_options=None, model_type: str = "qwen3",
+               train: str = "tp=2", engine: dict[str, Any] | None = None, spec=None, world_cls=None, **llm_kwargs: Any):
+    """``engine`` / ``llm_kwargs``: more ``LLM`` keyword arguments (``enable_expert_parallel``); ``spec``: the
+    trainers' (default: dense, from ``config``); ``world_cls``: a VllmWorld subclass."""
     pytest.importorskip("vllm")
     if spec is None:
-        spec = WorldSpec(config=config, timeout_s=60.0, refit_timeout_s=60.0, reshard_options=reshard_options or {})
+        spec = WorldSpec(config=config, model_type=model_type, train=train, timeout_s=60.0, refit_timeout_s=60.0,
+                         reshard_options=reshard_options or {})
     path = str(tmp_path_factory.mktemp(f"vllm-tp{tp}") / "model")
     save_hf_model(spec, 0, path)
     with pytest.MonkeyPatch.context() as mp:
@@ -101,7 +114,7 @@ def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_opt
 
             llm = LLM(path, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype="float32", enforce_eager=True,
                       max_model_len=128, max_num_seqs=4, seed=0,
-                      **{"weight_transfer_config": {"backend": "policyworker"}, **llm_kwargs})
+                      **{"weight_transfer_config": {"backend": "policyworker"}, **(engine or {}), **llm_kwargs})
             pool = pool_future.result(timeout=120)
         world = (world_cls or VllmWorld)(llm=llm, pool=pool, spec=spec, tp=tp)
         try:

@@ -53,6 +53,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -65,10 +66,10 @@ from ..errors import (ConfigError, PlanMismatch, PolicyWorkerError, ProtocolErro
                       translate_comm_error)
 from ..layout.plan import ReshardPlan
 from .vllm_errors import engine_error, mark, typed_errors
-from .vllm_plan import NEEDS_KEY, PLAN_KEY, Needs, encode_needs
+from .vllm_plan import NEEDS_KEY, PLAN_KEY, encode_needs
 from .vllm_rpc import Agreement, install_single_reply
 from .vllm_stage import VllmStage
-from .vllm_targets import Target, needs_from_vllm_model, vllm_targets
+from .vllm_targets import Target, needs_from_vllm_model, needs_of, vllm_targets
 
 __all__ = ["BACKEND", "PolicyworkerInitInfo", "PolicyworkerUpdateInfo", "PolicyworkerWeightTransferEngine",
            "Target", "engine_error", "needs_from_vllm_model", "register", "typed_errors", "vllm_targets"]
@@ -80,8 +81,9 @@ AGREE_SLACK_S = 30.0
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register backend ``"policyworker"`` (lazily),
-    and ``"policyworker-lora"`` (:mod:`.vllm_lora`: refits of a LoRA adapter)."""
+    """The ``vllm.general_plugins`` entry point: register backend ``"policyworker"`` (lazily), for
+    vLLM's workers and for its trainer API (:mod:`.vllm_trainer`), and ``"policyworker-lora"``
+    (:mod:`.vllm_lora`: refits of a LoRA adapter)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     for name, module, cls in ((BACKEND, __name__, "PolicyworkerWeightTransferEngine"),
@@ -93,6 +95,9 @@ def register() -> None:
             # registration stands (the factory refuses a second one with ValueError).
             pass
     install_single_reply()
+    from .vllm_trainer import register_trainer
+
+    register_trainer()  # the same name in vLLM's trainer API (WeightTransferTrainerFactory)
 
 
 # -- typed init / update info -------------------------------------------------------------
@@ -210,9 +215,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self._targets = vllm_targets(model)
-        self.needs = Needs(rank=self.tp_rank, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                           dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
-                           needs=[t.need for t in self._targets])
+        self.needs = needs_of(self._targets, rank=self.tp_rank, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                              dtype=vllm_config.model_config.dtype)
         self._stage: VllmStage | None = None
         self._prepared_for: int | None = None
         self._loop: _Loop | None = None
@@ -293,8 +297,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         gen_world = init_info.gen_world_size or self.tp_size
         rank = init_info.rank_offset + self.tp_rank
         device = "cpu" if self.device.type == "cpu" else self.device
-        self.needs = Needs(rank=rank, tp_rank=self.needs.tp_rank, tp_size=self.needs.tp_size,
-                           dtype=self.needs.dtype, needs=self.needs.needs)
+        self.needs = msgspec.structs.replace(self.needs, rank=rank)
 
         async def build() -> Any:
             worker = RolloutWorker(rank=rank, gen_world_size=gen_world, device=device, timeout_s=init_info.timeout_s,

@@ -48,7 +48,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from ..errors import ConfigError, PlanMismatch, ProtocolError, TornWeights, translate_comm_error
 from ..layout.plan import ReshardPlan
 from ..ledger import WeightLedger
-from .vllm import PolicyworkerInitInfo, PolicyworkerUpdateInfo, PolicyworkerWeightTransferEngine, _Loop, _typed
+from .vllm import PolicyworkerInitInfo, PolicyworkerUpdateInfo, PolicyworkerWeightTransferEngine, _Loop, _marked
 from .vllm_lora_plan import ENGINE_KEY, PLAN_KEY, LoraEngineInfo, LoraPlanInfo, decode, encode
 
 __all__ = ["BACKEND_LORA", "LORA_ID", "LORA_NAME", "PolicyworkerLoraEngine", "checkpoint_hash", "lora_request"]
@@ -125,7 +125,7 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         return self._loop.call(coro, timeout_s + 30.0)
 
     # -- init -------------------------------------------------------------------------
-    @_typed
+    @_marked
     def init_transfer_engine(self, init_info: PolicyworkerInitInfo) -> None:
         from ..rollout import RolloutWorker
 
@@ -206,14 +206,14 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
             raise ConfigError("call init_weight_transfer_engine before a weight update")
         return self._worker
 
-    @_typed
+    @_marked
     def start_weight_update(self) -> None:
         self._require_worker()
         if self._plan is None:
             self._load_plan()
         self._received = None
 
-    @_typed
+    @_marked
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
         if self.device.type == "cuda":
@@ -236,7 +236,7 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
                                 f"{update_info.version}; nothing committed", rank=worker.rank)
         self._received = report.version
 
-    @_typed
+    @_marked
     def finish_weight_update(self) -> None:
         """Install the received adapter under the stable id (see the module docstring)."""
         if self._received is None:

@@ -46,7 +46,7 @@ class LoraWorldSpec(WorldSpec):
             for name, value in adapter_weights(self, version, worker.model).items():
                 live[name].copy_(value)
 
-    async def prepare(self, worker: Any, gen_world_size: int) -> dict:
+    async def prepare(self, worker: Any, gen_world_size: int, train: str | None = None) -> dict:
         from .vllm_lora_plan import prepare_vllm_lora_refit
 
         return await prepare_vllm_lora_refit(worker, self.train, gen_world_size)

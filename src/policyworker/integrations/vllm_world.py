@@ -58,10 +58,10 @@ class WorldSpec:
 
         _load(worker.model, hf_model(self, version), torch)
 
-    async def prepare(self, worker: Any, gen_world_size: int) -> dict:
+    async def prepare(self, worker: Any, gen_world_size: int, train: str | None = None) -> dict:
         from .vllm_plan import prepare_vllm_refit
 
-        return await prepare_vllm_refit(worker, self.train, gen_world_size)
+        return await prepare_vllm_refit(worker, train or self.train, gen_world_size)
 
 
 def hf_config(spec: WorldSpec) -> Any:
@@ -129,7 +129,7 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                                         train_world_size=spec.n_train)
                 await w.init_nccl_reshard_comm_group(["127.0.0.1"], [cmd["stage_port"]], 1, 0,
                                                      spec.n_train + cmd["gen_world_size"], rank)
-                info = await spec.prepare(w, cmd["gen_world_size"])
+                info = await spec.prepare(w, cmd["gen_world_size"], cmd.get("train"))
                 plan = w._refit_transport_state("nccl_reshard")["seed_plan"]
                 replies.put({"ok": True, "hash": info["hash"], "total_bytes": plan.total_bytes,
                              "send_bytes": {t.dst: t.nbytes for t in plan.sends(rank)}})
@@ -237,11 +237,13 @@ class TrainerPool:
     def replies(self, timeout_s: float, ranks: list[int] | None = None) -> list[dict[str, Any]]:
         return [self.reply(r, timeout_s) for r in (range(self.spec.n_train) if ranks is None else ranks)]
 
-    def connect(self, gen_world_size: int, version: int) -> dict[str, Any]:
-        """Fresh ports; tell every trainer to join them. Returns the ``init_info`` for vLLM."""
+    def connect(self, gen_world_size: int, version: int, train: str | None = None) -> dict[str, Any]:
+        """Fresh ports; tell every trainer to join them. Returns the ``init_info`` for vLLM.
+
+        ``train``: plan from this trainer layout (same world size) instead of the spec's."""
         update_port, stage_port = free_port(), free_port()
         self.send({"cmd": "connect", "update_port": update_port, "stage_port": stage_port,
-                   "gen_world_size": gen_world_size, "version": version})
+                   "gen_world_size": gen_world_size, "version": version, "train": train})
         return {"host": "127.0.0.1", "update_port": update_port, "stage_ports": [stage_port],
                 "trainers_per_stage": [self.spec.n_train], "timeout_s": self.spec.timeout_s,
                 "refit_timeout_s": self.spec.refit_timeout_s, "reshard_options": dict(self.spec.reshard_options)}
