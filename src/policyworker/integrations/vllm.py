@@ -225,6 +225,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self._plan_loaded = False
         self._plan: ReshardPlan | None = None
         self._received: int | None = None
+        #: The last refit's report on this rank (its notes say whether it was a delta).
+        self.last_report: Any = None
         #: The version of the last refit this engine committed into vLLM (None: none yet).
         # vLLM's live weights go through the one commit path too: the staging RolloutWorker
         # has its own ledger (bytes landed), this one says what vLLM serves.
@@ -408,10 +410,19 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             raise ConfigError(f"update_info.version {update_info.version} is not newer than the version vLLM "
                               f"rank {worker.rank} serves ({served}); nothing received", rank=worker.rank)
         timeout = update_info.refit_timeout_s or self._info.refit_timeout_s
+        if self._info.reshard_options.get("delta"):
+            # A delta applies to what the receive buffers hold: the newest version received.
+            self._stage.catch_up()
         # Into the staging set that nothing live references (it alternates per commit).
         worker.load_refit_plan(self._plan, params=self._stage.receive_views())
-        report = self._call(worker.receive_nccl_reshard_refit(refit_timeout_s=timeout),
-                            timeout if timeout is not None else self._info.timeout_s)
+        try:
+            report = self._call(worker.receive_nccl_reshard_refit(refit_timeout_s=timeout),
+                                timeout if timeout is not None else self._info.timeout_s)
+        except BaseException:
+            self._stage.received(False)
+            raise
+        self._stage.received(True)
+        self.last_report = report
         if report.version != update_info.version:
             raise ProtocolError(f"the trainers sent version {report.version}, update_info says "
                                 f"{update_info.version}; nothing committed", rank=worker.rank)

@@ -29,6 +29,13 @@ Two sets, not one: whatever vLLM's post-processing keeps of a staging tensor (a 
 weight as is, a kernel that aliases the weight) stays live after the commit, and the
 next refit writes into the *other* set, which nothing live references any more.
 
+Delta refits (``reshard_options={"delta": True}``) apply the changed elements to the
+bytes the receive destinations already hold, which must be the newest version this
+rank received. With two sets they are not: after a commit the free set holds the
+version before (or nothing). So :meth:`VllmStage.catch_up` copies the newest received
+bytes into the free set before each refit (one memory copy of this rank's bytes; only
+in delta mode), and the receiver's per-copy checksums prove the base was right.
+
 Where each box lands is checked once against vLLM's own weight loaders
 (:meth:`VllmStage.check_with_vllm_loaders`): random boxes go through the layer's
 ``weight_loader`` (as vLLM's model loader calls it, with its shard id) into a scratch
@@ -122,6 +129,8 @@ class VllmStage:
         self.cpu_linear = "prepack"
         self.prepack = BackgroundPrepack()
         self.live = 0  # the set that the live layers may reference; refits land in the other
+        #: The set whose receive buffers hold the newest complete refit (None: unknown).
+        self.newest: int | None = None
         slots: dict[int, _Slot] = {}
         for mod_name, module in model.named_modules(remove_duplicate=False):
             for pname, param in module._parameters.items():
@@ -171,6 +180,7 @@ class VllmStage:
         """The trainers' dtype per need: a box whose wire dtype is not vLLM's lands in its own
         buffer and is cast into the staging view at prepare (as vLLM's loaders would)."""
         self.wire_dtypes = dict(wire_dtypes)
+        self.newest = None  # fresh receive buffers hold no version
         for k in (0, 1):
             for name, view in self._views[k].items():
                 wire = self.wire_dtypes.get(name, str(view.dtype).removeprefix("torch."))
@@ -181,6 +191,23 @@ class VllmStage:
     def receive_views(self) -> dict[str, torch.Tensor]:
         """The receive destinations of the next refit (in the set nothing live references)."""
         return dict(self._recv[1 - self.live])
+
+    def received(self, ok: bool) -> None:
+        """Record the end of a refit into the free set: complete (``ok``) or not."""
+        self.newest = 1 - self.live if ok else None
+
+    def catch_up(self) -> bool:
+        """Make the free set's receive buffers hold the newest received bytes (the base a
+        delta refit applies to). Returns whether it copied. With no complete refit known
+        there is nothing to copy: the transport then reports no base and refits in full."""
+        free = 1 - self.live
+        if self.newest is None or self.newest == free:
+            return False
+        with torch.no_grad():
+            for name, dst in self._recv[free].items():
+                dst.copy_(self._recv[self.newest][name])
+        self.newest = free
+        return True
 
     def check_with_vllm_loaders(self, seed: int = 0) -> None:
         """Random boxes through vLLM's weight loaders must land where the views put them.

@@ -151,7 +151,8 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                 t0 = time.perf_counter()
                 rep = await w.nccl_reshard_refit(refit_timeout_s=spec.refit_timeout_s)
                 replies.put({"ok": True, "version": rep.version, "bytes": rep.bytes, "seconds": rep.seconds,
-                             "wall": time.perf_counter() - t0})
+                             "wall": time.perf_counter() - t0, "notes": list(rep.notes),
+                             "wire_bytes": rep.wire_bytes})
             else:
                 replies.put({"ok": False, "error": "ValueError", "message": f"unknown command {kind!r}"})
         except PolicyWorkerError as exc:
