@@ -1,0 +1,69 @@
+"""RolloutWorker(double_buffer=True): refits land in a second set, weights() serves v meanwhile.
+
+Real processes over real gloo (nccl_reshard): a reader on the rollout's loop calls
+``served()`` throughout each transfer and checks the bytes it gets against the last
+committed version's shards, bit for bit; a refit that fails mid-transfer leaves that
+version served and not torn, and the next refit commits bit-exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from policyworker.cli.procs import free_port, run_world
+
+from .refit_world import RefitSpec, refit_rank
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _world(spec: RefitSpec) -> list[dict]:
+    spec.update_port = free_port()
+    spec.stage_ports = [free_port() for _ in range(spec.train_par.pp)]
+    spec.train_port = free_port()
+    return run_world(refit_rank, spec.train_par.world_size + spec.gen_par.world_size, (spec,), timeout_s=105)
+
+
+def _check_mid(mid: dict) -> None:
+    assert mid["in_flight"] > 0, mid  # reads happened while the transfer ran
+    assert mid["exact"] == mid["in_flight"], mid  # each one the committed version, bit for bit
+
+
+@pytest.mark.timeout(120)
+def test_weights_serve_the_committed_version_during_every_transfer():
+    spec = RefitSpec(preset="tiny", train="tp=2", gen="tp=2", refits=3, double_buffer=True,
+                     options={"bucket_bytes": 8192})
+    results = _world(spec)
+    for r in results[2:]:
+        outs = r["outcomes"]
+        assert [o.get("exact") for o in outs] == [True] * 3, outs
+        assert r["weight_version"] == 3
+        for o in outs:
+            _check_mid(o["mid"])
+        assert r["staging_bytes"] == r["recv_expected"]  # one more copy of this rank's weights
+
+
+@pytest.mark.timeout(120)
+def test_a_transfer_that_stops_midway_leaves_the_last_version_served_not_torn():
+    spec = RefitSpec(preset="tiny", train="tp=2", gen="tp=1", refits=2, refit_timeout_s=4.0, double_buffer=True,
+                     options={"bucket_bytes": 8192}, fault={"version": 2, "kind": "drop_last_bucket"})
+    rollout = _world(spec)[2]
+    first, failed = rollout["outcomes"]
+    assert first["ok"] and first["exact"] and first["version"] == 1
+    assert failed["ok"] is False and failed["error"] in {"RefitTimeout", "RefitAborted"}
+    assert failed["weight_version"] == 1 and failed["torn"] is False  # the in-place path would be torn
+    _check_mid(failed["mid"])
+    assert rollout["serves_after_failure"] is True and rollout["serves_exact"] is True
+
+
+@pytest.mark.timeout(120)
+def test_after_a_corrupted_transfer_the_next_refit_commits_bit_exact():
+    spec = RefitSpec(preset="tiny", train="tp=2", gen="tp=1", refits=3, double_buffer=True, go_on_after_failure=True,
+                     options={"checksum": True, "bucket_bytes": 8192}, fault={"version": 2, "kind": "flip_byte"})
+    rollout = _world(spec)[2]
+    first, failed, third = rollout["outcomes"]
+    assert first["exact"] and first["version"] == 1
+    assert failed["error"] == "ProtocolError" and failed["weight_version"] == 1 and failed["torn"] is False
+    assert rollout["serves_exact"] is True
+    assert third["ok"] and third["exact"] and third["version"] == 2  # the failed version is retried
+    _check_mid(third["mid"])
