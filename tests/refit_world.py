@@ -174,7 +174,7 @@ def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
         for version in range(1, spec.refits + 1):
             t0 = time.perf_counter()
             refit = asyncio.ensure_future(w.receive_nccl_reshard_refit(refit_timeout_s=spec.refit_timeout_s))
-            mid = await _read_while(refit, w, dest_shards(plan, g, _weights_of(spec, served, dtype))) \
+            mid = await read_while(refit, w, dest_shards(plan, g, weights_of(spec.config, served, dtype))) \
                 if spec.double_buffer else None
             try:
                 rep = await refit
@@ -183,7 +183,7 @@ def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
                                         "weight_version": w.weight_version, "mid": mid})
                 try:
                     have = w.weights()
-                    want = dest_shards(plan, g, _weights_of(spec, served, dtype))
+                    want = dest_shards(plan, g, weights_of(spec.config, served, dtype))
                     out["serves_after_failure"] = True
                     out["serves_exact"] = all(same_bits(have[k], want[k]) for k in want)
                 except PolicyWorkerError as serve_exc:
@@ -207,13 +207,13 @@ def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
     return asyncio.run(main())
 
 
-def _weights_of(spec: RefitSpec, version: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def weights_of(config, version: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The full weights of ``version`` (0: the zeros a rollout allocates before any refit)."""
-    full = seeded_state_dict(spec.config, seed=max(version, 1), dtype=dtype)
+    full = seeded_state_dict(config, seed=max(version, 1), dtype=dtype)
     return {n: torch.zeros_like(t) for n, t in full.items()} if version == 0 else full
 
 
-async def _read_while(refit: asyncio.Future, w: RolloutWorker, want: dict[str, torch.Tensor]) -> dict[str, int]:
+async def read_while(refit: asyncio.Future, w: RolloutWorker, want: dict[str, torch.Tensor]) -> dict[str, int]:
     """Read ``served()`` while ``refit`` runs; count reads made in flight and exact ones."""
     reads = in_flight = exact = 0
     while not refit.done():
@@ -224,7 +224,7 @@ async def _read_while(refit: asyncio.Future, w: RolloutWorker, want: dict[str, t
             in_flight += 1
             exact += int(ok and version == w.weight_version)
         reads += 1
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0)
     return {"reads": reads, "in_flight": in_flight, "exact": exact}
 
 

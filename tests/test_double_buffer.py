@@ -67,3 +67,20 @@ def test_after_a_corrupted_transfer_the_next_refit_commits_bit_exact():
     assert rollout["serves_exact"] is True
     assert third["ok"] and third["exact"] and third["version"] == 2  # the failed version is retried
     _check_mid(third["mid"])
+
+
+@pytest.mark.timeout(120)
+def test_zmq_double_buffer_serves_v_mid_transfer_and_keeps_one_copy_program_per_set():
+    from .zmq_world import ZmqSpec, zmq_rank
+
+    spec = ZmqSpec(refits=4, double_buffer=True, options={"bucket_bytes": 1024})
+    trainer, rollout = run_world(zmq_rank, 2, (spec,), timeout_s=100)
+    assert [o["ok"] for o in trainer["outcomes"]] == [True] * 4, trainer["outcomes"]
+    outs = rollout["outcomes"]
+    assert [o.get("exact") for o in outs] == [True] * 4, outs
+    assert [o["weight_version"] for o in outs] == [1, 2, 3, 4]
+    for o in outs:
+        _check_mid(o["mid"])
+    # one program per landing set, compiled once each, then reused as the sets alternate
+    assert ["copy program rebuilt" in o["notes"] for o in outs] == [True, True, False, False], outs
+    assert rollout["staging_bytes"] == rollout["expected_bytes"]

@@ -273,7 +273,7 @@ class RolloutWorker(WorkerCore):
         self.params = dict(params)
         state = self._refit_transport_state("zmq")
         state["seed_plan"] = state["plan"] = plan
-        state["program"] = None
+        state["program"] = state["program_alt"] = None
 
     async def update_weights_via_ipc_zmq(self, *, refit_timeout_s: float | None = None) -> RefitReport:
         """``refit("zmq")``: pull the next refit from the colocated trainer; commit it or raise."""
