@@ -59,6 +59,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..ledger import WeightLedger
 from ..errors import ConfigError, PlanMismatch, PolicyWorkerError, ProtocolError, TornWeights, translate_comm_error
 from ..layout.plan import ReshardPlan
+from .vllm_overlap import OverlappedReceive, StepCounter
 from .vllm_plan import NEEDS_KEY, PLAN_KEY, Needs, encode_needs
 from .vllm_stage import VllmStage
 from .vllm_targets import Target, needs_from_vllm_model, vllm_targets
@@ -115,6 +116,9 @@ class PolicyworkerInitInfo(WeightTransferInitInfo):
     #: prepacked layer by layer on a background thread). No effect on GPU, where
     #: unquantized layers read the parameter as is anyway.
     cpu_linear: str = "prepack"
+    #: ``update_weights`` starts the receive and returns; vLLM keeps generating on the
+    #: committed version until ``finish_weight_update`` (integrations/vllm_overlap.py).
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.commit not in ("auto", "swap", "copy"):
@@ -213,6 +217,11 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         # vLLM's live weights go through the one commit path too: the staging RolloutWorker
         # has its own ledger (bytes landed), this one says what vLLM serves.
         self.ledger = WeightLedger(rank=self.tp_rank, what="vLLM engine")
+        #: Forward passes so far, and (version, step count at its commit) of each commit.
+        self.steps = StepCounter(model)
+        self.commits: list[tuple[int, int]] = []
+        self._pending: OverlappedReceive | None = None
+        self._open_session = False  # a failed overlapped finish left vLLM's update session open
 
     # -- init -------------------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> PolicyworkerInitInfo:
@@ -335,6 +344,13 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
 
     def receive_weights(self, update_info: PolicyworkerUpdateInfo) -> None:
         worker = self._require_worker()
+        if self._open_session:
+            # vLLM closes its update session only on a successful finish or a failed
+            # update_weights: this call is the one that closes it.
+            self._open_session = False
+            raise ConfigError(f"vLLM rank {worker.rank}: the last overlapped update failed in finish_weight_update; "
+                              f"this update_weights only closes that session (nothing received): call "
+                              f"start_weight_update again", rank=worker.rank)
         if not self._plan_loaded:
             raise ConfigError("call start_weight_update before update_weights")
         self._received = None
@@ -347,8 +363,13 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         timeout = update_info.refit_timeout_s or self._info.refit_timeout_s
         # Into the staging set that nothing live references (it alternates per commit).
         worker.load_refit_plan(self._plan, params=self._stage.receive_views())
-        report = self._call(worker.receive_nccl_reshard_refit(refit_timeout_s=timeout),
-                            timeout if timeout is not None else self._info.timeout_s)
+        bound = timeout if timeout is not None else self._info.timeout_s
+        if self._info.overlap:
+            self._pending = OverlappedReceive.start(
+                self._loop, worker.receive_nccl_reshard_refit(refit_timeout_s=timeout), worker=worker,
+                version=update_info.version, step=self.steps.count, timeout_s=bound)
+            return
+        report = self._call(worker.receive_nccl_reshard_refit(refit_timeout_s=timeout), bound)
         if report.version != update_info.version:
             raise ProtocolError(f"the trainers sent version {report.version}, update_info says "
                                 f"{update_info.version}; nothing committed", rank=worker.rank)
@@ -362,6 +383,13 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         raises and commits nothing). A failure while post-processing leaves vLLM's live
         layers untouched (version intact); only a failure in the swap itself marks torn.
         """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                self._received = pending.wait(self.tp_rank)
+            except BaseException:
+                self._open_session = True
+                raise
         if self._received is None:
             state = "torn" if self.torn else f"version {self.committed_version}"
             raise (TornWeights if self.torn else ConfigError)(
@@ -376,6 +404,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             self.ledger.fail(True)  # some layers may already hold the new version
             raise
         self.ledger.commit(version)
+        self.commits.append((version, self.steps.count))
 
     @property
     def torn(self) -> bool:
