@@ -47,6 +47,8 @@ class RefitSpec:
     kv_scales_entries: int = 1  # kv scales per refit (hundreds: past the verdict's inline bytes)
     double_buffer: bool = False  # rollouts land in a second set and read weights() mid-transfer
     go_on_after_failure: bool = False  # both sides keep refitting after a failed one
+    nodes: list[str] | None = None  # node of each process (trainers, then rollouts): POLICYWORKER_NODE
+    die_in_fanout: tuple[int, int] | None = None  # (generation rank, version): exits inside the relay phase
 
     @property
     def train_par(self) -> Parallelism:
@@ -171,7 +173,11 @@ def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
                                               [len(train.stage_ranks(s)) for s in range(train.pp)])
         w.load_refit_plan(plan.refit_info())
         served = 0  # the last committed version
+        version_box = [0]
+        if spec.die_in_fanout is not None and spec.die_in_fanout[0] == g:
+            _die_in_fanout(version_box, spec.die_in_fanout[1])
         for version in range(1, spec.refits + 1):
+            version_box[0] = version
             t0 = time.perf_counter()
             refit = asyncio.ensure_future(w.receive_nccl_reshard_refit(refit_timeout_s=spec.refit_timeout_s))
             mid = await read_while(refit, w, dest_shards(plan, g, weights_of(spec.config, served, dtype))) \
@@ -228,8 +234,31 @@ async def read_while(refit: asyncio.Future, w: RolloutWorker, want: dict[str, to
     return {"reads": reads, "in_flight": in_flight, "exact": exact}
 
 
+def _die_in_fanout(version_box: list[int], version: int) -> None:
+    """Make this process exit (as a SIGKILL would leave it: no clean-up) inside the relay
+    phase of refit ``version``, after its first fan-out message was posted."""
+    import os
+
+    from policyworker.transports import nccl_relay
+
+    real = nccl_relay.run_fanout
+
+    def dying(fanouts, rank, group, *args, **kwargs):
+        if version_box[0] == version:
+            os._exit(17)
+        return real(fanouts, rank, group, *args, **kwargs)
+
+    nccl_relay.run_fanout = dying
+
+
 def refit_rank(rank: int, spec: RefitSpec) -> dict[str, Any]:
     torch.set_num_threads(1)
+    if spec.nodes is not None:
+        import os
+
+        from policyworker.transports.nccl_relay import NODE_ENV
+
+        os.environ[NODE_ENV] = spec.nodes[rank]
     dtype = getattr(torch, spec.dtype)
     train, gen = spec.train_par, spec.gen_par
     if spec.source == "dtensor":

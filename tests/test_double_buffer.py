@@ -84,3 +84,21 @@ def test_zmq_double_buffer_serves_v_mid_transfer_and_keeps_one_copy_program_per_
     # one program per landing set, compiled once each, then reused as the sets alternate
     assert ["copy program rebuilt" in o["notes"] for o in outs] == [True, True, False, False], outs
     assert rollout["staging_bytes"] == rollout["expected_bytes"]
+
+
+def test_delta_refits_are_refused_with_double_buffer():
+    import asyncio
+
+    from policyworker import ConfigError, RolloutWorker
+
+    async def main():
+        w = RolloutWorker(device="cpu", double_buffer=True)
+        try:
+            with pytest.raises(ConfigError, match="delta refits need the in-place path"):
+                await w._attach("nccl_reshard", {"delta": True})
+            with pytest.raises(ConfigError, match="double_buffer must be a bool"):
+                RolloutWorker(device="cpu", double_buffer="yes")
+        finally:
+            await w.shutdown()
+
+    asyncio.run(main())

@@ -133,6 +133,14 @@ class RolloutWorker(WorkerCore):
             self.params, self._back = self._back, self.params
 
     # -- the road's hooks ----------------------------------------------------------------
+    async def _attach(self, name: Any, setup: Mapping[str, Any]) -> Attachment:
+        if self.double_buffer and setup.get("delta"):
+            # A delta lands changes on top of the set it writes, which holds the version
+            # before the last one: refused rather than failing every other refit.
+            raise ConfigError("delta refits need the in-place path: a double_buffer rollout lands each refit in "
+                              "the set two versions old", rank=self.rank)
+        return await super()._attach(name, setup)
+
     def _transport_params(self, att: Attachment) -> Mapping[str, torch.Tensor]:
         if not self.double_buffer:
             return self.params

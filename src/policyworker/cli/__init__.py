@@ -19,29 +19,42 @@ __all__ = ["main"]
 
 
 def _cmd_transports(args: argparse.Namespace) -> int:
+    """List the registered transports; with ``--load`` import each, report every broken
+    plugin (and every ignored claim on a built-in name) and exit 1 if there is any."""
     from rich.console import Console
     from rich.table import Table
 
+    from ..errors import TransportLoadError
     from ..registry import TransportRegistry
 
     registry = TransportRegistry()
     infos = registry.list()
+    failed: dict[str, str] = {}
     if args.load:
         for info in infos:
             try:
                 registry.load(info.name)
-            except Exception as exc:  # show every broken plugin, keep listing the rest
-                print(f"{info.name}: {exc}", file=sys.stderr)
+            except TransportLoadError as exc:  # show every broken plugin, keep loading the rest
+                failed[info.name] = str(exc)
+        for problem in registry.problems():  # e.g. a plugin claiming a built-in's name
+            if problem.entry_point not in failed:
+                failed[f"{problem.entry_point} ({problem.distribution})"] = str(problem)
+        for name, message in failed.items():
+            print(f"policyworker transports: {name}: {message}", file=sys.stderr)
         infos = registry.list()
     if args.json:
         print(json.dumps([dataclasses.asdict(info) for info in infos], indent=2))
-        return 0
-    table = Table(title="policyworker transports")
-    for col in ("name", "distribution", "target", "loaded"):
-        table.add_column(col)
-    for info in infos:
-        table.add_row(info.name, info.distribution, info.target, "yes" if info.loaded else "no")
-    Console().print(table)
+    else:
+        table = Table(title="policyworker transports")
+        for col in ("name", "distribution", "target", "loaded", "problem"):
+            table.add_column(col)
+        for info in infos:
+            problem = "load failed" if info.name in failed else ("name conflict" if info.problem else "")
+            table.add_row(info.name, info.distribution, info.target, "yes" if info.loaded else "no", problem)
+        Console().print(table)
+    if failed:
+        print(f"policyworker transports: {len(failed)} plugin problem(s)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -67,6 +80,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.lora is not None and args.engine != "vllm":
+        from ..errors import ConfigError
+
+        raise ConfigError("bench --lora RANK refits into vLLM: add --engine vllm")
+    if args.engine == "vllm" and args.lora is not None:
+        from ..integrations.vllm_lora_bench import run_vllm_lora_bench
+
+        result = run_vllm_lora_bench(rank=args.lora, preset=args.preset, train=args.vllm_train, refits=args.refits,
+                                     dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20),
+                                     timeout_s=args.timeout, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        write_json(args.json, result, echo=True)
+        return 0 if result["tokens_match_peft"] or args.dtype != "float32" else 1
     if args.engine == "vllm":
         from ..integrations.vllm_bench import run_vllm_bench
 
@@ -83,6 +108,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError("bench needs --transport nccl_reshard|zmq or --engine vllm")
     if args.transport == "zmq":
         return _bench_zmq(args)
+    if args.delta:
+        return _bench_delta(args)
     from .refit_bench import RefitBenchSpec, run_refit_bench
 
     spec = RefitBenchSpec(preset=args.preset, train=args.train, gen=args.gen, refits=args.refits,
@@ -92,6 +119,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                                                            file=sys.stderr, flush=True))
     write_json(args.json, result, echo=True)
     return 0 if result["bit_exact"] in (True, None) else 1
+
+
+def _bench_delta(args: argparse.Namespace) -> int:
+    from .delta_bench import DeltaBenchSpec, run_delta_bench
+
+    spec = DeltaBenchSpec(preset=args.preset, train=args.train, gen=args.gen, dtype=args.dtype,
+                          real_steps=args.real_steps, timeout_s=args.timeout)
+    result = run_delta_bench(spec, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    write_json(args.json, result, echo=True)
+    return 0 if result["bit_exact"] else 1
 
 
 def _bench_zmq(args: argparse.Namespace) -> int:
@@ -180,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=["nccl_reshard", "zmq"])
     p.add_argument("--engine", choices=["vllm"], help="vllm: refit a real vLLM engine (nccl_reshard) vs its "
                    "same-run gloo ceiling and a safetensors checkpoint + vLLM reload_weights")
+    p.add_argument("--lora", type=int, metavar="RANK", help="--engine vllm: refit a rank-RANK LoRA adapter "
+                   "(backend policyworker-lora) against full refits of the model, same run")
     p.add_argument("--vllm-train", default="tp=2", help="--engine vllm: trainer layout")
     p.add_argument("--vllm-tp", type=int, default=1, help="--engine vllm: vLLM tensor_parallel_size")
     p.add_argument("--vllm-executor", choices=["mp", "uni"], default="mp",
@@ -203,12 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer-params", choices=["flat", "views"], default="flat",
                    help="nccl_reshard: trainers hold their shards in one buffer, or send views of a full model")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check (large presets)")
+    p.add_argument("--delta", action="store_true",
+                   help="nccl_reshard: delta refits at several changed fractions vs full refits, same run")
+    p.add_argument("--real-steps", type=int_at_least(1), default=3,
+                   help="--delta: AdamW steps (lr 1e-6) of the toy model for the measured changed fraction")
     p.add_argument("--timeout", type=positive_float, default=300.0)
     p.add_argument("--json", metavar="PATH", type=json_path)
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("transports", help="list registered transports (imports none unless --load)")
-    p.add_argument("--load", action="store_true", help="import each one and report failures")
+    p.add_argument("--load", action="store_true",
+                   help="import each one; report broken plugins and exit 1 when there is any")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_transports)
 

@@ -138,7 +138,12 @@ class TransportContext:
 
 
 class RefitReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What one side of one refit did. ``bytes`` counts payload bytes moved by this rank."""
+    """What one side of one refit did. ``bytes`` counts payload bytes moved by this rank.
+
+    ``wire_bytes``: what crossed the wire when it differs from ``bytes`` (a delta refit
+    lands and verifies ``bytes`` but moves only the changed elements); ``shadow_bytes``:
+    memory the sender keeps across refits to know what changed.
+    """
 
     transport: str
     role: str
@@ -148,6 +153,8 @@ class RefitReport(msgspec.Struct, frozen=True, kw_only=True):
     buckets: int = 0
     peak_extra_bytes: int = 0
     notes: tuple[str, ...] = ()
+    wire_bytes: int | None = None
+    shadow_bytes: int = 0
 
     @property
     def gbps(self) -> float:
