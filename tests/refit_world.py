@@ -45,6 +45,8 @@ class RefitSpec:
     refit_timeout_s: float | None = None
     fault: dict[str, Any] | None = None
     kv_scales_entries: int = 1  # kv scales per refit (hundreds: past the verdict's inline bytes)
+    double_buffer: bool = False  # rollouts land in a second set and read weights() mid-transfer
+    go_on_after_failure: bool = False  # both sides keep refitting after a failed one
     nodes: list[str] | None = None  # node of each process (trainers, then rollouts): POLICYWORKER_NODE
     die_in_fanout: tuple[int, int] | None = None  # (generation rank, version): exits inside the relay phase
 
@@ -143,7 +145,8 @@ def _trainer(rank: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
                                         "seconds": rep.seconds, "peak_extra_bytes": rep.peak_extra_bytes})
             except PolicyWorkerError as exc:
                 out["outcomes"].append({"ok": False, "error": type(exc).__name__, "message": str(exc)[:300]})
-                break  # the groups may be aborted: recovery is a separate scenario
+                if not spec.go_on_after_failure:
+                    break  # the groups may be aborted: recovery is a separate scenario
         await w.shutdown()
         return out
 
@@ -164,40 +167,71 @@ def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         out: dict[str, Any] = {"outcomes": [], "hash": plan.hash}
         w = RolloutWorker(rank=g, gen_world_size=n_gen, device="cpu", timeout_s=spec.timeout_s,
-                          reshard_options=spec.options)
+                          reshard_options=spec.options, double_buffer=spec.double_buffer)
         await w.init_collective("127.0.0.1", spec.update_port, n_train + n_gen, train_world_size=n_train)
         await w.init_nccl_reshard_comm_groups(["127.0.0.1"] * train.pp, spec.stage_ports,
                                               [len(train.stage_ranks(s)) for s in range(train.pp)])
         w.load_refit_plan(plan.refit_info())
+        served = 0  # the last committed version
         version_box = [0]
         if spec.die_in_fanout is not None and spec.die_in_fanout[0] == g:
             _die_in_fanout(version_box, spec.die_in_fanout[1])
         for version in range(1, spec.refits + 1):
             version_box[0] = version
             t0 = time.perf_counter()
+            refit = asyncio.ensure_future(w.receive_nccl_reshard_refit(refit_timeout_s=spec.refit_timeout_s))
+            mid = await read_while(refit, w, dest_shards(plan, g, weights_of(spec.config, served, dtype))) \
+                if spec.double_buffer else None
             try:
-                rep = await w.receive_nccl_reshard_refit(refit_timeout_s=spec.refit_timeout_s)
+                rep = await refit
             except PolicyWorkerError as exc:
                 out["outcomes"].append({"ok": False, "error": type(exc).__name__, "torn": w.torn,
-                                        "weight_version": w.weight_version})
+                                        "weight_version": w.weight_version, "mid": mid})
                 try:
-                    w.weights()
+                    have = w.weights()
+                    want = dest_shards(plan, g, weights_of(spec.config, served, dtype))
                     out["serves_after_failure"] = True
+                    out["serves_exact"] = all(same_bits(have[k], want[k]) for k in want)
                 except PolicyWorkerError as serve_exc:
                     out["serves_after_failure"] = type(serve_exc).__name__
+                if spec.go_on_after_failure:
+                    continue
                 break
+            served = version
             want = dest_shards(plan, g, seeded_state_dict(spec.config, seed=version, dtype=dtype))
             have = w.weights()
             exact = set(want) == set(have) and all(same_bits(have[k], want[k]) for k in want)
             out["outcomes"].append({"ok": True, "exact": exact, "version": rep.version, "bytes": rep.bytes,
                                     "seconds": time.perf_counter() - t0, "kv_scales": w.kv_scales,
-                                    "peak_extra_bytes": rep.peak_extra_bytes})
+                                    "peak_extra_bytes": rep.peak_extra_bytes, "mid": mid})
         out["weight_version"] = w.weight_version
+        out["staging_bytes"] = w.staging_bytes
         out["recv_expected"] = plan.recv_bytes_per_dst_rank()[g]
         await w.shutdown()
         return out
 
     return asyncio.run(main())
+
+
+def weights_of(config, version: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The full weights of ``version`` (0: the zeros a rollout allocates before any refit)."""
+    full = seeded_state_dict(config, seed=max(version, 1), dtype=dtype)
+    return {n: torch.zeros_like(t) for n, t in full.items()} if version == 0 else full
+
+
+async def read_while(refit: asyncio.Future, w: RolloutWorker, want: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Read ``served()`` while ``refit`` runs; count reads made in flight and exact ones."""
+    reads = in_flight = exact = 0
+    while not refit.done():
+        before = w.ledger.in_flight
+        version, have = w.served()
+        ok = set(have) == set(want) and all(same_bits(have[k], want[k]) for k in want)
+        if before and w.ledger.in_flight:
+            in_flight += 1
+            exact += int(ok and version == w.weight_version)
+        reads += 1
+        await asyncio.sleep(0)
+    return {"reads": reads, "in_flight": in_flight, "exact": exact}
 
 
 def _die_in_fanout(version_box: list[int], version: int) -> None:

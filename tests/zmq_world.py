@@ -35,6 +35,7 @@ class ZmqSpec:
     move_at: int | None = None  # refit version before which one trainer param gets a new storage
     refit_timeout_s: float | None = 20.0
     device: str = "cpu"
+    double_buffer: bool = False  # the rollout reads served() throughout each transfer
     fp8_kernel: str = ""  # an fp8 kernel variant name (fp8_triton.configure_from_string), "" = the default
 
 
@@ -81,7 +82,7 @@ def zmq_rank(rank: int, spec: ZmqSpec) -> dict[str, Any]:
             from policyworker.layout import build_plan
 
             w = ZRollout(rank=g, gen_world_size=spec.pairs, device=spec.device, cpu_index=g, timeout_s=30.0,
-                                  runtime_dir=runtime)
+                                  runtime_dir=runtime, double_buffer=spec.double_buffer)
             w.zmq_options = dict(spec.options)
             plan = build_plan(config, "tp=1", spec.gen, 1, spec.pairs, dtype=torch.float32)
             w.load_colocated_plan(plan.refit_info())
@@ -99,7 +100,13 @@ def zmq_rank(rank: int, spec: ZmqSpec) -> dict[str, Any]:
                     rep = await w.stream_weights_via_ipc_zmq(kv_scales={"k": 0.5 * version},
                                                              refit_timeout_s=spec.refit_timeout_s)
                 else:
-                    rep = await w.update_weights_via_ipc_zmq(refit_timeout_s=spec.refit_timeout_s)
+                    refit = asyncio.ensure_future(w.update_weights_via_ipc_zmq(refit_timeout_s=spec.refit_timeout_s))
+                    if spec.double_buffer:
+                        from .refit_world import read_while, weights_of
+
+                        old = dest_shards(plan, g, weights_of(config, w.weight_version, torch.float32))
+                        row["mid"] = await read_while(refit, w, old)
+                    rep = await refit
                     want = dest_shards(w._refit_transport_state("zmq")["plan"], g,
                                        seeded_state_dict(config, seed=version, dtype=torch.float32))
                     have = w.weights()
@@ -116,6 +123,7 @@ def zmq_rank(rank: int, spec: ZmqSpec) -> dict[str, Any]:
             out["reexports"] = w._refit_transport_state("zmq").get("reexports", 0)
         else:
             out["expected_bytes"] = w._refit_transport_state("zmq")["plan"].recv_bytes_per_dst_rank()[g]
+            out["staging_bytes"] = w.staging_bytes
         await w.shutdown()
         return out
 

@@ -8,6 +8,12 @@ vLLM backend) — and one commit path for every transport::
     ledger.commit(version, received_bytes=..., expected_bytes=...)   # all arrived
     ledger.fail(touched)        # anything else: version stays, torn if bytes were touched
 
+A *staged* ledger (``WeightLedger(staged=True)``) is for a receiver that lands each
+refit in a second set of tensors and commits by swapping sets: the live set is never
+written by a refit, so it stays servable while one is in flight and a failure never
+tears it. ``on_commit`` runs under the lock at commit time (the swap), so no reader
+ever sees the new version with the old tensors or the reverse.
+
 States: *committed* (``version`` v, servable) → *in flight* (``begin``) → committed v' > v
 (``commit``) or back to v (``fail``: *torn* when live bytes were touched; torn
 weights are refused until a later refit commits). The version never goes back and
@@ -19,17 +25,24 @@ Thread-safe (one lock); ``check_servable`` never blocks on a refit.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from .errors import ProtocolError, RefitInProgress, TornWeights
 
 __all__ = ["WeightLedger"]
 
+_T = TypeVar("_T")
+
 
 class WeightLedger:
     """Version, torn mark and in-flight mark of one set of weights (see module docstring)."""
 
-    def __init__(self, *, rank: int | None = None, what: str = "rollout") -> None:
+    def __init__(self, *, rank: int | None = None, what: str = "rollout", staged: bool = False,
+                 on_commit: Callable[[int], None] | None = None) -> None:
         self._lock = threading.Lock()
+        self.staged = staged
+        self._on_commit = on_commit
         self._version = 0
         self._torn = False
         self._in_flight: int | None = None
@@ -76,9 +89,11 @@ class WeightLedger:
                     raise ProtocolError(f"{self.what} rank {self.rank}: refit {version} landed {received_bytes} of "
                                         f"the {expected_bytes} bytes this rank expects", rank=self.rank)
             except ProtocolError:
-                self._torn = True
+                self._torn = self._torn or not self.staged
                 self._in_flight = None
                 raise
+            if self._on_commit is not None:
+                self._on_commit(version)
             self._version = version
             self._torn = False
             self._in_flight = None
@@ -86,17 +101,26 @@ class WeightLedger:
     def fail(self, touched: bool | None) -> None:
         """The refit failed; ``touched`` not False (True or unknown) marks the weights torn."""
         with self._lock:
-            if touched is not False:
+            if touched is not False and not self.staged:
                 self._torn = True
             self._in_flight = None
 
-    def check_servable(self) -> None:
-        """Raise ``RefitInProgress`` during a refit, ``TornWeights`` while torn."""
+    def serve(self, read: Callable[[], _T]) -> tuple[int, _T]:
+        """``(version, read())`` atomically with commits, after ``check_servable``'s checks."""
         with self._lock:
-            if self._in_flight is not None:
-                raise RefitInProgress(f"{self.what} rank {self.rank}: refit {self._in_flight} is in flight; "
-                                      f"the last committed version is {self._version}", rank=self.rank)
-            if self._torn:
-                raise TornWeights(f"{self.what} rank {self.rank}: a failed refit left the weights partly "
-                                  f"overwritten (last committed version {self._version}); a full refit must "
-                                  f"commit first", rank=self.rank)
+            self._check_servable()
+            return self._version, read()
+
+    def check_servable(self) -> None:
+        """Raise ``RefitInProgress`` during a refit (unless staged), ``TornWeights`` while torn."""
+        with self._lock:
+            self._check_servable()
+
+    def _check_servable(self) -> None:
+        if self._in_flight is not None and not self.staged:
+            raise RefitInProgress(f"{self.what} rank {self.rank}: refit {self._in_flight} is in flight; "
+                                  f"the last committed version is {self._version}", rank=self.rank)
+        if self._torn:
+            raise TornWeights(f"{self.what} rank {self.rank}: a failed refit left the weights partly "
+                              f"overwritten (last committed version {self._version}); a full refit must "
+                              f"commit first", rank=self.rank)

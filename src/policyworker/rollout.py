@@ -7,6 +7,14 @@ every rank agreed). Otherwise the worker stays at v-1; if bytes of the live tens
 were already overwritten it is *torn*: ``weights()`` raises ``TornWeights`` until a
 full refit commits, and ``RefitInProgress`` while a refit is in flight.
 
+With ``double_buffer=True`` a refit lands in a second set of tensors shaped like the
+live one (:mod:`~policyworker.staging`) and commits by swapping the two sets under the
+ledger's lock: ``weights()`` keeps serving version v for the whole transfer, and a
+failed refit leaves v served, never torn. The cost is one more copy of this rank's
+weights (``staging_bytes``). The set a commit retires becomes the next refit's
+landing set, so tensors from ``weights()`` must not be read after the *next* refit
+started. The default is the in-place path (no extra memory, not servable mid-refit).
+
 Destination tensors: given directly (``RolloutWorker(params={name: tensor})``) for
 plan-less transports, or allocated from a plan when a transport attaches with one
 (its own tp shard, fused ``qkv_proj`` / ``gate_up_proj`` where the plan says so, as
@@ -32,6 +40,7 @@ from .layout.apply import empty_local_tensors
 from .layout.local import as_plan, check_local_tensors, flat_local_tensors
 from .layout.plan import ReshardPlan
 from .ledger import WeightLedger
+from .staging import same_structure, storage_bytes, twin_tensors
 from .transports.base import RefitReport, TransportContext
 from .worker import SUPPORTED_NCCL_PEERS, _check_int, _open_pair_socket
 
@@ -44,6 +53,7 @@ class RolloutWorker(WorkerCore):
     ``params``: destination tensors by name (plan-less transports; plans check them).
     ``transport_options``: transport name → setup mapping, as on the trainer
     (``reshard_options`` is the ``nccl_reshard`` entry), checked now.
+    ``double_buffer``: land refits in a second set and commit by a swap (see module docstring).
     """
 
     role = "rollout"
@@ -52,8 +62,11 @@ class RolloutWorker(WorkerCore):
     def __init__(
         self, *, rank: int = 0, gen_world_size: int = 1, params: Mapping[str, torch.Tensor] | None = None,
         reshard_options: Mapping[str, Any] | None = None,
-        transport_options: Mapping[str, Mapping[str, Any]] | None = None, **kwargs: Any
+        transport_options: Mapping[str, Mapping[str, Any]] | None = None, double_buffer: bool = False,
+        **kwargs: Any
     ) -> None:
+        if not isinstance(double_buffer, bool):
+            raise ConfigError(f"double_buffer must be a bool, got {double_buffer!r}")
         _check_int(gen_world_size, "gen_world_size", minimum=1)
         if isinstance(rank, int) and not isinstance(rank, bool) and rank >= gen_world_size:
             raise ConfigError(f"rollout rank {rank} is outside the generation world [0, {gen_world_size})")
@@ -71,7 +84,10 @@ class RolloutWorker(WorkerCore):
         self.params: dict[str, torch.Tensor] = dict(params or {})
         self.last_report: RefitReport | None = None
         self._ready = None  # the last refit's ready event (CUDA), see weights()
-        self.ledger = WeightLedger(rank=rank, what="rollout")
+        self.double_buffer = double_buffer
+        self._back: dict[str, torch.Tensor] | None = None  # the landing set (double_buffer)
+        self.ledger = WeightLedger(rank=rank, what="rollout", staged=double_buffer,
+                                   on_commit=self._swap if double_buffer else None)
 
     reshard_options = property(lambda self: self.transport_options("nccl_reshard"),
                                lambda self, v: self.set_transport_options("nccl_reshard", v),
@@ -97,15 +113,40 @@ class RolloutWorker(WorkerCore):
         not the host) for the last refit's ready event, so kernels it queues read the
         committed bytes.
         """
-        self.ledger.check_servable()
+        return self.served()[1]
+
+    def served(self) -> tuple[int, Mapping[str, torch.Tensor]]:
+        """``(version, weights())``, read together: the tensors hold exactly that version."""
+        version, params = self.ledger.serve(lambda: self.params)
         ready = self._ready
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
-        return self.params
+        return version, params
+
+    @property
+    def staging_bytes(self) -> int:
+        """Extra memory of the second set (``double_buffer``; 0 before the first refit or without)."""
+        return storage_bytes(self._back) if self._back is not None else 0
+
+    def _swap(self, version: int) -> None:
+        if self._back is not None:
+            self.params, self._back = self._back, self.params
 
     # -- the road's hooks ----------------------------------------------------------------
+    async def _attach(self, name: Any, setup: Mapping[str, Any]) -> Attachment:
+        if self.double_buffer and setup.get("delta"):
+            # A delta lands changes on top of the set it writes, which holds the version
+            # before the last one: refused rather than failing every other refit.
+            raise ConfigError("delta refits need the in-place path: a double_buffer rollout lands each refit in "
+                              "the set two versions old", rank=self.rank)
+        return await super()._attach(name, setup)
+
     def _transport_params(self, att: Attachment) -> Mapping[str, torch.Tensor]:
-        return self.params
+        if not self.double_buffer:
+            return self.params
+        if self._back is None or not same_structure(self.params, self._back):
+            self._back = twin_tensors(self.params)
+        return self._back
 
     def _adopt_plan(self, name: str, plan: Any) -> Any:
         if plan is None:
@@ -240,7 +281,7 @@ class RolloutWorker(WorkerCore):
         self.params = dict(params)
         state = self._refit_transport_state("zmq")
         state["seed_plan"] = state["plan"] = plan
-        state["program"] = None
+        state["program"] = state["program_alt"] = None
 
     async def update_weights_via_ipc_zmq(self, *, refit_timeout_s: float | None = None) -> RefitReport:
         """``refit("zmq")``: pull the next refit from the colocated trainer; commit it or raise."""

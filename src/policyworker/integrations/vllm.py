@@ -66,6 +66,7 @@ from ..errors import (ConfigError, PlanMismatch, PolicyWorkerError, ProtocolErro
                       translate_comm_error)
 from ..layout.plan import ReshardPlan
 from .vllm_errors import engine_error, mark, typed_errors
+from .vllm_overlap import OverlappedReceive, StepCounter
 from .vllm_plan import NEEDS_KEY, PLAN_KEY, encode_needs
 from .vllm_rpc import Agreement, install_single_reply
 from .vllm_stage import VllmStage
@@ -133,6 +134,9 @@ class PolicyworkerInitInfo(WeightTransferInitInfo):
     #: prepacked layer by layer on a background thread). No effect on GPU, where
     #: unquantized layers read the parameter as is anyway.
     cpu_linear: str = "prepack"
+    #: ``update_weights`` starts the receive and returns; vLLM keeps generating on the
+    #: committed version until ``finish_weight_update`` (integrations/vllm_overlap.py).
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.commit not in ("auto", "swap", "copy"):
@@ -231,6 +235,11 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         # vLLM's live weights go through the one commit path too: the staging RolloutWorker
         # has its own ledger (bytes landed), this one says what vLLM serves.
         self.ledger = WeightLedger(rank=self.tp_rank, what="vLLM engine")
+        #: Forward passes so far, and (version, step count at its commit) of each commit.
+        self.steps = StepCounter(model)
+        self.commits: list[tuple[int, int]] = []
+        self._pending: OverlappedReceive | None = None
+        self._open_session = False  # a failed overlapped finish left vLLM's update session open
         dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
         self._agreement = Agreement.for_vllm(self.tp_rank, self.tp_size, dp_rank)
 
@@ -387,6 +396,9 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
 
         def forget() -> None:  # another rank failed: this rank's bytes must not commit
             self._received = None
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                pending.future.cancel()
 
         self._agreed("update_weights", self._update_bound(update_info), body, on_failure=forget)
 
@@ -400,6 +412,13 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
 
     def receive_weights(self, update_info: PolicyworkerUpdateInfo) -> None:
         worker = self._require_worker()
+        if self._open_session:
+            # vLLM closes its update session only on a successful finish or a failed
+            # update_weights: this call is the one that closes it.
+            self._open_session = False
+            raise ConfigError(f"vLLM rank {worker.rank}: the last overlapped update failed in finish_weight_update; "
+                              f"this update_weights only closes that session (nothing received): call "
+                              f"start_weight_update again", rank=worker.rank)
         if not self._plan_loaded:
             raise ConfigError("call start_weight_update before update_weights")
         self._received = None
@@ -415,9 +434,14 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             self._stage.catch_up()
         # Into the staging set that nothing live references (it alternates per commit).
         worker.load_refit_plan(self._plan, params=self._stage.receive_views())
+        bound = timeout if timeout is not None else self._info.timeout_s
+        if self._info.overlap:
+            self._pending = OverlappedReceive.start(
+                self._loop, worker.receive_nccl_reshard_refit(refit_timeout_s=timeout), worker=worker,
+                version=update_info.version, step=self.steps.count, timeout_s=bound)
+            return
         try:
-            report = self._call(worker.receive_nccl_reshard_refit(refit_timeout_s=timeout),
-                                timeout if timeout is not None else self._info.timeout_s)
+            report = self._call(worker.receive_nccl_reshard_refit(refit_timeout_s=timeout), bound)
         except BaseException:
             self._stage.received(False)
             raise
@@ -438,6 +462,16 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         on every rank (the ranks would otherwise serve a mix of versions).
         """
         bound = self._info.timeout_s if self._info else 0.0
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                self._received = self._agreed("finish_weight_update (overlapped receive)", pending.timeout_s + 30.0,
+                                              lambda: pending.wait(self.tp_rank))
+            except BaseException:
+                self._stage.received(False)
+                self._open_session = True
+                raise
+            self._stage.received(True)
         version = self._received
         prepared = self._agreed("finish_weight_update", bound, self._prepare)
         self._agreed("finish_weight_update (swap)", bound, lambda: self._swap(version, prepared),
@@ -460,6 +494,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             self.ledger.fail(True)  # some layers may already hold the new version
             raise
         self.ledger.commit(version)
+        self.commits.append((version, self.steps.count))
 
     def _torn_everywhere(self) -> None:
         # A rank whose swap succeeded serves the new version while another does not.

@@ -409,13 +409,20 @@ class ZmqIpcTransport(Transport):
             raise ProtocolError(f"Offer without sources for unknown epoch {offer.epoch}", rank=ctx.rank,
                                 transport=self.name)
         program: CopyProgram | None = st.get("program")
+        dst_key = tuple(t.data_ptr() for t in ctx.params.values())
+        if program is not None and program.dst_key != dst_key:  # the other set of a double buffer
+            program, st["program_alt"] = st.get("program_alt"), program
         notes = [f"opened {len(offer.handles)} handles"] if offer.handles else []
-        if program is None or program.signature != signature(offer) or offer.handles or offer.release:
-            program = st["program"] = compile_program(plan, ctx.rank, dev, ctx.params, offer, st["sources"][1],
-                                                      opened)
+        if offer.handles or offer.release:
+            st["program_alt"] = None  # compiled against handles that change now
+        if (program is None or program.dst_key != dst_key or program.signature != signature(offer) or offer.handles
+                or offer.release):
+            program = compile_program(plan, ctx.rank, dev, ctx.params, offer, st["sources"][1], opened)
+            program.dst_key = dst_key
             notes.append("copy program rebuilt")
             if len(program.quant):
                 notes.append(f"fp8 launch copies {program.quant.copy_bytes} bytes, torch copies {len(program.runs)}")
+        st["program"] = program
         buckets, ring = program.buckets, program.ring
         times["program"] = time.perf_counter()
         if len(buckets) != offer.staged_buckets:

@@ -123,6 +123,7 @@ class CopyProgram:
     quant: Any  # layout.fp8_pack.QuantJobs
     device: torch.device
     _side: bool = False  # the last issue launched on the fp8 side stream
+    dst_key: tuple = ()  # which destination tensors it writes (a double-buffered rollout alternates two)
 
     @property
     def ncopies(self) -> int:
