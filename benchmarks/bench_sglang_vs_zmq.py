@@ -195,7 +195,7 @@ def _median_spans(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
 def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5,
                    buffers: int = 2, device: str = "cuda", flat_rollout: bool = False,
                    answer_queued: bool = True) -> dict[str, Any]:
-    from policyworker.cli.procs import free_port, run_world
+    from policyworker.procs import free_port, run_world
 
     a = dict(preset=preset, dtype=dtype, refits=refits, bucket_bytes=bucket_bytes, port=free_port(),
              ceiling_rounds=ceiling_rounds, buffers=buffers, device=device, flat_rollout=flat_rollout,
@@ -221,7 +221,7 @@ def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceil
 
 def run_sglang(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5,
                buffers: int = 2) -> dict[str, Any]:
-    from policyworker.cli.procs import free_port, run_world
+    from policyworker.procs import free_port, run_world
 
     a = dict(preset=preset, dtype=dtype, refits=refits, bucket_bytes=bucket_bytes, port=free_port(),
              ceiling_rounds=ceiling_rounds, buffers=buffers)

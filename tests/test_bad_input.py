@@ -317,7 +317,7 @@ def test_store_connect_timeout_names_the_address_and_prints_no_cpp_frames():
     import subprocess
     import sys
 
-    from policyworker.cli.procs import free_port
+    from policyworker.procs import free_port
 
     port = free_port()
     code = (

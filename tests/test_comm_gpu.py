@@ -25,7 +25,7 @@ pytestmark = [
 
 
 def _group(port_name: str = "g", **kw):
-    from policyworker.cli.procs import free_port
+    from policyworker.procs import free_port
     from policyworker.comm import new_group
 
     return new_group(host="127.0.0.1", port=free_port(), rank=0, world_size=1, name=port_name, backend="nccl",

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from policyworker.cli.procs import ProcessFailed, start_world
+from policyworker.procs import ProcessFailed, start_world
 from policyworker.comm_setup import _quiet_cpp_stderr
 
 
@@ -79,7 +79,7 @@ def _one_fails_one_waits(rank: int, ready) -> None:
 def test_a_failed_rank_ends_the_wait_for_the_others_after_the_grace(monkeypatch):
     import multiprocessing as mp
 
-    from policyworker.cli import procs
+    from policyworker import procs
 
     monkeypatch.setattr(procs, "FAIL_GRACE_S", 1.0)
     ready = mp.get_context("spawn").Event()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from policyworker import RolloutWorker, TorchPolicyWorker
-from policyworker.cli.procs import free_port
+from policyworker.procs import free_port
 from policyworker.comm import new_group
 from policyworker.errors import ConfigError, RefitAborted
 from policyworker.layout import build_plan, dest_shards

@@ -7,7 +7,7 @@ import zmq
 
 from policyworker.control import ControlClient
 from policyworker.errors import AccessDenied, ConfigError, RefitTimeout
-from policyworker.cli.procs import free_port
+from policyworker.procs import free_port
 from policyworker.watchdog import process_watchdog
 
 from .helpers import BareWorker

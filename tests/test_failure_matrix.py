@@ -35,7 +35,7 @@ import time
 
 import pytest
 
-from policyworker.cli.procs import free_port
+from policyworker.procs import free_port
 
 from .matrix_cells import (CANCEL_BOUND_S, KILLED_EXIT, SIGINT_EXIT, SLACK_S, TRANSPORTS, Cell, cells,
                            exclusions)

@@ -96,7 +96,7 @@ def test_quantize_while_pack_on_the_gpu_lands_oracle_bits():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("options", [{"flatten": True}, {"staged": True, "bucket_bytes": 8192}])
 def test_zmq_fp8_refit_over_cuda_ipc(options):
-    from policyworker.cli.procs import run_world
+    from policyworker.procs import run_world
 
     from .zmq_world import ZmqSpec, zmq_rank
 
@@ -116,7 +116,7 @@ def test_zmq_fp8_refit_with_big_copies_through_torch_then_the_replayed_launch():
     # The small preset's embedding and lm_head (32 MB each here) are at least
     # torch_min_mib: torch copies them on the pull's stream, then the captured launch
     # (quantize tiles + the small copies) is replayed on that same stream; each refit exact.
-    from policyworker.cli.procs import run_world
+    from policyworker.procs import run_world
 
     from .zmq_world import ZmqSpec, zmq_rank
 

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 import torch
 
-from policyworker.cli.procs import free_port, run_world
+from policyworker.procs import free_port, run_world
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("peft")
 
 from policyworker import PolicyWorkerError, RolloutWorker  # noqa: E402
-from policyworker.cli.procs import free_port, run_world  # noqa: E402
+from policyworker.procs import free_port, run_world  # noqa: E402
 from policyworker.errors import ConfigError, PlanMismatch  # noqa: E402
 from policyworker.integrations.peft import (  # noqa: E402
     LoraMerger, LoraPolicyWorker, adapter_tensors, base_hash, base_tensors, lora_meta, lora_plan, merge_lora,

@@ -39,7 +39,7 @@ _LONG = int(2e9)
 
 
 def _group(name: str = "g", **kw):
-    from policyworker.cli.procs import free_port
+    from policyworker.procs import free_port
     from policyworker.comm import new_group
 
     return new_group(host="127.0.0.1", port=free_port(), rank=0, world_size=1, name=name, timeout_s=30, **kw)
@@ -167,7 +167,7 @@ def test_the_refit_runs_on_the_transports_stream_and_hands_over_an_event():
 _CHILD = r"""
 import json, sys, torch
 from policyworker import RolloutWorker
-from policyworker.cli.procs import free_port
+from policyworker.procs import free_port
 from policyworker.comm import backend_for, new_group
 from policyworker.errors import ConfigError
 out = {"count": torch.cuda.device_count(), "cpu_backend": backend_for("cpu"), "default": backend_for(None)}

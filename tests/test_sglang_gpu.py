@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policyworker.cli.procs import free_port, run_world
+from policyworker.procs import free_port, run_world
 from policyworker.transports import sglang_format as fmt
 
 from .sglang_world import SglangSpec, sglang_rank

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from policyworker import ConfigError, PeerLost, ProtocolError, RefitTimeout
-from policyworker.cli.procs import free_port, run_world
+from policyworker.procs import free_port, run_world
 from policyworker.sglang_client import SglangHttpEngine, UpdateWeightsFromTensorRequest
 from policyworker.transports import sglang_format as fmt
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from policyworker.cli.procs import free_port, run_world
+from policyworker.procs import free_port, run_world
 
 pytestmark = [pytest.mark.multiprocess]
 

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from policyworker.cli.procs import free_port
+from policyworker.procs import free_port
 from policyworker.errors import (CheckpointError, ConfigError, PeerLost, PolicyWorkerError, ProcessFailed,
                                  RefitTimeout, TransportError)
 from policyworker.integrations.vllm_errors import engine_error, error_from_text, mark, typed_errors

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from policyworker.cli.procs import free_port  # noqa: E402
+from policyworker.procs import free_port  # noqa: E402
 from policyworker.errors import ConfigError, PolicyWorkerError  # noqa: E402
 from policyworker.integrations.vllm_trainer import (  # noqa: E402
     LLMWeightSyncClient,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policyworker.cli.procs import run_world
+from policyworker.procs import run_world
 
 from .zmq_world import ZmqSpec, zmq_rank
 

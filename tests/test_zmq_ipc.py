@@ -13,7 +13,7 @@ from policyworker.device import device_facts
 from policyworker.errors import PlanMismatch, ProtocolError, RefitTimeout
 from policyworker.layout import build_plan
 from policyworker.models import get_preset, seeded_state_dict
-from policyworker.cli.procs import run_world
+from policyworker.procs import run_world
 from policyworker.transports import zmq_wire as w
 from policyworker.transports.base import TransportContext
 from policyworker.transports.ipc_handles import share_cpu

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from policyworker.cli.procs import free_port
+from policyworker.procs import free_port
 from policyworker.errors import ConfigError, PeerLost, PolicyWorkerError, RefitTimeout, TornWeights, TransportError
 from policyworker.integrations.vllm import typed_errors
 

@@ -66,7 +66,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
             raise ConfigError(f"demo --engine vllm runs its own tiny Qwen3 (trainers tp=2 -> vLLM tp=1); "
                               f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply (use bench --engine vllm --vllm-train/--vllm-tp)")
-        from ..integrations.vllm_bench import run_vllm_demo
+        from .vllm_bench import run_vllm_demo
 
         result = run_vllm_demo(refits=args.refits)
         write_json(args.json, result)
@@ -85,7 +85,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         raise ConfigError("bench --lora RANK refits into vLLM: add --engine vllm")
     if args.engine == "vllm" and args.lora is not None:
-        from ..integrations.vllm_lora_bench import run_vllm_lora_bench
+        from .vllm_lora_bench import run_vllm_lora_bench
 
         result = run_vllm_lora_bench(rank=args.lora, preset=args.preset, train=args.vllm_train, refits=args.refits,
                                      dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20),
@@ -93,7 +93,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         write_json(args.json, result, echo=True)
         return 0 if result["tokens_match_peft"] or args.dtype != "float32" else 1
     if args.engine == "vllm":
-        from ..integrations.vllm_bench import run_vllm_bench
+        from .vllm_bench import run_vllm_bench
 
         result = run_vllm_bench(preset=args.preset, train=args.vllm_train, tp=args.vllm_tp, refits=args.refits,
                                 dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20), timeout_s=args.timeout,

@@ -57,7 +57,7 @@ def model_config(ref: str) -> ModelConfig:
     and layouts the rules cannot place are ``ConfigError``.
     """
     from ..errors import ConfigError
-    from ..integrations.hf import model_config_from_hf
+    from ..models.config import model_config_from_hf
 
     path = Path(ref).expanduser()
     if not path.exists():

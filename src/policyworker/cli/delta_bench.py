@@ -32,7 +32,7 @@ import torch
 
 from ..errors import TransportError
 from ..layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
-from .procs import free_port, start_world
+from ..procs import free_port, start_world
 
 __all__ = ["DeltaBenchSpec", "run_delta_bench"]
 

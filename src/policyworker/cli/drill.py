@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .drill_rows import collect_with_replacement, failure_row
+
 __all__ = ["SCENARIOS", "Scenario", "run_drill"]
 
 N_TRAIN = N_GEN = 2
@@ -99,30 +101,6 @@ SCENARIOS = {
         Scenario("delta-kill-rollout-mid-delta", "kill_mid", 3, _COMM, delta=True),
     )
 }
-
-
-def failure_row(exc: BaseException, *, version: int, t0: float, w: Any, trainer: bool, out: dict,
-                expected: Any) -> dict[str, Any]:
-    """One failed refit as a drill row; on a rollout also what it serves now (torn? mixed?)."""
-    import torch
-
-    from ..errors import PolicyWorkerError
-
-    kind = "Cancelled" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__
-    row: dict[str, Any] = {"version": version, "error": kind, "detect_seconds": time.monotonic() - t0}
-    if not trainer:
-        row["torn"] = w.torn
-        try:
-            have = w.weights()
-        except PolicyWorkerError:
-            row["serves"] = False
-        else:
-            row["serves"] = True
-            out["served_torn"] |= w.torn
-            if w.weight_version:
-                want = expected(w.weight_version)
-                out["mixed"] |= not all(torch.equal(have[k], want[k]) for k in want)
-    return row
 
 
 def _plan(bad: bool = False):
@@ -292,7 +270,7 @@ def _replacement(_index: int, rank: int, sc: Scenario, ports: list[dict], events
 
 def run_scenario(sc: Scenario, *, timeout_s: float = 150.0) -> dict[str, Any]:
     """Run one scenario in real processes; return its row (see ``run_drill``)."""
-    from .procs import free_port, start_world
+    from ..procs import free_port, start_world
 
     if sc.transport == "zmq":
         from .drill_zmq import run_zmq_scenario
@@ -318,39 +296,6 @@ def run_scenario(sc: Scenario, *, timeout_s: float = 150.0) -> dict[str, Any]:
         world, sc, events, timeout_s, resume_on=dict.fromkeys(("stop_mid", "standdown"), {"failed", "stood_down"}),
         replace=lambda: start_world(_replacement, 1, (sc.victim, sc, ports, events)))
     return _judge(sc, results)
-
-
-def collect_with_replacement(world: Any, sc: Scenario, events: Any, timeout_s: float, *,
-                             resume_on: dict[str, set[str]], replace: Any) -> dict[int, dict]:
-    """Collect a scenario's world while playing its fault's second half.
-
-    A stopped victim (faults named in ``resume_on``) gets SIGCONT once any rank reports
-    one of those events; a killed one (``kill_mid``, ``kill_between``) is replaced by
-    ``replace()`` (a one-rank world) as soon as it is seen dead, and the replacement's
-    result stands in for the victim's. Every wait is bounded by ``timeout_s``.
-    """
-    dies = sc.fault in ("kill_mid", "kill_between", "sigint")
-    resume = resume_on.get(sc.fault, set())
-    replacement = None
-
-    def tick() -> None:
-        nonlocal replacement
-        while True:
-            try:
-                kind, _rank = events.get_nowait()
-            except queue.Empty:
-                break
-            if kind in resume:
-                world.signal(sc.victim, signal.SIGCONT)
-        if dies and replacement is None and not world.procs[sc.victim].is_alive():
-            replacement = replace()
-
-    t0 = time.monotonic()
-    results = world.collect(timeout_s, allow_dead=[sc.victim] if dies else [], on_tick=tick)
-    if replacement is not None:
-        results[sc.victim] = replacement.collect(max(10.0, timeout_s - (time.monotonic() - t0)))[0]
-        results[sc.victim]["victim_exitcode"] = world.procs[sc.victim].exitcode
-    return results
 
 
 def _judge(sc: Scenario, results: dict[int, dict]) -> dict[str, Any]:

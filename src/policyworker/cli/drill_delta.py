@@ -17,7 +17,7 @@ import signal
 import time
 from typing import Any
 
-from .drill import collect_with_replacement, failure_row
+from .drill_rows import collect_with_replacement, failure_row
 
 N_TRAIN = N_GEN = 2
 REFITS = 3
@@ -128,7 +128,7 @@ def run_delta_scenario(sc: Any, *, timeout_s: float = 150.0) -> dict[int, dict]:
     """Run the world of one delta scenario; the caller judges the results."""
     import multiprocessing as mp
 
-    from .procs import free_port, start_world
+    from ..procs import free_port, start_world
 
     ports = [{"update": free_port(), "stage": free_port()} for _ in range(3)]
     events = mp.get_context("spawn").Queue()

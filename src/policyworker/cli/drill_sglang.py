@@ -125,7 +125,7 @@ def sglang_rank_main(rank: int, sc: Any, ports: list[int]) -> dict[str, Any]:
 
 
 def run_sglang_scenario(sc: Any, *, timeout_s: float = 120.0) -> dict[int, dict]:
-    from .procs import free_port, start_world
+    from ..procs import free_port, start_world
 
     ports = [free_port() for _ in range(6)]
     return start_world(sglang_rank_main, WORLD, (sc, ports)).collect(timeout_s)

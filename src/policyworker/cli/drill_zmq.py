@@ -17,7 +17,7 @@ import signal
 import time
 from typing import Any
 
-from .drill import collect_with_replacement, failure_row
+from .drill_rows import collect_with_replacement, failure_row
 
 REFITS = 3
 FAULT_VERSION = 2
@@ -121,7 +121,7 @@ def run_zmq_scenario(sc: Any, *, timeout_s: float = 120.0) -> dict[str, dict]:
     import shutil
     import tempfile
 
-    from .procs import start_world
+    from ..procs import start_world
 
     runtime_dir = tempfile.mkdtemp(prefix="pwdrill-")  # mode 0700: a private runtime dir
     events = mp.get_context("spawn").Queue()

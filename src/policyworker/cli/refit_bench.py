@@ -34,7 +34,7 @@ import torch
 from ..errors import ConfigError, PlanError
 from ..layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
 from .output import ratio_spread
-from .procs import free_port, start_world
+from ..procs import free_port, start_world
 
 __all__ = ["RefitBenchSpec", "run_refit_bench"]
 

@@ -273,7 +273,7 @@ def run_zmq_bench(preset: str = "small", dtype: str = "bfloat16", refits: int = 
     """Run the two-process benchmark; return the JSON-ready summary (module docstring)."""
     import multiprocessing as mp
 
-    from .procs import start_world
+    from ..procs import start_world
 
     if device == "cuda":
         device = "cuda:0"

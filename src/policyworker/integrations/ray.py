@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..cli.procs import free_port
+from ..procs import free_port
 from ..errors import ConfigError
 from ..layout.parallelism import Parallelism
 

@@ -33,6 +33,16 @@ __all__ = ["expert_targets", "is_routed_experts", "kernel_built", "repack_expert
 _UNQUANTIZED = "UnquantizedFusedMoEMethod"
 
 
+def loaded_form(module: torch.nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
+    """The parameter as vLLM's loaders fill it: its restore metadata, else the live one."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    info = LAYERWISE_INFO.get(module)
+    meta = info.restore_metadata[0].get(pname) if info is not None else None
+    return meta if meta is not None else live
+
+
+
 def is_routed_experts(module: Any) -> bool:
     """Whether ``module`` is vLLM's routed-experts layer (the holder of ``w13``/``w2``)."""
     try:
@@ -67,10 +77,9 @@ def expert_targets(module: Any, mod_name: str, pname: str, target_cls: Any) -> l
     par = cfg.moe_parallel_config
     tp_rank, tp_size = par.tp_rank, par.tp_size
     w13, w2 = module._parameters["w13_weight"], module._parameters["w2_weight"]
-    from .vllm_stage import _loaded_form
 
-    w13 = _loaded_form(module, "w13_weight", w13)
-    w2 = _loaded_form(module, "w2_weight", w2)
+    w13 = loaded_form(module, "w13_weight", w13)
+    w2 = loaded_form(module, "w2_weight", w2)
     local, rows2, hidden = w13.shape
     per = rows2 // 2
     if getattr(cfg, "hidden_dim_unpadded", hidden) not in (None, hidden) or tuple(w2.shape) != (local, hidden, per):

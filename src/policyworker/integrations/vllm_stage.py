@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, PlanMismatch
-from .vllm_moe import kernel_built, repack_experts
+from .vllm_moe import kernel_built, loaded_form as _loaded_form, repack_experts
 from .vllm_prepack import MODULE_SLOTS, SKIP_FLAG, BackgroundPrepack, set_skip_flag, shallow_layer
 
 __all__ = ["Prepared", "VllmStage"]
@@ -78,15 +78,6 @@ class Prepared:
     #: ``cpu_linear="background"``: live layers to prepack after the commit (vLLM's own skip
     #: flag; whether vLLM drops the weight once packed)
     background: list[tuple[torch.nn.Module, bool | None, bool]] = field(default_factory=list)
-
-
-def _loaded_form(module: torch.nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
-    """The parameter as vLLM's loaders fill it: its restore metadata, else the live one."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-    info = LAYERWISE_INFO.get(module)
-    meta = info.restore_metadata[0].get(pname) if info is not None else None
-    return meta if meta is not None else live
 
 
 def _materialize(like: torch.Tensor, module: torch.nn.Module, device: torch.device) -> torch.Tensor:

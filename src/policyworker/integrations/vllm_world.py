@@ -6,7 +6,7 @@ The controller (the caller's process) holds the vLLM ``LLM``; ``TrainerPool`` sp
 model's own initialisation under ``torch.manual_seed(v)``, so the controller can build
 the same weights for the Hugging Face oracle. Commands and replies are plain dicts on
 multiprocessing queues between this parent and the children it spawned (local process
-control, as in :mod:`policyworker.cli.procs`); every wait is bounded.
+control, as in :mod:`policyworker.procs`); every wait is bounded.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PolicyWorkerError
-from ..cli.procs import ProcessFailed, free_port
+from ..procs import ProcessFailed, free_port
 
 __all__ = ["TrainerPool", "WorldSpec", "hf_model", "save_hf_model"]
 

@@ -236,9 +236,9 @@ def scale_bytes(plan: Any) -> int:
 def split_copy(copy: Any, max_bytes: int, block: int) -> list[Any]:
     """Cut a quantized copy into whole-block boxes of at most ``max_bytes`` each where
     possible: bands of rows (a multiple of ``block``), then, if one band of ``block``
-    rows is too big, tiles of whole column blocks. A single block is the smallest part."""
-    from policyworker.layout.plan import Copy
-
+    rows is too big, tiles of whole column blocks. A single block is the smallest part.
+    The parts are of ``copy``'s own type (the plan's ``Copy``: no import of the plan here)."""
+    Copy = type(copy)
     (r0, c0), (r1, c1) = copy.start, copy.stop
     if copy_nbytes(copy.start, copy.stop, block) <= max_bytes:
         return [copy]

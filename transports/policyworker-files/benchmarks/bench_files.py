@@ -28,7 +28,7 @@ import torch
 from policyworker import RolloutWorker, TorchPolicyWorker
 from policyworker.models import get_preset, seeded_state_dict
 from policyworker.testing.toy_model import build_model
-from policyworker.cli.procs import run_world
+from policyworker.procs import run_world
 
 DTYPE = torch.bfloat16
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ProcessFailed
+from .errors import ProcessFailed
 
 #: After one rank failed, how long :meth:`World.collect` still waits for the others.
 FAIL_GRACE_S = 10.0

@@ -32,10 +32,10 @@ import tempfile
 import time
 from typing import Any
 
-from ..cli.output import ratio_spread
+from .output import ratio_spread
 from ..errors import ConfigError, PlanError
 from ..models.config import ModelConfig, get_preset
-from .vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
+from ..integrations.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
 
 __all__ = ["hf_kwargs", "run_vllm_bench", "run_vllm_demo"]
 
@@ -178,7 +178,7 @@ class _Engine:
         import torch
 
         from ..comm import new_group
-        from ..cli.procs import free_port
+        from ..procs import free_port
 
         n_train = self.spec.n_train
         port, world = free_port(), n_train + self.tp

@@ -1,0 +1,104 @@
+"""The package's import graph: no cycles, and no library module imports the CLI.
+
+Every ``import`` / ``from ... import`` of a ``policyworker`` module counts, at module
+level or inside a function (a deferred import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import policyworker
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(policyworker.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
+    if level == 0:
+        return target or ""
+    base = module.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(mod, is_package, node.level, node.module)
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            for t in targets:
+                while t and t not in modules:  # `from pkg import name`: the module that holds it
+                    t = t.rpartition(".")[0]
+                if t and t != mod and t.startswith("policyworker") and not mod.startswith(t + "."):
+                    graph[mod].add(t)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_library_module_imports_the_cli():
+    graph = import_graph()
+    offenders = {m: sorted(t for t in ts if t.startswith("policyworker.cli"))
+                 for m, ts in graph.items() if not m.startswith("policyworker.cli")}
+    assert {m: ts for m, ts in offenders.items() if ts} == {}
+
+
+def test_import_graph_has_no_cycles():
+    # Package __init__ re-exports are edges into the package; a module importing its own
+    # package's __init__ would be a cycle too, so they stay in the graph.
+    assert _cycles(import_graph()) == []
