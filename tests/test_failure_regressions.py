@@ -1,0 +1,286 @@
+"""Failure paths that once broke the README's guarantees, each pinned by a real run.
+
+nccl_reshard cases run as one world of three real processes (trainers tp=2, a
+rollout tp=1, gloo) that plays the scenarios in turn, each with fresh workers and ports; the
+rollout checks its weights bit for bit against an independent reference
+(``seeded_state_dict`` sharded by the plan) and against a snapshot taken before the
+failure (a failed refit that touched nothing must leave every byte as it was).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from policyworker import ConfigError, PolicyWorkerError, RolloutWorker
+from policyworker.cli.procs import free_port, start_world
+from policyworker.layout import Parallelism, build_plan, dest_shards, source_shards
+from policyworker.models import get_preset, seeded_state_dict
+
+from .helpers import ShardTrainer, same_bits
+
+PRESET = "tiny"
+#: Slack past a deadline within which the typed error must arrive (README: deadline + 2 s).
+SLACK_S = 2.0
+N_TRAIN = 2
+SCENARIOS = ("rollout_alone_deadline", "rollout_alone_group_timeout", "trainer_alone", "bucket_mismatch",
+             "reconnect_fails")
+
+
+def _plan():
+    config = get_preset(PRESET)
+    return config, build_plan(config, Parallelism.parse("tp=2"), "tp=1", N_TRAIN, 1, dtype=torch.float32)
+
+
+def _reference(version: int) -> dict[str, torch.Tensor]:
+    config, plan = _plan()
+    return dest_shards(plan, 0, seeded_state_dict(config, seed=version, dtype=torch.float32))
+
+
+async def _sync(barrier) -> None:
+    await asyncio.to_thread(barrier.wait, 120)
+
+
+class _Side:
+    """One side's workers for one scenario (ports shared through ``ports``)."""
+
+    def __init__(self, rank: int, ports: dict[str, int], *, timeout_s: float, options: dict[str, Any]):
+        self.config, self.plan = _plan()
+        self.rank, self.ports, self.timeout_s, self.options = rank, ports, timeout_s, options
+        self.trainer = rank < N_TRAIN
+        self.w: Any = None
+        self.local: dict[str, torch.Tensor] = {}
+
+    async def join(self, update: str = "update", stage: str = "stage") -> None:
+        if self.w is None:
+            if self.trainer:
+                self.local = source_shards(self.plan, self.rank, seeded_state_dict(self.config, seed=0,
+                                                                                   dtype=torch.float32))
+                self.w = ShardTrainer(local_params=self.local, source=self.config, rank=self.rank, world_size=N_TRAIN,
+                                      device="cpu", timeout_s=self.timeout_s)
+                self.w.reshard_options = dict(self.options)
+            else:
+                self.w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", timeout_s=self.timeout_s,
+                                       reshard_options=dict(self.options))
+        await self.w.init_collective("127.0.0.1", self.ports[update], N_TRAIN + 1, train_world_size=N_TRAIN)
+        if self.trainer:
+            await self.w.init_nccl_reshard_comm_group(["127.0.0.1"], [self.ports[stage]], 1, 0, N_TRAIN + 1,
+                                                      self.rank)
+            await self.w.prepare_nccl_reshard_refit_info(Parallelism.parse("tp=2"), "tp=1", N_TRAIN, 1)
+        else:
+            await self.w.init_nccl_reshard_comm_groups(["127.0.0.1"], [self.ports[stage]], [N_TRAIN])
+            if self.w.weight_version == 0:
+                self.w.load_refit_plan(self.plan.refit_info())
+
+    async def refit(self, version: int | None = None, refit_timeout_s: float | None = None) -> dict[str, Any]:
+        """One refit; the outcome as plain data (error type, seconds, torn, version, exactness)."""
+        if self.trainer and version is not None:
+            for name, t in source_shards(self.plan, self.rank, seeded_state_dict(self.config, seed=version,
+                                                                          dtype=torch.float32)).items():
+                self.local[name].copy_(t)
+        before = None
+        if not self.trainer:
+            before = {k: v.clone() for k, v in self.w.params.items()}
+        t0 = time.monotonic()
+        out: dict[str, Any] = {}
+        try:
+            if self.trainer:
+                rep = await self.w.nccl_reshard_refit(refit_timeout_s=refit_timeout_s)
+            else:
+                rep = await self.w.receive_nccl_reshard_refit(refit_timeout_s=refit_timeout_s)
+            out.update(ok=True, version=rep.version)
+        except PolicyWorkerError as exc:
+            out.update(ok=False, error=type(exc).__name__, message=str(exc)[:400])
+        except Exception as exc:  # the defect this file pins: anything untyped is reported, not raised
+            out.update(ok=False, error=f"untyped {type(exc).__name__}", message=str(exc)[:400])
+        out["seconds"] = time.monotonic() - t0
+        if not self.trainer:
+            out["torn"] = self.w.torn
+            out["weight_version"] = self.w.weight_version
+            params = self.w.params
+            out["unchanged"] = all(same_bits(params[k], before[k]) for k in before)
+            if out["ok"]:
+                want = _reference(out["version"])
+                out["exact"] = set(want) == set(params) and all(same_bits(params[k], want[k]) for k in want)
+            try:
+                self.w.weights()
+                out["serves"] = True
+            except PolicyWorkerError as exc:
+                out["serves"] = type(exc).__name__
+        return out
+
+    async def close(self) -> bool:
+        return await self.w.shutdown()
+
+
+async def _scenario(rank: int, name: str, ports: dict[str, int], barrier) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    timeout_s = 4.0 if name == "rollout_alone_group_timeout" else 30.0
+    trainer = rank < N_TRAIN
+    options = {"bucket_bytes": (16 << 20) if trainer else (8 << 20)} if name == "bucket_mismatch" else {}
+    side = _Side(rank, ports, timeout_s=timeout_s, options=options)
+    await _sync(barrier)
+    await side.join()
+    if name in ("rollout_alone_deadline", "rollout_alone_group_timeout"):
+        res["committed"] = await side.refit(1, refit_timeout_s=30.0)  # connected, v1 committed
+        if not trainer:  # the trainers never call; without a refit deadline the group timeout bounds it
+            res["first"] = await side.refit(refit_timeout_s=2.0 if name == "rollout_alone_deadline" else None)
+        await _sync(barrier)
+    elif name == "trainer_alone":
+        res["committed"] = await side.refit(1, refit_timeout_s=30.0)
+        if trainer:  # the rollout never calls this one
+            res["first"] = await side.refit(2, refit_timeout_s=2.0)
+        await _sync(barrier)
+        # Both sides call again, no rebuild: the trainers' groups were aborted by their deadline.
+        res["again"] = await side.refit(2, refit_timeout_s=4.0)
+        await _sync(barrier)
+        await side.join("update2", "stage2")  # the documented recovery: rebuild every side
+        res["recovered"] = await side.refit(2, refit_timeout_s=30.0)
+    elif name == "bucket_mismatch":
+        res["first"] = await side.refit(1, refit_timeout_s=10.0)
+    elif name == "reconnect_fails":
+        res["first"] = await side.refit(1, refit_timeout_s=30.0)
+        # A new update group resets every attachment; the stage groups are not re-joined, so
+        # the next refit's lazy connect fails before any byte moves.
+        await side.w.init_collective("127.0.0.1", ports["update2"], N_TRAIN + 1, train_world_size=N_TRAIN)
+        if not trainer:
+            res["again"] = await side.refit(refit_timeout_s=10.0)
+        await _sync(barrier)
+        await side.join("update3", "stage2")
+        res["recovered"] = await side.refit(2, refit_timeout_s=30.0)
+    res["shutdown"] = await side.close()
+    return res
+
+
+def _world_body(rank: int, ports: dict[str, dict[str, int]], barrier) -> dict[str, Any]:
+    torch.set_num_threads(1)
+
+    async def main() -> dict[str, Any]:
+        return {name: await _scenario(rank, name, ports[name], barrier) for name in SCENARIOS}
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def world() -> list[dict[str, Any]]:
+    import multiprocessing as mp
+
+    ports = {name: {k: free_port() for k in ("update", "stage", "update2", "stage2", "update3")} for name in SCENARIOS}
+    barrier = mp.get_context("spawn").Barrier(N_TRAIN + 1)
+    w = start_world(_world_body, N_TRAIN + 1, (ports, barrier))
+    out = w.collect(150)
+    return [out[r] for r in range(N_TRAIN + 1)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_rollout_alone_times_out_typed_within_its_deadline(world):
+    assert world[-1]["rollout_alone_deadline"]["committed"]["exact"]
+    first = world[-1]["rollout_alone_deadline"]["first"]
+    assert first["error"] == "RefitTimeout", first
+    assert first["seconds"] <= 2.0 + SLACK_S, first
+    assert first["torn"] is False and first["unchanged"] and first["serves"] is True, first
+    assert first["weight_version"] == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_rollout_alone_without_a_deadline_is_bounded_by_the_group_timeout(world):
+    assert world[-1]["rollout_alone_group_timeout"]["committed"]["exact"]
+    first = world[-1]["rollout_alone_group_timeout"]["first"]
+    assert first["error"] == "RefitTimeout", first
+    assert first["seconds"] <= 4.0 + SLACK_S, first
+    assert first["torn"] is False and first["unchanged"] and first["serves"] is True, first
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_trainer_timeout_does_not_poison_the_rollouts_next_refit(world):
+    trainer, rollout = world[0]["trainer_alone"], world[-1]["trainer_alone"]
+    assert rollout["committed"]["exact"], rollout
+    assert trainer["first"]["error"] == "RefitTimeout", trainer
+    again = rollout["again"]
+    # The stale attempt's bytes are never taken: the rollout fails typed, at once, untorn.
+    assert again["ok"] is False and not again["error"].startswith("untyped"), again
+    assert again["seconds"] <= SLACK_S, again
+    assert again["torn"] is False and again["unchanged"] and again["serves"] is True, again
+    assert again["weight_version"] == 1 and "rebuild" in again["message"], again
+    assert trainer["again"]["ok"] is False, trainer
+    # After the documented recovery (every side rebuilds its groups) the refit commits.
+    assert trainer["recovered"]["ok"], trainer
+    rec = rollout["recovered"]
+    assert rec["ok"] and rec["exact"] and rec["weight_version"] == 2, rec
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_mismatched_bucket_bytes_fail_at_connect_and_leave_the_rollout_untorn(world):
+    for side in world:
+        first = side["bucket_mismatch"]["first"]
+        assert first["error"] == "ConfigError" and "bucket_bytes" in first["message"], first
+    first = world[-1]["bucket_mismatch"]["first"]
+    assert first["torn"] is False and first["unchanged"] and first["serves"] is True, first
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_failed_lazy_connect_leaves_committed_weights_servable(world):
+    rollout = world[-1]["reconnect_fails"]
+    assert rollout["first"]["ok"] and rollout["first"]["exact"], rollout
+    again = rollout["again"]
+    assert again["ok"] is False and not again["error"].startswith("untyped"), again
+    assert again["torn"] is False and again["unchanged"] and again["serves"] is True, again
+    assert again["weight_version"] == 1
+    rec = rollout["recovered"]
+    assert rec["ok"] and rec["exact"] and rec["weight_version"] == 2, rec
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_every_process_shut_down(world):
+    for side in world:
+        assert all(res["shutdown"] is True for res in side.values()), side
+
+
+# -- the caller's tensors -------------------------------------------------------------------
+
+
+def test_a_plan_that_does_not_fit_the_callers_params_is_refused_and_leaves_them():
+    _config, plan = _plan()
+    mine = {"x": torch.arange(6, dtype=torch.float32)}
+    snapshot = mine["x"].clone()
+    r = RolloutWorker(params=mine, device="cpu")
+    with pytest.raises(ConfigError) as info:
+        r.load_refit_plan(plan.refit_info())
+    text = str(info.value)
+    assert "missing" in text and "model.embed_tokens.weight" in text, text
+    assert r.params["x"] is mine["x"] and torch.equal(mine["x"], snapshot) and set(r.params) == {"x"}
+
+
+def test_a_plan_with_another_shape_or_dtype_names_them_and_changes_nothing():
+    _config, plan = _plan()
+    want = _reference(0)
+    bad = {k: v.clone() for k, v in want.items()}
+    name = sorted(bad)[0]
+    bad[name] = torch.zeros(3, 5, dtype=torch.float16)
+    other = sorted(bad)[1]
+    bad[other] = bad[other].to(torch.float64)
+    r = RolloutWorker(params=bad, device="cpu")
+    with pytest.raises(ConfigError) as info:
+        r.load_refit_plan(plan.refit_info())
+    text = str(info.value)
+    assert name in text and "float16[3, 5]" in text and other in text and "float64" in text, text
+    assert all(r.params[k] is bad[k] for k in bad)
+
+
+def test_params_that_fit_the_plan_are_kept_not_replaced():
+    _config, plan = _plan()
+    mine = {k: v.clone() for k, v in _reference(3).items()}
+    r = RolloutWorker(params=mine, device="cpu")
+    r.load_refit_plan(plan.refit_info())
+    assert all(r.params[k] is mine[k] for k in mine)
+    assert all(same_bits(r.params[k], v) for k, v in _reference(3).items())
