@@ -10,13 +10,17 @@ failure (a failed refit that touched nothing must leave every byte as it was).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
 from policyworker import ConfigError, PolicyWorkerError, RolloutWorker
+from policyworker.errors import RefitAborted, TornWeights, TransportError
+from policyworker.transports.base import RefitReport, Transport, TransportContext
 from policyworker.cli.procs import free_port, start_world
 from policyworker.layout import Parallelism, build_plan, dest_shards, source_shards
 from policyworker.models import get_preset, seeded_state_dict
@@ -284,3 +288,113 @@ def test_params_that_fit_the_plan_are_kept_not_replaced():
     r.load_refit_plan(plan.refit_info())
     assert all(r.params[k] is mine[k] for k in mine)
     assert all(same_bits(r.params[k], v) for k, v in _reference(3).items())
+
+
+# -- cancellation under every anyio backend ---------------------------------------------------
+
+_ANYIO_BACKENDS = [pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio"),
+                   pytest.param(("trio", {}), id="trio")]
+
+
+class _HoldingTransport(Transport):
+    """A receiver that writes ``touch`` bytes of the live tensor, then waits (as a slow peer
+    would) until aborted or ``hold_s`` passed; it records when its body left the weights."""
+
+    name = "holding"
+
+    def __init__(self, *, touch: bool, hold_s: float = 8.0) -> None:
+        self.touch, self.hold_s = touch, hold_s
+        self.aborted = threading.Event()
+        self.left_at: float | None = None
+
+    async def connect(self, ctx: TransportContext) -> None:
+        return None
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+    async def receive(self, ctx: TransportContext, version: int) -> RefitReport:
+        return await ctx.blocking(self._body, ctx, version)
+
+    def _body(self, ctx: TransportContext, version: int) -> RefitReport:
+        try:
+            ctx.touched = self.touch
+            if self.touch:
+                next(iter(ctx.params.values())).view(-1)[0] += 1.0
+            if self.aborted.wait(self.hold_s):
+                raise RefitAborted("aborted", transport=self.name)
+            raise TransportError("no peer came", transport=self.name)
+        finally:
+            self.left_at = time.monotonic()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("anyio_backend", _ANYIO_BACKENDS)
+@pytest.mark.parametrize("touch", [False, True], ids=["untouched", "touched"])
+async def test_a_cancel_scope_aborts_a_refit_on_every_backend(anyio_backend, touch):
+    params = {"w": torch.arange(8, dtype=torch.float32)}
+    before = params["w"].clone()
+    r = RolloutWorker(params=params, device="cpu", timeout_s=10.0)
+    t = _HoldingTransport(touch=touch)
+    try:
+        await r.attach_transport(t)
+        t0 = time.monotonic()
+        with anyio.move_on_after(1.0) as scope:
+            await r.refit("holding")
+        returned = time.monotonic()
+        assert scope.cancelled_caught
+        assert returned - t0 < 1.0 + SLACK_S
+        assert t.aborted.is_set() and t.left_at is not None and t.left_at <= returned  # left before return
+        assert r.weight_version == 0 and r.torn is touch
+        assert torch.equal(params["w"], before) is not touch  # torn iff a live byte changed
+        if touch:
+            with pytest.raises(TornWeights):
+                r.weights()
+        else:
+            assert r.weights()["w"] is params["w"]
+    finally:
+        await r.shutdown()
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("anyio_backend", _ANYIO_BACKENDS)
+async def test_files_refit_is_cancelled_by_a_scope_then_the_next_commits(anyio_backend, tmp_path):
+    from policyworker import TorchPolicyWorker
+    from policyworker.testing.toy_model import build_model
+
+    config = get_preset(PRESET)
+    trainer = TorchPolicyWorker(build_model(config, seed=0), device="cpu", timeout_s=30.0)
+    names = dict(trainer.model.named_parameters())
+    params = {n: torch.zeros_like(p.detach()) for n, p in names.items()}
+    rollout = RolloutWorker(params=params, device="cpu", timeout_s=30.0)
+
+    def set_weights(version: int) -> dict[str, torch.Tensor]:
+        new = seeded_state_dict(config, seed=version, dtype=torch.float32)
+        with torch.no_grad():
+            for n, p in names.items():
+                p.copy_(new[n])
+        return new
+
+    try:
+        d = str(tmp_path / "files")
+        async with anyio.create_task_group() as tg:  # the two sides meet at connect
+            tg.start_soon(lambda: trainer.attach_transport("files", directory=d, timeout_s=8.0))
+            tg.start_soon(lambda: rollout.attach_transport("files", directory=d, timeout_s=8.0))
+        want = set_weights(1)
+        await trainer.refit("files")
+        await rollout.refit("files", refit_timeout_s=10.0)
+        t0 = time.monotonic()
+        with anyio.move_on_after(1.0) as scope:  # v2 is never written
+            await rollout.refit("files")
+        assert scope.cancelled_caught and time.monotonic() - t0 < 1.0 + SLACK_S
+        assert rollout.weight_version == 1 and not rollout.torn
+        assert all(same_bits(rollout.weights()[n], want[n]) for n in want)
+        want = set_weights(2)
+        await trainer.refit("files")
+        await rollout.refit("files", refit_timeout_s=10.0)
+        assert rollout.weight_version == 2 and all(same_bits(rollout.weights()[n], want[n]) for n in want)
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
