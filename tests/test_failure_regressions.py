@@ -398,3 +398,110 @@ async def test_files_refit_is_cancelled_by_a_scope_then_the_next_commits(anyio_b
     finally:
         await trainer.shutdown()
         await rollout.shutdown()
+
+
+# -- how processes end ------------------------------------------------------------------------
+
+
+def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int) -> None:
+    """One process of a trainer/rollout pair (tp=1 each) as a user would run it: a script whose
+    main is ``asyncio.run``. The rollout prints ``bulk`` once its refit is moving buckets (its
+    4th group wait: past the connect and the header); a clean run refits once, prints
+    ``shutdown True`` and returns from main."""
+    import dataclasses
+    import sys
+
+    from policyworker.comm import CommGroup
+    from policyworker.testing.faults import after_calls
+
+    torch.set_num_threads(1)
+    config = dataclasses.replace(get_preset(PRESET), vocab_size=vocab, hidden_size=hidden)
+    plan = build_plan(config, Parallelism.parse("tp=1"), "tp=1", 1, 1, dtype=torch.float32)
+
+    async def main() -> None:
+        if role == "trainer":
+            local = source_shards(plan, 0, seeded_state_dict(config, seed=1, dtype=torch.float32))
+            w = ShardTrainer(local_params=local, source=config, rank=0, world_size=1, device="cpu", timeout_s=60)
+            await w.init_collective("127.0.0.1", update, 2, train_world_size=1)
+            await w.init_nccl_reshard_comm_group(["127.0.0.1"], [stage], 1, 0, 2, 0)
+            await w.prepare_nccl_reshard_refit_info(Parallelism.parse("tp=1"), "tp=1", 1, 1)
+            try:
+                await w.nccl_reshard_refit(refit_timeout_s=60)
+            except PolicyWorkerError as exc:  # the rollout was interrupted: expected in that case
+                print("trainer", type(exc).__name__, flush=True)
+        else:
+            w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", timeout_s=60)
+            await w.init_collective("127.0.0.1", update, 2, train_world_size=1)
+            await w.init_nccl_reshard_comm_groups(["127.0.0.1"], [stage], [1])
+            w.load_refit_plan(plan.refit_info())
+            after_calls(CommGroup, "wait", 4, lambda: print("bulk", flush=True))
+            try:
+                await w.receive_nccl_reshard_refit(refit_timeout_s=60)
+                print("committed", flush=True)
+            finally:
+                print("shutdown", await w.shutdown(), flush=True)
+            return
+        print("shutdown", await w.shutdown(), flush=True)
+
+    asyncio.run(main())
+    sys.stdout.flush()
+
+
+def _spawn_exit_body(role: str, update: int, stage: int, vocab: int, hidden: int):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"import tests.test_failure_regressions as t; t._exit_body({role!r}, {update}, {stage}, {vocab}, {hidden})"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_sigint_mid_transfer_exits_as_a_keyboard_interrupt_not_an_abort():
+    import signal
+
+    # 16384 x 1024 float32 embeddings and lm_head: ~134 MB in 16 MiB buckets, so the bulk is
+    # still moving when the signal lands (the rollout never prints "committed").
+    update, stage = free_port(), free_port()
+    trainer = _spawn_exit_body("trainer", update, stage, 16384, 1024)
+    rollout = _spawn_exit_body("rollout", update, stage, 16384, 1024)
+    try:
+        assert rollout.stdout.readline().strip() == "bulk"
+        rollout.send_signal(signal.SIGINT)
+        r_out, r_err = rollout.communicate(timeout=120)
+        t_out, t_err = trainer.communicate(timeout=120)
+    finally:
+        for p in (trainer, rollout):
+            if p.poll() is None:
+                p.kill()
+    assert "committed" not in r_out, r_out  # interrupted mid-transfer
+    assert "shutdown True" in r_out, (r_out, r_err[-3000:])  # the cancelled refit let shutdown run
+    assert "KeyboardInterrupt" in r_err and "terminate called" not in r_err, r_err[-3000:]
+    assert rollout.returncode == -signal.SIGINT, (rollout.returncode, r_err[-3000:])
+    assert trainer.returncode == 0 and "shutdown True" in t_out, (trainer.returncode, t_out, t_err[-3000:])
+    assert "terminate called" not in t_err, t_err[-3000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_clean_shutdowns_exit_zero_every_time():
+    pairs = []
+    for _ in range(3):  # 6 processes at once
+        update, stage = free_port(), free_port()
+        pairs.append((_spawn_exit_body("trainer", update, stage, 256, 64),
+                      _spawn_exit_body("rollout", update, stage, 256, 64)))
+    outcomes = []
+    try:
+        for procs in pairs:
+            for p in procs:
+                out, err = p.communicate(timeout=180)
+                outcomes.append((p.returncode, out, err[-2000:]))
+    finally:
+        for procs in pairs:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    assert all(code == 0 and "shutdown True" in out for code, out, _ in outcomes), outcomes
