@@ -11,6 +11,8 @@ Destination tensors: given directly (``RolloutWorker(params={name: tensor})``) f
 plan-less transports, or allocated from a plan when a transport attaches with one
 (its own tp shard, fused ``qkv_proj`` / ``gate_up_proj`` where the plan says so, as
 views of one flat buffer in the plan's order) unless the held tensors already fit it.
+A plan that the caller's own tensors do not fit is a ``ConfigError``; they are never
+swapped for allocated ones.
 
 Seed-style shims: ``init_nccl_reshard_comm_groups`` + ``load_refit_plan`` +
 ``receive_nccl_reshard_refit`` (``nccl_reshard``: the update group as rank
@@ -204,8 +206,9 @@ class RolloutWorker(WorkerCore):
 
         ``params``: this rank's tensors in the generation layout; by default they are
         allocated (zeros) from the plan, as views of one buffer in the plan's order, so
-        the copies of a transfer land as one span. A plan that does not fit them is a
-        ConfigError.
+        the copies of a transfer land as one span — unless the worker already holds the
+        caller's tensors, which must fit. A plan that does not fit the caller's tensors
+        is a ConfigError naming what differs, and they stay as they were.
         """
         self._ensure_open()
         plan = as_plan(plan)
