@@ -405,8 +405,8 @@ async def test_files_refit_is_cancelled_by_a_scope_then_the_next_commits(anyio_b
 
 def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int) -> None:
     """One process of a trainer/rollout pair (tp=1 each) as a user would run it: a script whose
-    main is ``asyncio.run``. The rollout prints ``bulk`` once its refit is moving buckets (its
-    4th group wait: past the connect and the header); a clean run refits once, prints
+    main is ``asyncio.run``; two buckets in flight. The rollout prints ``bulk`` once its refit is
+    moving buckets (its 4th group wait: past the connect and the header); a clean run refits once, prints
     ``shutdown True`` and returns from main."""
     import dataclasses
     import sys
@@ -422,6 +422,7 @@ def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int) -> N
         if role == "trainer":
             local = source_shards(plan, 0, seeded_state_dict(config, seed=1, dtype=torch.float32))
             w = ShardTrainer(local_params=local, source=config, rank=0, world_size=1, device="cpu", timeout_s=60)
+            w.reshard_options = {"in_flight": 2}
             await w.init_collective("127.0.0.1", update, 2, train_world_size=1)
             await w.init_nccl_reshard_comm_group(["127.0.0.1"], [stage], 1, 0, 2, 0)
             await w.prepare_nccl_reshard_refit_info(Parallelism.parse("tp=1"), "tp=1", 1, 1)
@@ -430,7 +431,7 @@ def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int) -> N
             except PolicyWorkerError as exc:  # the rollout was interrupted: expected in that case
                 print("trainer", type(exc).__name__, flush=True)
         else:
-            w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", timeout_s=60)
+            w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", timeout_s=60, reshard_options={"in_flight": 2})
             await w.init_collective("127.0.0.1", update, 2, train_world_size=1)
             await w.init_nccl_reshard_comm_groups(["127.0.0.1"], [stage], [1])
             w.load_refit_plan(plan.refit_info())
@@ -463,11 +464,11 @@ def _spawn_exit_body(role: str, update: int, stage: int, vocab: int, hidden: int
 def test_sigint_mid_transfer_exits_as_a_keyboard_interrupt_not_an_abort():
     import signal
 
-    # 16384 x 1024 float32 embeddings and lm_head: ~134 MB in 16 MiB buckets, so the bulk is
-    # still moving when the signal lands (the rollout never prints "committed").
+    # 32768 x 1024 float32 embeddings and lm_head: ~270 MB in 16 MiB buckets, two in flight,
+    # so the bulk is still moving when the signal lands (the rollout never prints "committed").
     update, stage = free_port(), free_port()
-    trainer = _spawn_exit_body("trainer", update, stage, 16384, 1024)
-    rollout = _spawn_exit_body("rollout", update, stage, 16384, 1024)
+    trainer = _spawn_exit_body("trainer", update, stage, 32768, 1024)
+    rollout = _spawn_exit_body("rollout", update, stage, 32768, 1024)
     try:
         assert rollout.stdout.readline().strip() == "bulk"
         rollout.send_signal(signal.SIGINT)
