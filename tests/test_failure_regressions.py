@@ -405,14 +405,14 @@ async def test_files_refit_is_cancelled_by_a_scope_then_the_next_commits(anyio_b
 
 def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int) -> None:
     """One process of a trainer/rollout pair (tp=1 each) as a user would run it: a script whose
-    main is ``asyncio.run``; two buckets in flight. The rollout prints ``bulk`` once its refit is
-    moving buckets (its 4th group wait: past the connect and the header); a clean run refits once, prints
+    main is ``asyncio.run``; two buckets in flight. The rollout prints ``bulk`` at its 4th group
+    wait (past the connect and the header: bytes are landing) and holds there until its groups
+    are aborted, so a signal sent then lands mid-transfer whatever the load; a clean run refits once, prints
     ``shutdown True`` and returns from main."""
     import dataclasses
     import sys
 
     from policyworker.comm import CommGroup
-    from policyworker.testing.faults import after_calls
 
     torch.set_num_threads(1)
     config = dataclasses.replace(get_preset(PRESET), vocab_size=vocab, hidden_size=hidden)
@@ -435,7 +435,18 @@ def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int) -> N
             await w.init_collective("127.0.0.1", update, 2, train_world_size=1)
             await w.init_nccl_reshard_comm_groups(["127.0.0.1"], [stage], [1])
             w.load_refit_plan(plan.refit_info())
-            after_calls(CommGroup, "wait", 4, lambda: print("bulk", flush=True))
+            real_wait, calls = CommGroup.wait, [0]
+
+            def wait(group, *args, **kwargs):
+                calls[0] += 1
+                if calls[0] == 4:  # mid-bulk: say so, and hold until the signal's abort (10 s at most)
+                    print("bulk", flush=True)
+                    until = time.monotonic() + 10.0
+                    while not group.aborted and time.monotonic() < until:
+                        time.sleep(0.005)
+                return real_wait(group, *args, **kwargs)
+
+            CommGroup.wait = wait
             try:
                 await w.receive_nccl_reshard_refit(refit_timeout_s=60)
                 print("committed", flush=True)
