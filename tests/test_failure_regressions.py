@@ -403,11 +403,12 @@ async def test_files_refit_is_cancelled_by_a_scope_then_the_next_commits(anyio_b
 # -- how processes end ------------------------------------------------------------------------
 
 
-def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int) -> None:
+def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int, mid_transfer: bool) -> None:
     """One process of a trainer/rollout pair (tp=1 each) as a user would run it: a script whose
-    main is ``asyncio.run``; two buckets in flight. The rollout prints ``bulk`` at its 4th group
-    wait (past the connect and the header: bytes are landing) and holds there until its groups
-    are aborted, so a signal sent then lands mid-transfer whatever the load; a clean run refits once, prints
+    main is ``asyncio.run``. ``mid_transfer``: the trainer (one bucket in flight) stalls at its
+    3rd group wait, the rollout (16 in flight, so receives stay posted that no send will meet)
+    prints ``bulk`` at its 4th (past the connect and the header) and holds there until its
+    groups are aborted, so a signal sent then lands mid-transfer whatever the load; a clean run refits once, prints
     ``shutdown True`` and returns from main."""
     import dataclasses
     import sys
@@ -417,12 +418,28 @@ def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int) -> N
     torch.set_num_threads(1)
     config = dataclasses.replace(get_preset(PRESET), vocab_size=vocab, hidden_size=hidden)
     plan = build_plan(config, Parallelism.parse("tp=1"), "tp=1", 1, 1, dtype=torch.float32)
+    real_wait, calls = CommGroup.wait, [0]
+
+    def hold_at(k: int, say: str | None, cap_s: float):
+        def wait(group, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] == k:  # say so, then hold until this side's groups are aborted (cap_s at most)
+                if say:
+                    print(say, flush=True)
+                until = time.monotonic() + cap_s
+                while not group.aborted and time.monotonic() < until:
+                    time.sleep(0.005)
+            return real_wait(group, *args, **kwargs)
+
+        return wait
 
     async def main() -> None:
         if role == "trainer":
             local = source_shards(plan, 0, seeded_state_dict(config, seed=1, dtype=torch.float32))
             w = ShardTrainer(local_params=local, source=config, rank=0, world_size=1, device="cpu", timeout_s=60)
-            w.reshard_options = {"in_flight": 2}
+            w.reshard_options = {"in_flight": 1}
+            if mid_transfer:  # the trainer stalls after its first buckets: the rollout's later receives stay posted
+                CommGroup.wait = hold_at(3, None, 10.0)
             await w.init_collective("127.0.0.1", update, 2, train_world_size=1)
             await w.init_nccl_reshard_comm_group(["127.0.0.1"], [stage], 1, 0, 2, 0)
             await w.prepare_nccl_reshard_refit_info(Parallelism.parse("tp=1"), "tp=1", 1, 1)
@@ -431,22 +448,12 @@ def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int) -> N
             except PolicyWorkerError as exc:  # the rollout was interrupted: expected in that case
                 print("trainer", type(exc).__name__, flush=True)
         else:
-            w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", timeout_s=60, reshard_options={"in_flight": 2})
+            w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", timeout_s=60, reshard_options={"in_flight": 16})
             await w.init_collective("127.0.0.1", update, 2, train_world_size=1)
             await w.init_nccl_reshard_comm_groups(["127.0.0.1"], [stage], [1])
             w.load_refit_plan(plan.refit_info())
-            real_wait, calls = CommGroup.wait, [0]
-
-            def wait(group, *args, **kwargs):
-                calls[0] += 1
-                if calls[0] == 4:  # mid-bulk: say so, and hold until the signal's abort (10 s at most)
-                    print("bulk", flush=True)
-                    until = time.monotonic() + 10.0
-                    while not group.aborted and time.monotonic() < until:
-                        time.sleep(0.005)
-                return real_wait(group, *args, **kwargs)
-
-            CommGroup.wait = wait
+            if mid_transfer:
+                CommGroup.wait = hold_at(4, "bulk", 60.0)
             try:
                 await w.receive_nccl_reshard_refit(refit_timeout_s=60)
                 print("committed", flush=True)
@@ -459,13 +466,13 @@ def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int) -> N
     sys.stdout.flush()
 
 
-def _spawn_exit_body(role: str, update: int, stage: int, vocab: int, hidden: int):
+def _spawn_exit_body(role: str, update: int, stage: int, vocab: int, hidden: int, mid_transfer: bool = False):
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = f"import tests.test_failure_regressions as t; t._exit_body({role!r}, {update}, {stage}, {vocab}, {hidden})"
+    code = f"import tests.test_failure_regressions as t; t._exit_body({role!r}, {update}, {stage}, {vocab}, {hidden}, {mid_transfer})"
     return subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -475,11 +482,11 @@ def _spawn_exit_body(role: str, update: int, stage: int, vocab: int, hidden: int
 def test_sigint_mid_transfer_exits_as_a_keyboard_interrupt_not_an_abort():
     import signal
 
-    # 32768 x 1024 float32 embeddings and lm_head: ~270 MB in 16 MiB buckets, two in flight,
-    # so the bulk is still moving when the signal lands (the rollout never prints "committed").
+    # 32768 x 1024 float32 embeddings and lm_head: ~270 MB in 16 MiB buckets; the signal lands
+    # mid-transfer (the rollout never prints "committed") with receives still posted.
     update, stage = free_port(), free_port()
-    trainer = _spawn_exit_body("trainer", update, stage, 32768, 1024)
-    rollout = _spawn_exit_body("rollout", update, stage, 32768, 1024)
+    trainer = _spawn_exit_body("trainer", update, stage, 32768, 1024, True)
+    rollout = _spawn_exit_body("rollout", update, stage, 32768, 1024, True)
     try:
         assert rollout.stdout.readline().strip() == "bulk"
         rollout.send_signal(signal.SIGINT)
