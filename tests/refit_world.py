@@ -45,6 +45,8 @@ class RefitSpec:
     refit_timeout_s: float | None = None
     fault: dict[str, Any] | None = None
     kv_scales_entries: int = 1  # kv scales per refit (hundreds: past the verdict's inline bytes)
+    nodes: list[str] | None = None  # node of each process (trainers, then rollouts): POLICYWORKER_NODE
+    die_in_fanout: tuple[int, int] | None = None  # (generation rank, version): exits inside the relay phase
 
     @property
     def train_par(self) -> Parallelism:
@@ -167,7 +169,11 @@ def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
         await w.init_nccl_reshard_comm_groups(["127.0.0.1"] * train.pp, spec.stage_ports,
                                               [len(train.stage_ranks(s)) for s in range(train.pp)])
         w.load_refit_plan(plan.refit_info())
+        version_box = [0]
+        if spec.die_in_fanout is not None and spec.die_in_fanout[0] == g:
+            _die_in_fanout(version_box, spec.die_in_fanout[1])
         for version in range(1, spec.refits + 1):
+            version_box[0] = version
             t0 = time.perf_counter()
             try:
                 rep = await w.receive_nccl_reshard_refit(refit_timeout_s=spec.refit_timeout_s)
@@ -194,8 +200,31 @@ def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
     return asyncio.run(main())
 
 
+def _die_in_fanout(version_box: list[int], version: int) -> None:
+    """Make this process exit (as a SIGKILL would leave it: no clean-up) inside the relay
+    phase of refit ``version``, after its first fan-out message was posted."""
+    import os
+
+    from policyworker.transports import nccl_relay
+
+    real = nccl_relay.run_fanout
+
+    def dying(fanouts, rank, group, *args, **kwargs):
+        if version_box[0] == version:
+            os._exit(17)
+        return real(fanouts, rank, group, *args, **kwargs)
+
+    nccl_relay.run_fanout = dying
+
+
 def refit_rank(rank: int, spec: RefitSpec) -> dict[str, Any]:
     torch.set_num_threads(1)
+    if spec.nodes is not None:
+        import os
+
+        from policyworker.transports.nccl_relay import NODE_ENV
+
+        os.environ[NODE_ENV] = spec.nodes[rank]
     dtype = getattr(torch, spec.dtype)
     train, gen = spec.train_par, spec.gen_par
     if spec.source == "dtensor":

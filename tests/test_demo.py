@@ -70,6 +70,9 @@ def test_zmq_bench_interleaves_ceiling_and_refit(tmp_path):
     # between the refit's own buffers; the private-buffer copy is reported beside it.
     assert data["ceiling_kind"] == "own"
     assert len(data["private_ceiling_seconds"]) == 3 and data["private_ceiling_gbps"] > 0
+    # The NeMo-protocol baseline ships with the command and runs in the same processes.
+    assert data["baseline_bit_exact"] is True and len(data["baseline_refits"]) == 3
+    assert data["speedup_vs_baseline"] > 0
 
 
 def test_bench_without_a_transport_or_engine_is_a_config_error():

@@ -26,6 +26,7 @@ def test_drill_every_scenario_passes(tmp_path):
         "zmq-kill-rollout-mid-refit", "zmq-kill-trainer-mid-refit", "zmq-stall-rollout-past-deadline",
         "zmq-restart-and-recover", "zmq-cancel-awaiting-refit",
         "sglang-engine-refuses-bucket", "sglang-engine-times-out", "sglang-cancel-awaiting-refit",
+        "delta-kill-rollout-mid-delta",
     }
     # every built-in transport is drilled, and each has its cancel row
     assert {r["transport"] for r in rows.values()} == {"nccl_reshard", "zmq", "sglang_ipc"}
@@ -49,4 +50,7 @@ def test_drill_every_scenario_passes(tmp_path):
     assert stall["errors"] == ["RefitTimeout"] or "RefitTimeout" in stall["errors"]
     assert stall["detect_seconds"] <= stall["scenario"]["refit_timeout_s"] + 2.0
     assert rows["plan-hash-mismatch"]["errors"] == ["PlanMismatch"]
+    # a rollout killed mid-delta is replaced; the retry is full, the next refit a delta again
+    delta = rows["delta-kill-rollout-mid-delta"]["checks"]
+    assert delta["full_after_replacement"] and delta["delta_after_recovery"], delta
     assert proc.returncode == 0

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from . import vllm_failure_cases as cases  # noqa: E402
 from .vllm_engine import TINY_QWEN3, vllm_world  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -44,61 +45,39 @@ def test_three_refits_into_vllm_generate_like_hf(world):
         world.version = version
 
 
-def _served_at_least_v1(world) -> None:
-    """A test run alone: connect and commit a first version."""
-    if world.version == 0:
-        world.history[0] = world.tokens()
-        world.connect(version=0)
-        assert world.refit(1)[0] is None
-        world.version, world.history[1] = 1, world.tokens()
-
-
 @pytest.mark.timeout(240)
 def test_trainer_killed_mid_refit_then_replacement_commits(world):
-    _served_at_least_v1(world)
-    v = world.version
-    error, replies = world.refit(v + 1, die={1: 3})
-    assert error is not None and "PeerLost" in str(error), error
-    assert replies[0]["ok"] is False and replies[0]["error"] == "PeerLost", replies
-    assert world.pool.wait_dead(1, 10.0) == -9
-    # Nothing of v + 1 is served: the previous version's tokens, the previous version.
-    assert world.tokens() == world.history[v] == world.oracle(v)
-    assert world.llm.get_weight_version() == str(v)
-    # A replacement trainer joins fresh groups with the survivor and the engine.
-    world.pool.start(1)
-    replies = world.connect(version=v)
-    assert all(r["ok"] for r in replies), replies
-    error, replies = world.refit(v + 1)
-    assert error is None and [r["version"] for r in replies] == [v + 1, v + 1]
-    got = world.tokens()
-    assert got == world.oracle(v + 1) and got != world.history[v]
-    assert world.llm.get_weight_version() == str(v + 1)
-    world.version, world.history[v + 1] = v + 1, got
+    cases.dead_trainer(world)
 
 
 @pytest.mark.timeout(240)
 def test_version_not_newer_than_served_is_refused_before_a_byte_moves(world):
-    _served_at_least_v1(world)
-    v = world.version
-    # The trainers are not told to send: a refused update must not wait for their bytes.
-    for stale in (v, v - 1):
-        if stale < 1:
-            continue
-        world.llm.start_weight_update()
-        with pytest.raises(Exception, match=r"ConfigError: update_info.version .* not newer"):
-            world.llm.update_weights({"update_info": {"version": stale}})
-    with pytest.raises(Exception, match=r"init_info.commit must be"):
-        world.llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "update_port": 1,
-                                                              "stage_ports": [2], "trainers_per_stage": [2],
-                                                              "commit": "in-place"}})
-    assert world.tokens() == world.history[v]
-    assert world.llm.get_weight_version() == str(v)
-    # The groups are intact (nothing was posted): the next version commits.
-    error, replies = world.refit(v + 1)
-    assert error is None and [r["version"] for r in replies] == [v + 1, v + 1], replies
-    got = world.tokens()
-    assert got == world.oracle(v + 1) and got != world.history[v]
-    world.version, world.history[v + 1] = v + 1, got
+    cases.refused_version(world)
+
+
+@pytest.mark.timeout(240)
+def test_failed_commit_then_the_next_refit_commits(world):
+    cases.failed_commit(world)
+
+
+@pytest.mark.timeout(240)
+def test_deadline_then_recovery_commits(world):
+    cases.deadline(world)
+
+
+@pytest.mark.timeout(240)
+def test_init_without_trainers_is_bounded_and_typed_then_recovery_commits(world):
+    cases.init_without_trainers(world)
+
+
+@pytest.mark.timeout(240)
+def test_postprocess_failing_on_one_rank_swaps_nothing_then_commits(world):
+    cases.postprocess_fails_on_one_rank(world)
+
+
+@pytest.mark.timeout(240)
+def test_swap_failing_on_one_rank_is_torn_everywhere_until_a_full_refit(world):
+    cases.swap_fails_on_one_rank(world)
 
 
 @pytest.mark.timeout(240)
@@ -108,7 +87,7 @@ def test_cpu_linear_torch_and_background_then_prepack_again(world):
     # vLLM's prepack runs on a background thread (tokens taken right after the commit
     # may run on either path); tokens must still be HF's. Then back to vLLM's default
     # prepacked kernels on the same engine: still HF's.
-    _served_at_least_v1(world)
+    cases.served_at_least_v1(world)
     with pytest.raises(Exception, match=r"init_info.cpu_linear must be"):
         world.llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "update_port": 1,
                                                               "stage_ports": [2], "trainers_per_stage": [2],

@@ -11,10 +11,9 @@ import torch
 
 from policyworker.device import device_facts
 from policyworker.errors import PlanMismatch, ProtocolError, RefitTimeout
-from policyworker.layout import build_plan, dest_shards
+from policyworker.layout import build_plan
 from policyworker.models import get_preset, seeded_state_dict
 from policyworker.cli.procs import run_world
-from policyworker.testing import TransportPair, check_transport
 from policyworker.transports import zmq_wire as w
 from policyworker.transports.base import TransportContext
 from policyworker.transports.ipc_handles import share_cpu
@@ -128,29 +127,7 @@ def _pair(plan, endpoint, src, dst, **opts):
             ZmqIpcTransport(endpoint=endpoint, timeout_s=10, **opts), r_ctx)
 
 
-def test_conformance_in_one_process(tmp_path):
-    # Both ends in one process on one loop works on CPU (shm files map twice); CUDA IPC
-    # cannot open a handle in the process that exported it, so on a GPU the ends must
-    # be two processes (tests/test_zmq_gpu.py).
-    config = get_preset("tiny")
-    plan = build_plan(config, "tp=1", "tp=1", 1, 1, dtype=torch.float32)
-    src = {k: v.clone() for k, v in seeded_state_dict(config, seed=0, dtype=torch.float32).items()}
-    dst = flat_local_tensors(plan, 0, torch.device("cpu"))
-
-    async def factory():
-        s, sc, r, rc = _pair(plan, f"ipc://{tmp_path}/conf.sock", src, dst)
-        return TransportPair(s, sc, r, rc, expected=lambda p: dest_shards(plan, 0, p))
-
-    other = build_plan(config, "tp=1", "tp=1", 1, 1, dtype=torch.bfloat16)
-
-    async def mismatched():
-        s, sc, r, rc = _pair(plan, f"ipc://{tmp_path}/conf.sock", src, flat_local_tensors(other, 0, torch.device("cpu")))
-        rc.plan = other
-        return TransportPair(s, sc, r, rc)
-
-    result = asyncio.run(check_transport(factory, mismatched_factory=mismatched))
-    assert [r.version for r in result.reports] == [1, 1, 2, 2, 3, 3]
-    assert result.timeout_seconds < 4 and result.abort_seconds < 2
+# The conformance suite for zmq runs through real workers in tests/test_conformance.py.
 
 
 def test_plan_mismatch_fails_at_connect(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import gc
 import os
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from policyworker.integrations.vllm_errors import engine_error
 from policyworker.integrations.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
 
 PROMPTS = [[1, 2, 3, 4], [100, 7, 8, 9, 11]]
@@ -41,14 +43,24 @@ class VllmWorld:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    def hf(self, version: int) -> Any:
+        """The Hugging Face model with version ``version``'s weights."""
+        return hf_model(self.spec, version)
+
     def oracle(self, version: int) -> list[list[int]]:
-        return greedy_tokens(hf_model(self.spec, version), PROMPTS, MAX_TOKENS)
+        return greedy_tokens(self.hf(version), PROMPTS, MAX_TOKENS)
+
+    def use_trainers(self, train: str) -> None:
+        """Plan from trainer layout ``train`` (as many ranks) from the next connect on."""
+        if self.spec.n_train != dataclasses.replace(self.spec, train=train).n_train:
+            raise ValueError(f"{train} needs another number of trainers than {self.spec.train}")
+        self.spec = dataclasses.replace(self.spec, train=train)
 
     def connect(self, version: int, **init: Any) -> list[dict[str, Any]]:
         """Every trainer and the engine join fresh groups (also the recovery path).
 
         ``init``: more ``init_info`` keys for the engine."""
-        info = {**self.pool.connect(gen_world_size=self.tp, version=version), **init}
+        info = {**self.pool.connect(gen_world_size=self.tp, version=version, train=self.spec.train), **init}
         self.llm.init_weight_transfer_engine({"init_info": info})
         return self.pool.replies(self.spec.timeout_s)
 
@@ -56,8 +68,8 @@ class VllmWorld:
         """Trainers send ``version`` while the controller drives vLLM's four calls.
 
         ``die``: {trainer rank: k} makes that trainer SIGKILL itself after its k-th
-        wait of this refit. Returns (the engine-side exception or None, trainer replies
-        of the trainers still alive).
+        wait of this refit. Returns (the engine-side error, as its policyworker class, or
+        None; trainer replies of the trainers still alive).
         """
         die = die or {}
         for rank in range(self.spec.n_train):
@@ -70,7 +82,7 @@ class VllmWorld:
         try:
             self.llm.update_weights({"update_info": {"version": version}})
         except Exception as exc:  # vLLM re-raises a worker's error as a plain Exception
-            error = exc
+            error = engine_error(exc) or exc  # ... which carries our error's type and attributes
         else:
             self.llm.finish_weight_update(weight_version=str(version))
             self.llm.reset_prefix_cache()  # KV of old weights must not be reused
@@ -79,13 +91,21 @@ class VllmWorld:
 
 
 @contextlib.contextmanager
-def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_options=None):
+def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_options=None, model_type: str = "qwen3",
+               train: str = "tp=2", engine: dict[str, Any] | None = None, spec=None, world_cls=None, **llm_kwargs: Any):
+    """``engine`` / ``llm_kwargs``: more ``LLM`` keyword arguments (``enable_expert_parallel``); ``spec``: the
+    trainers' (default: dense, from ``config``); ``world_cls``: a VllmWorld subclass."""
     pytest.importorskip("vllm")
-    spec = WorldSpec(config=config, timeout_s=60.0, refit_timeout_s=60.0, reshard_options=reshard_options or {})
+    if spec is None:
+        spec = WorldSpec(config=config, model_type=model_type, train=train, timeout_s=60.0, refit_timeout_s=60.0,
+                         reshard_options=reshard_options or {})
     path = str(tmp_path_factory.mktemp(f"vllm-tp{tp}") / "model")
     save_hf_model(spec, 0, path)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        # Failure tests inject a fault inside the real workers with a function sent through
+        # llm.collective_rpc, which vLLM only serializes with this set.
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             # Trainers import torch + transformers while the engine starts.
@@ -94,9 +114,9 @@ def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_opt
 
             llm = LLM(path, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype="float32", enforce_eager=True,
                       max_model_len=128, max_num_seqs=4, seed=0,
-                      weight_transfer_config={"backend": "policyworker"})
+                      **{"weight_transfer_config": {"backend": "policyworker"}, **(engine or {}), **llm_kwargs})
             pool = pool_future.result(timeout=120)
-        world = VllmWorld(llm=llm, pool=pool, spec=spec, tp=tp)
+        world = (world_cls or VllmWorld)(llm=llm, pool=pool, spec=spec, tp=tp)
         try:
             yield world
         finally:

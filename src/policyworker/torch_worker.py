@@ -35,7 +35,8 @@ from torch import nn
 from ._aio import run_in_executor
 from .checkpoint import AsyncCheckpointWriter, read_checkpoint
 from .errors import CheckpointError, ConfigError, PolicyWorkerError
-from .layout.local import is_dtensor
+from .layout.experts import expert_local_views, expert_specs, expert_views, has_fused_experts
+from .layout.local import is_dtensor, shard_views
 from .worker import AbstractPolicyWorker
 
 __all__ = ["TorchPolicyWorker"]
@@ -208,6 +209,7 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         # leaves nothing behind.
         self._pin = torch.cuda.is_available()
         self._sharded = _check_sharding(unique)
+        self._fused_experts = has_fused_experts(name for name, _ in unique)
         sources = _reference_sources(model, unique, names, reference_state_dict)
         self._reference = _cpu_copies(sources, unique, self._pin)
         options = dict(transport_options or {})
@@ -247,7 +249,11 @@ class TorchPolicyWorker(AbstractPolicyWorker):
             return self._refit_source
         if self._sharded:
             return dict(self._params)
-        return self._refit_gen_config() or {name: (tuple(p.shape), p.dtype) for name, p in self._params}
+        config = self._refit_gen_config()
+        if config is not None:
+            return config
+        # Fused expert tensors (transformers >= 5) are planned as their per-expert members.
+        return expert_specs({name: (tuple(p.shape), p.dtype) for name, p in self._params})
 
     def _refit_gen_config(self) -> Any:
         """The model's ModelConfig (its own, or read from its Hugging Face config), or None."""
@@ -271,7 +277,13 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         if self._refit_params is not None:
             return self._refit_params
         if self._sharded:  # DTensors: the core sends their local shards
+            if self._fused_experts:  # plans name each expert: views of the fused shards
+                return expert_local_views({n: _local(t) for n, t in self._params},
+                                          plan.local_tensors("src", self.rank))
             return self._named_tensors()
+        if self._fused_experts:  # plans name each expert: views of the fused tensors
+            return shard_views(plan, 0 if plan.body.train_world_size == 1 else self.rank,
+                               expert_views(self._named_tensors()))
         return super()._plan_tensors(plan)
 
     # -- reference policy ----------------------------------------------------------

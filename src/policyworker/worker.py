@@ -374,17 +374,10 @@ class AbstractPolicyWorker(WorkerCore, abc.ABC):
         """Log-probs of ``data`` under the reference policy (see TorchPolicyWorker)."""
 
     async def finalize_async_save(self) -> None:
-        """Block until a pending background checkpoint save finished; raise its error."""
-        future = getattr(self, "_pending_save", None)
-        if future is None:
-            return None
-        from ._aio import run_in_executor
+        """Block until pending background checkpoint saves finished; raise their error.
 
-        try:
-            await run_in_executor(None, future.result)
-        finally:
-            if getattr(self, "_pending_save", None) is future:
-                self._pending_save = None
+        This worker saves nothing in the background, so there is nothing to wait for;
+        workers that do (`TorchPolicyWorker`) override it."""
         return None
 
     async def finish_training(self, *args: Any, **kwargs: Any) -> None:

@@ -1,4 +1,8 @@
-"""``policyworker`` command line: demo | bench | drill | plan | transports."""
+"""policyworker command line: demo | bench | drill | plan | transports.
+
+Arguments are checked before any process starts: bad input is one line on stderr
+and exit code 2.
+"""
 
 from __future__ import annotations
 
@@ -8,40 +12,60 @@ import json
 import sys
 from collections.abc import Sequence
 
+from .args import int_at_least, json_path, model_config, positive_float
 from .output import write_json
 
 __all__ = ["main"]
 
 
 def _cmd_transports(args: argparse.Namespace) -> int:
+    """List the registered transports; with ``--load`` import each, report every broken
+    plugin (and every ignored claim on a built-in name) and exit 1 if there is any."""
     from rich.console import Console
     from rich.table import Table
 
+    from ..errors import TransportLoadError
     from ..registry import TransportRegistry
 
     registry = TransportRegistry()
     infos = registry.list()
+    failed: dict[str, str] = {}
     if args.load:
         for info in infos:
             try:
                 registry.load(info.name)
-            except Exception as exc:  # show every broken plugin, keep listing the rest
-                print(f"{info.name}: {exc}", file=sys.stderr)
+            except TransportLoadError as exc:  # show every broken plugin, keep loading the rest
+                failed[info.name] = str(exc)
+        for problem in registry.problems():  # e.g. a plugin claiming a built-in's name
+            if problem.entry_point not in failed:
+                failed[f"{problem.entry_point} ({problem.distribution})"] = str(problem)
+        for name, message in failed.items():
+            print(f"policyworker transports: {name}: {message}", file=sys.stderr)
         infos = registry.list()
     if args.json:
         print(json.dumps([dataclasses.asdict(info) for info in infos], indent=2))
-        return 0
-    table = Table(title="policyworker transports")
-    for col in ("name", "distribution", "target", "loaded"):
-        table.add_column(col)
-    for info in infos:
-        table.add_row(info.name, info.distribution, info.target, "yes" if info.loaded else "no")
-    Console().print(table)
+    else:
+        table = Table(title="policyworker transports")
+        for col in ("name", "distribution", "target", "loaded", "problem"):
+            table.add_column(col)
+        for info in infos:
+            problem = "load failed" if info.name in failed else ("name conflict" if info.problem else "")
+            table.add_row(info.name, info.distribution, info.target, "yes" if info.loaded else "no", problem)
+        Console().print(table)
+    if failed:
+        print(f"policyworker transports: {len(failed)} plugin problem(s)", file=sys.stderr)
+        return 1
     return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
+        given = [f"--{k}" for k in ("preset", "train", "gen") if getattr(args, k) is not None]
+        if given:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"demo --engine vllm runs its own tiny Qwen3 (trainers tp=2 -> vLLM tp=1); "
+                              f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply (use bench --engine vllm --vllm-train/--vllm-tp)")
         from ..integrations.vllm_bench import run_vllm_demo
 
         result = run_vllm_demo(refits=args.refits)
@@ -49,10 +73,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 0 if result["passed"] else 1
     from .demo import main as demo_main
 
+    args.preset = args.preset or "small"
+    args.train = args.train or "tp=2,pp=2"
+    args.gen = args.gen or "tp=2,dp=2"
     return demo_main(args)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.lora is not None and args.engine != "vllm":
+        from ..errors import ConfigError
+
+        raise ConfigError("bench --lora RANK refits into vLLM: add --engine vllm")
+    if args.engine == "vllm" and args.lora is not None:
+        from ..integrations.vllm_lora_bench import run_vllm_lora_bench
+
+        result = run_vllm_lora_bench(rank=args.lora, preset=args.preset, train=args.vllm_train, refits=args.refits,
+                                     dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20),
+                                     timeout_s=args.timeout, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        write_json(args.json, result, echo=True)
+        return 0 if result["tokens_match_peft"] or args.dtype != "float32" else 1
     if args.engine == "vllm":
         from ..integrations.vllm_bench import run_vllm_bench
 
@@ -69,6 +108,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError("bench needs --transport nccl_reshard|zmq or --engine vllm")
     if args.transport == "zmq":
         return _bench_zmq(args)
+    if args.delta:
+        return _bench_delta(args)
     from .refit_bench import RefitBenchSpec, run_refit_bench
 
     spec = RefitBenchSpec(preset=args.preset, train=args.train, gen=args.gen, refits=args.refits,
@@ -78,6 +119,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                                                            file=sys.stderr, flush=True))
     write_json(args.json, result, echo=True)
     return 0 if result["bit_exact"] in (True, None) else 1
+
+
+def _bench_delta(args: argparse.Namespace) -> int:
+    from .delta_bench import DeltaBenchSpec, run_delta_bench
+
+    spec = DeltaBenchSpec(preset=args.preset, train=args.train, gen=args.gen, dtype=args.dtype,
+                          real_steps=args.real_steps, timeout_s=args.timeout)
+    result = run_delta_bench(spec, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    write_json(args.json, result, echo=True)
+    return 0 if result["bit_exact"] else 1
 
 
 def _bench_zmq(args: argparse.Namespace) -> int:
@@ -136,8 +187,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from ..layout.report import format_plan_report, plan_report
 
     fabric = load_fabric(args.fabric) if args.fabric else None
-    bucket = int(args.bucket_mb * 2**20) if args.bucket_mb else None
-    report = plan_report(args.preset, args.train, args.gen, fabric=fabric, bucket_bytes=bucket)
+    bucket = int(args.bucket_mb * 2**20) if args.bucket_mb is not None else None
+    report = plan_report(model_config(args.preset), args.train, args.gen, fabric=fabric, bucket_bytes=bucket)
     print(format_plan_report(report))
     if args.json:
         write_json(args.json, report)
@@ -146,16 +197,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="policyworker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="policyworker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="run trainers and rollouts on this host (CPU, gloo) and refit")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--preset", default="small")
-    p.add_argument("--train", default="tp=2,pp=2", help="training layout (default tp=2,pp=2)")
-    p.add_argument("--gen", default="tp=2,dp=2", help="generation layout (default tp=2,dp=2)")
-    p.add_argument("--refits", type=int, default=6, help="refits (the first is cold and reported apart)")
-    p.add_argument("--timeout", type=float, default=120.0, help="bound on each step of the world (s)")
+    p.add_argument("--json", metavar="PATH", type=json_path, help="also write the results as JSON")
+    p.add_argument("--preset", help="model preset (default small)")
+    p.add_argument("--train", help="training layout (default tp=2,pp=2)")
+    p.add_argument("--gen", help="generation layout (default tp=2,dp=2)")
+    p.add_argument("--refits", type=int_at_least(2), default=6, help="refits, >= 2 (the first is cold and "
+                   "reported apart)")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="bound on each step of the world (s)")
     p.add_argument("--engine", choices=["rollout", "vllm"], default="rollout",
                    help="vllm: refit a real vLLM engine (needs policyworker[vllm]) and compare its tokens with HF's")
     p.set_defaults(func=_cmd_demo)
@@ -164,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=["nccl_reshard", "zmq"])
     p.add_argument("--engine", choices=["vllm"], help="vllm: refit a real vLLM engine (nccl_reshard) vs its "
                    "same-run gloo ceiling and a safetensors checkpoint + vLLM reload_weights")
+    p.add_argument("--lora", type=int, metavar="RANK", help="--engine vllm: refit a rank-RANK LoRA adapter "
+                   "(backend policyworker-lora) against full refits of the model, same run")
     p.add_argument("--vllm-train", default="tp=2", help="--engine vllm: trainer layout")
     p.add_argument("--vllm-tp", type=int, default=1, help="--engine vllm: vLLM tensor_parallel_size")
     p.add_argument("--vllm-executor", choices=["mp", "uni"], default="mp",
@@ -177,40 +232,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="small")
     p.add_argument("--train", default="tp=2,pp=2")
     p.add_argument("--gen", default="tp=2,dp=2")
-    p.add_argument("--refits", type=int, default=6, help="refits (the first is cold and reported apart)")
+    p.add_argument("--refits", type=int_at_least(2), default=6, help="refits, >= 2 (the first is cold and "
+                   "reported apart)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--bucket-mb", type=float, default=16.0)
-    p.add_argument("--in-flight", type=int, default=16, help="messages outstanding per rank")
-    p.add_argument("--staging", type=int, default=2, help="staging buffers of --bucket-mb per rank")
+    p.add_argument("--bucket-mb", type=positive_float, default=16.0)
+    p.add_argument("--in-flight", type=int_at_least(1), default=16, help="messages outstanding per rank")
+    p.add_argument("--staging", type=int_at_least(1), default=2, help="staging buffers of --bucket-mb per rank")
     p.add_argument("--checksum", action="store_true")
     p.add_argument("--trainer-params", choices=["flat", "views"], default="flat",
                    help="nccl_reshard: trainers hold their shards in one buffer, or send views of a full model")
     p.add_argument("--no-verify", action="store_true", help="skip the bit-exact check (large presets)")
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--delta", action="store_true",
+                   help="nccl_reshard: delta refits at several changed fractions vs full refits, same run")
+    p.add_argument("--real-steps", type=int_at_least(1), default=3,
+                   help="--delta: AdamW steps (lr 1e-6) of the toy model for the measured changed fraction")
+    p.add_argument("--timeout", type=positive_float, default=300.0)
+    p.add_argument("--json", metavar="PATH", type=json_path)
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("transports", help="list registered transports (imports none unless --load)")
-    p.add_argument("--load", action="store_true", help="import each one and report failures")
+    p.add_argument("--load", action="store_true",
+                   help="import each one; report broken plugins and exit 1 when there is any")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_transports)
 
     p = sub.add_parser("drill", help="run fault scenarios (kill, stall, corrupt, ...) and check recovery")
     p.add_argument("--scenario", action="append", help="run only this scenario (repeatable)")
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--jobs", type=int, default=2, help="scenarios run at the same time (default 2; each "
+    p.add_argument("--json", metavar="PATH", type=json_path)
+    p.add_argument("--jobs", type=int_at_least(1), default=2, help="scenarios run at the same time (default 2; each "
                    "mostly waits on deadlines and process starts)")
     p.set_defaults(func=_cmd_drill)
 
-    p = sub.add_parser("plan", help="print the reshard plan's byte counts for a preset and layouts")
-    p.add_argument("--preset", required=True)
+    p = sub.add_parser("plan", help="print the reshard plan's byte counts for a model and layouts")
+    p.add_argument("--preset", "--model", dest="preset", required=True, metavar="PRESET|PATH",
+                   help="a preset's name, or a Hugging Face config.json / model directory")
     p.add_argument("--train", required=True, help="e.g. tp=2,pp=2,dp=1")
     p.add_argument("--gen", required=True, help="e.g. tp=4,dp=1")
     p.add_argument("--fabric", metavar="FILE",
                    help="fabric file (JSON/TOML: GPUs per node, NVLink/NIC GB/s, placement): "
                         "print the modelled refit time of the plan, a rank-0 broadcast and full tensors")
-    p.add_argument("--bucket-mb", type=float, help="with --fabric: bucket size (default: the file's)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--bucket-mb", type=positive_float, help="with --fabric: bucket size (default: the file's)")
+    p.add_argument("--json", metavar="PATH", type=json_path)
     p.set_defaults(func=_cmd_plan)
     return parser
 

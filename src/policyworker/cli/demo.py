@@ -26,6 +26,7 @@ def main(args: argparse.Namespace) -> int:
 
     spec = RefitBenchSpec(preset=args.preset, train=args.train, gen=args.gen, refits=args.refits,
                           timeout_s=args.timeout)
+    spec.validate()  # bad input: one line, before any process starts
     n = spec.train_par.world_size + spec.gen_par.world_size
     console = Console()
     console.print(

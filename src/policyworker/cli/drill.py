@@ -51,6 +51,7 @@ class Scenario:
     refit_timeout_s: float = 6.0
     checksum: bool = False
     transport: str = "nccl_reshard"
+    delta: bool = False  # nccl_reshard with delta=True (drill_delta's world)
 
 
 SCENARIOS = {
@@ -79,6 +80,9 @@ SCENARIOS = {
                  refit_timeout_s=3.0, transport="sglang_ipc"),
         Scenario("zmq-cancel-awaiting-refit", "cancel", 1, (*_COMM, "Cancelled", "TransportError"),
                  transport="zmq"),
+        # nccl_reshard with delta=True (drill_delta): a rollout killed mid-delta is replaced; the
+        # retried refit is full (the replacement holds no base), the next one a delta again.
+        Scenario("delta-kill-rollout-mid-delta", "kill_mid", 3, _COMM, delta=True),
     )
 }
 
@@ -253,6 +257,14 @@ def run_scenario(sc: Scenario, *, timeout_s: float = 150.0) -> dict[str, Any]:
         from .drill_zmq import run_zmq_scenario
 
         return _judge(sc, run_zmq_scenario(sc, timeout_s=min(timeout_s, 120.0)))
+    if sc.delta:
+        from .drill_delta import delta_checks, run_delta_scenario
+
+        results = run_delta_scenario(sc, timeout_s=min(timeout_s, 120.0))
+        row = _judge(sc, results)
+        row["checks"].update(delta_checks(results))
+        row["passed"] = all(row["checks"].values())
+        return row
     if sc.transport == "sglang_ipc":
         from .drill_sglang import run_sglang_scenario
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..errors import PlanError
+from ..errors import ConfigError, PlanError
 from ..layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
 from .output import ratio_spread
 from .procs import free_port, start_world
@@ -68,6 +68,30 @@ class RefitBenchSpec:
         from ..layout.fp8 import split_gen_layout
 
         return Parallelism.parse(split_gen_layout(self.gen)[0])  # gen may carry fp8=block128
+
+    def validate(self) -> None:
+        """Check every argument and build the plan once, here, before any process starts.
+
+        Raises ``ConfigError`` / ``PlanError`` with one line: bad input never reaches the
+        ranks (where it would fail once per process, after the world formed).
+        """
+        from ..models import get_preset
+
+        if self.refits < 2:
+            raise ConfigError(f"refits must be >= 2 (the first is cold and reported apart), got {self.refits}")
+        for name in ("bucket_bytes", "in_flight", "staging", "ceiling_rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout_s!r}")
+        if self.trainer_params not in ("flat", "views"):
+            raise ConfigError(f"trainer_params must be 'flat' or 'views', got {self.trainer_params!r}")
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ConfigError(f"dtype must name a torch floating dtype (e.g. bfloat16), got {self.dtype!r}")
+        train, gen = self.train_par, self.gen_par
+        build_plan(get_preset(self.preset), train, self.gen, train.world_size, gen.world_size, dtype=dtype)
 
 
 def _max_over(group, value: float) -> float:
@@ -210,6 +234,7 @@ def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
     import multiprocessing as mp
     import queue
 
+    spec.validate()
     train, gen = spec.train_par, spec.gen_par
     spec.ports = {"update": free_port(), "stages": [free_port() for _ in range(train.pp)]}
     n = train.world_size + gen.world_size

@@ -23,7 +23,7 @@ refit is compared with a ceiling of the same moment. ``ratio_to_ceiling`` is the
 median over measured refits of (ceiling seconds ÷ refit seconds), ``ratio_spread``
 its min / quartiles / max; the first refit (connect, export, open: cold) is left out
 and reported apart (``first_refit_s``, ``cold_refit``). The baseline is
-``benchmarks/nemo_rl_baseline.py`` (NeMo RL's staged protocol) moving the same
+``policyworker.cli.nemo_baseline`` (NeMo RL's staged protocol) moving the same
 tensors into the same rollout tensors. Loop lag: a 1 ms ticker task on the
 trainer's event loop during the measured refits; ``loop_lag_ms_p50`` /
 ``loop_lag_ms_p99`` over ``loop_lag_ticks`` ticks.
@@ -33,17 +33,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import os
 import statistics
 import sys
 import time
 import zlib
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..errors import TransportError
+from . import nemo_baseline
 from .output import ratio_spread, write_json
 
 __all__ = ["run_zmq_bench"]
@@ -53,17 +53,6 @@ def _seeded_(t: torch.Tensor, name: str, version: int) -> None:
     g = torch.Generator(device=t.device).manual_seed((zlib.crc32(name.encode()) * 1000003 + version) % (2**62))
     with torch.no_grad():
         t.copy_(torch.empty(t.shape, dtype=torch.float32, device=t.device).normal_(generator=g))
-
-
-def _baseline_module():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "nemo_rl_baseline.py"
-    if not path.exists():
-        return None
-    spec = importlib.util.spec_from_file_location("nemo_rl_baseline", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["nemo_rl_baseline"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _workers():
@@ -125,7 +114,7 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
     config = get_preset(a["preset"])
     dtype = getattr(torch, a["dtype"])
     BenchTrainer, BenchRollout = _workers()
-    base = _baseline_module() if a["baseline"] else None
+    base = nemo_baseline if a["baseline"] else None
     endpoint_base = None
     out: dict[str, Any] = {"rank": rank}
 
@@ -347,8 +336,8 @@ def run_zmq_bench(preset: str = "small", dtype: str = "bfloat16", refits: int = 
         out["baseline_bucket_bytes"] = t["baseline"]["bucket_bytes"]
         out["baseline_bit_exact"] = bool(r["baseline"]["bit_exact"])
         out["bit_exact"] = out["bit_exact"] and out["baseline_bit_exact"]
-    else:
-        out["baseline_gbps_median"] = out["speedup_vs_baseline"] = None
+    elif baseline:
+        raise TransportError("zmq bench: the NeMo-protocol baseline was asked for but did not run")
     return out
 
 

@@ -1,4 +1,4 @@
-"""Integrations with other projects: vLLM (a weight-transfer backend), Hugging Face (configs).
+"""Integrations with other projects: vLLM (weight-transfer backends), Hugging Face (configs), PEFT (LoRA).
 
 Nothing here is imported by ``import policyworker``: each module imports its project
 lazily, so policyworker works without vLLM or transformers installed.

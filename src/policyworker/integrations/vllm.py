@@ -31,12 +31,16 @@ worker (one per tp rank) and is driven by vLLM's four calls:
     the layer holding the staged tensors, then swaps the copies' state into the live
     layers. vLLM's ``weight_version`` is the string the controller passes here.
 
-Failure semantics: a refit that fails in ``update_weights`` (trainer lost, timeout,
-bad bytes) changed nothing vLLM serves; vLLM closes the session, and the controller
-starts a new one (after rebuilding the groups with ``init_weight_transfer_engine``
-when a process died). ``finish_weight_update`` without a complete refit raises and
-commits nothing; a failure in the post-processing (before the swap) changes nothing
-either. Should the swap itself fail halfway, the engine is *torn*: every later
+Failure semantics (docs/vllm.md): every call answers for itself at any tp. The engine's
+tp ranks agree on each call's outcome before they reply, and raise the same error when
+any rank failed (:mod:`.vllm_rpc`); errors carry a marker that :func:`typed_errors`
+turns back into their policyworker class on the controller. A refit that fails in
+``update_weights`` (trainer lost, timeout, bad bytes) changed nothing vLLM serves; vLLM
+closes the session, and the controller starts a new one (after every side joined fresh
+groups with ``init_weight_transfer_engine`` when a process died or a deadline aborted
+them). ``finish_weight_update`` without a complete refit raises and commits nothing; a
+failure in the post-processing (before any rank swaps) changes nothing either. Should a
+swap itself fail, the engine is *torn* on every rank: every later
 ``finish_weight_update`` without a full refit raises ``TornWeights``.
 """
 
@@ -49,6 +53,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
@@ -57,29 +62,42 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..ledger import WeightLedger
-from ..errors import ConfigError, PlanMismatch, PolicyWorkerError, ProtocolError, TornWeights, translate_comm_error
+from ..errors import (ConfigError, PlanMismatch, PolicyWorkerError, ProtocolError, RefitTimeout, TornWeights,
+                      translate_comm_error)
 from ..layout.plan import ReshardPlan
-from .vllm_plan import NEEDS_KEY, PLAN_KEY, Needs, encode_needs
+from .vllm_errors import engine_error, mark, typed_errors
+from .vllm_plan import NEEDS_KEY, PLAN_KEY, encode_needs
+from .vllm_rpc import Agreement, install_single_reply
 from .vllm_stage import VllmStage
-from .vllm_targets import Target, needs_from_vllm_model, vllm_targets
+from .vllm_targets import Target, needs_from_vllm_model, needs_of, vllm_targets
 
 __all__ = ["BACKEND", "PolicyworkerInitInfo", "PolicyworkerUpdateInfo", "PolicyworkerWeightTransferEngine",
-           "Target", "needs_from_vllm_model", "register", "vllm_targets"]
+           "Target", "engine_error", "needs_from_vllm_model", "register", "typed_errors", "vllm_targets"]
 
 BACKEND = "policyworker"
 logger = logging.getLogger(__name__)
+#: How long a rank waits for the others past the bound of the call itself.
+AGREE_SLACK_S = 30.0
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: register backend ``"policyworker"`` (lazily)."""
+    """The ``vllm.general_plugins`` entry point: register backend ``"policyworker"`` (lazily), for
+    vLLM's workers and for its trainer API (:mod:`.vllm_trainer`), and ``"policyworker-lora"``
+    (:mod:`.vllm_lora`: refits of a LoRA adapter)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    try:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "PolicyworkerWeightTransferEngine")
-    except ValueError:
-        # vLLM may run general plugins more than once per process; the first
-        # registration stands (the factory refuses a second one with ValueError).
-        pass
+    for name, module, cls in ((BACKEND, __name__, "PolicyworkerWeightTransferEngine"),
+                              ("policyworker-lora", f"{__package__}.vllm_lora", "PolicyworkerLoraEngine")):
+        try:
+            WeightTransferEngineFactory.register_engine(name, module, cls)
+        except ValueError:
+            # vLLM may run general plugins more than once per process; the first
+            # registration stands (the factory refuses a second one with ValueError).
+            pass
+    install_single_reply()
+    from .vllm_trainer import register_trainer
+
+    register_trainer()  # the same name in vLLM's trainer API (WeightTransferTrainerFactory)
 
 
 # -- typed init / update info -------------------------------------------------------------
@@ -145,18 +163,16 @@ class PolicyworkerUpdateInfo(WeightTransferUpdateInfo):
             raise ConfigError(f"update_info.version must be an int >= 1, got {self.version!r}")
 
 
-def _typed(method: Any) -> Any:
-    """vLLM hands the controller only ``str(error)`` of a worker's error: put the type in it."""
+def _marked(method: Any) -> Any:
+    """vLLM hands the controller only ``str(error)`` of a worker's error: put a marker in it
+    (:mod:`.vllm_errors`), which :func:`typed_errors` turns back into the error's class."""
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return method(*args, **kwargs)
         except PolicyWorkerError as exc:
-            name = type(exc).__name__
-            if not str(exc).startswith(name):
-                exc.args = (f"{name}: {exc}",)
-            raise
+            raise mark(exc)
 
     return wrapper
 
@@ -174,8 +190,9 @@ class _Loop:
         try:
             return future.result(timeout_s)
         except TimeoutError:
-            future.cancel()
-            raise
+            if not future.cancel() and future.done():
+                return future.result()  # it finished just as the wait ran out
+            raise RefitTimeout(f"a policyworker call inside vLLM did not return within {timeout_s:g} s") from None
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -198,9 +215,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self._targets = vllm_targets(model)
-        self.needs = Needs(rank=self.tp_rank, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                           dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
-                           needs=[t.need for t in self._targets])
+        self.needs = needs_of(self._targets, rank=self.tp_rank, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                              dtype=vllm_config.model_config.dtype)
         self._stage: VllmStage | None = None
         self._prepared_for: int | None = None
         self._loop: _Loop | None = None
@@ -213,8 +229,34 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         # vLLM's live weights go through the one commit path too: the staging RolloutWorker
         # has its own ledger (bytes landed), this one says what vLLM serves.
         self.ledger = WeightLedger(rank=self.tp_rank, what="vLLM engine")
+        dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
+        self._agreement = Agreement.for_vllm(self.tp_rank, self.tp_size, dp_rank)
+
+    def _agreed(self, what: str, bound_s: float, body: Any, on_failure: Any = None) -> Any:
+        """Run ``body`` on this rank, then agree with every tp rank (:mod:`.vllm_rpc`).
+
+        When any rank failed, ``on_failure`` undoes this rank's part and every rank raises
+        the same error (the lowest failed rank's, marked for :func:`typed_errors`).
+        """
+        error: Exception | None = None
+        result = None
+        try:
+            result = body()
+        except Exception as exc:  # agreed on below, then raised (typed) on every rank
+            error = exc
+            if isinstance(exc, PolicyWorkerError) and exc.rank is None:
+                exc.rank = self.needs.rank  # the controller learns which vLLM rank saw it
+        agreed = self._agreement.outcome(what, error, bound_s + AGREE_SLACK_S)
+        if agreed is None:
+            return result
+        if on_failure is not None:
+            on_failure()
+        if agreed is error:
+            raise mark(agreed)
+        raise mark(agreed) from error
 
     # -- init -------------------------------------------------------------------------
+    @_marked
     def parse_init_info(self, init_dict: dict[str, Any]) -> PolicyworkerInitInfo:
         if not isinstance(init_dict, dict):
             raise ConfigError(f"init_info must be a dict, got {type(init_dict).__name__}")
@@ -223,6 +265,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         except TypeError as exc:
             raise ConfigError(f"bad init_info for the policyworker backend: {exc}") from exc
 
+    @_marked
     def parse_update_info(self, update_dict: dict[str, Any]) -> PolicyworkerUpdateInfo:
         if not isinstance(update_dict, dict):
             raise ConfigError(f"update_info must be a dict, got {type(update_dict).__name__}")
@@ -235,8 +278,14 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         # The worker's own deadlines bound every wait; this outer bound only catches a bug.
         return self._loop.call(coro, timeout_s + 30.0)
 
-    @_typed
     def init_transfer_engine(self, init_info: PolicyworkerInitInfo) -> None:
+        # One group formation per group (the update group, then each stage's), each
+        # bounded by timeout_s: trainers that never come make this raise, never hang.
+        bound = (1 + len(init_info.stage_ports)) * init_info.timeout_s
+        self._agreed("init_weight_transfer_engine", bound, lambda: self._init(init_info, bound),
+                     on_failure=self._close_worker)
+
+    def _init(self, init_info: PolicyworkerInitInfo, bound: float) -> None:
         from ..rollout import RolloutWorker
 
         if self._loop is None:
@@ -246,8 +295,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         gen_world = init_info.gen_world_size or self.tp_size
         rank = init_info.rank_offset + self.tp_rank
         device = "cpu" if self.device.type == "cpu" else self.device
-        self.needs = Needs(rank=rank, tp_rank=self.needs.tp_rank, tp_size=self.needs.tp_size,
-                           dtype=self.needs.dtype, needs=self.needs.needs)
+        self.needs = msgspec.structs.replace(self.needs, rank=rank)
 
         async def build() -> Any:
             worker = RolloutWorker(rank=rank, gen_world_size=gen_world, device=device, timeout_s=init_info.timeout_s,
@@ -273,7 +321,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             self._stage = stage
         self._stage.copy_into_live = self._copy_into_live(init_info.commit)
         self._stage.cpu_linear = init_info.cpu_linear
-        self._worker = self._call(build(), 2 * init_info.timeout_s)
+        self._worker = self._call(build(), bound)
         self._info = init_info
         self._plan_loaded = False
         self._received = None
@@ -318,20 +366,35 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             raise ConfigError("call init_weight_transfer_engine before a weight update")
         return self._worker
 
-    @_typed
     def start_weight_update(self) -> None:
+        self._agreed("start_weight_update", self._info.timeout_s if self._info else 0.0, self._start)
+
+    def _start(self) -> None:
         self._require_worker()
         if not self._plan_loaded:
             self._load_plan()
         self._received = None
 
-    @_typed
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        # The base class ends with torch.accelerator.synchronize(), which raises on a
-        # CPU-only host; our receive has completed (or raised) when it returns.
-        self.receive_weights(self.parse_update_info(update_info))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        def body() -> None:
+            self.receive_weights(self.parse_update_info(update_info))
+            # The base class ends with torch.accelerator.synchronize(), which raises on a
+            # CPU-only host; our receive has completed (or raised) when it returns.
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        def forget() -> None:  # another rank failed: this rank's bytes must not commit
+            self._received = None
+
+        self._agreed("update_weights", self._update_bound(update_info), body, on_failure=forget)
+
+    def _update_bound(self, update_info: Any) -> float:
+        if self._info is None:
+            return 0.0
+        timeout = update_info.get("refit_timeout_s") if isinstance(update_info, dict) else None
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            timeout = self._info.refit_timeout_s
+        return float(timeout if timeout is not None else self._info.timeout_s) + 30.0
 
     def receive_weights(self, update_info: PolicyworkerUpdateInfo) -> None:
         worker = self._require_worker()
@@ -354,21 +417,31 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
                                 f"{update_info.version}; nothing committed", rank=worker.rank)
         self._received = report.version
 
-    @_typed
     def finish_weight_update(self) -> None:
         """Post-process the received set with vLLM's own code off the live layers, then swap.
 
         Runs only after a complete refit whose verdict was good on every rank (else it
-        raises and commits nothing). A failure while post-processing leaves vLLM's live
-        layers untouched (version intact); only a failure in the swap itself marks torn.
+        raises and commits nothing). Every tp rank post-processes first and the ranks
+        agree before any swaps: a failure there leaves vLLM's live layers untouched on
+        every rank (version intact). Only a failure in a swap itself marks the engine torn,
+        on every rank (the ranks would otherwise serve a mix of versions).
         """
+        bound = self._info.timeout_s if self._info else 0.0
+        version = self._received
+        prepared = self._agreed("finish_weight_update", bound, self._prepare)
+        self._agreed("finish_weight_update (swap)", bound, lambda: self._swap(version, prepared),
+                     on_failure=self._torn_everywhere)
+
+    def _prepare(self) -> Any:
         if self._received is None:
             state = "torn" if self.torn else f"version {self.committed_version}"
             raise (TornWeights if self.torn else ConfigError)(
                 f"vLLM rank {self.tp_rank}: no complete refit was received in this weight update; nothing "
                 f"committed (vLLM keeps {state})", rank=self.tp_rank)
-        version, self._received = self._received, None
-        prepared = self._stage.prepare()
+        self._received = None
+        return self._stage.prepare()
+
+    def _swap(self, version: int, prepared: Any) -> None:
         self.ledger.begin(version)
         try:
             self._stage.commit(prepared)
@@ -376,6 +449,10 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             self.ledger.fail(True)  # some layers may already hold the new version
             raise
         self.ledger.commit(version)
+
+    def _torn_everywhere(self) -> None:
+        # A rank whose swap succeeded serves the new version while another does not.
+        self.ledger.mark_torn()
 
     @property
     def torn(self) -> bool:

@@ -2,7 +2,9 @@
 
 Both run a real vLLM engine (``LLM`` with ``weight_transfer_config={"backend":
 "policyworker"}``) in this process and trainer processes (``TorchPolicyWorker`` over a
-Hugging Face Qwen3 built locally) that refit it with new weights each round.
+Hugging Face Qwen3, or Qwen3-MoE for an MoE preset such as ``small-moe``, built locally)
+that refit it with new weights each round. The plan must move exactly the bytes vLLM's
+ranks need (``bytes_minimum``), else the bench fails.
 
 The bench measures, in the same run:
 
@@ -31,7 +33,7 @@ import time
 from typing import Any
 
 from ..cli.output import ratio_spread
-from ..errors import ConfigError
+from ..errors import ConfigError, PlanError
 from ..models.config import ModelConfig, get_preset
 from .vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
 
@@ -41,14 +43,33 @@ PROMPTS = [[1, 2, 3, 4], [100, 7, 8, 9, 11]]
 
 
 def hf_kwargs(config: ModelConfig) -> dict[str, Any]:
-    """A Hugging Face ``Qwen3Config``'s keyword arguments for a (dense qwen3) preset."""
-    if config.family != "qwen3" or config.is_moe:
-        raise ValueError(f"the vLLM bench builds dense Qwen3 models; {config.name!r} is {config.family}")
-    return dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-                num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-                head_dim=config.head_dim, tie_word_embeddings=config.tie_word_embeddings,
-                rope_theta=config.rope_theta, max_position_embeddings=512, initializer_range=0.2)
+    """A Hugging Face ``Qwen3Config``'s (``Qwen3MoeConfig``'s) keyword arguments for a qwen3
+    (qwen3_moe, every layer sparse, no shared expert) preset."""
+    moe = config.family == "qwen3_moe" and config.is_moe and not config.first_k_dense \
+        and not config.num_shared_experts
+    if config.family != "qwen3" and not moe:
+        raise ValueError(f"the vLLM bench builds Qwen3 and Qwen3-MoE models; {config.name!r} is {config.family}"
+                         f"{' with dense layers or shared experts' if config.is_moe else ''}")
+    out = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+               intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+               num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+               head_dim=config.head_dim, tie_word_embeddings=config.tie_word_embeddings,
+               rope_theta=config.rope_theta, max_position_embeddings=512, initializer_range=0.2)
+    if moe:
+        out.update(num_experts=config.num_experts, moe_intermediate_size=config.moe_intermediate_size,
+                   num_experts_per_tok=config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob)
+    return out
+
+
+def minimum_bytes(model: Any, tp: int) -> int:
+    """The bytes one vLLM engine of ``tp`` ranks needs per refit: every parameter of the
+    Hugging Face ``model`` once, and what each rank holds whole (norms, the MoE router)
+    once more per further rank."""
+    total = 0
+    for name, p in model.named_parameters():
+        whole = name.endswith("norm.weight") or name.endswith("mlp.gate.weight")
+        total += p.numel() * p.element_size() * (tp if whole else 1)
+    return total
 
 
 def _await_background_prepack(worker: Any, timeout_s: float = 60.0) -> int:
@@ -65,7 +86,8 @@ def _await_background_prepack(worker: Any, timeout_s: float = 60.0) -> int:
 class _Engine:
     """The controller's side: the LLM plus the trainer pool."""
 
-    def __init__(self, spec: WorldSpec, *, tp: int, log, executor: str = "mp", cpu_linear: str = "prepack") -> None:
+    def __init__(self, spec: WorldSpec, *, tp: int, log, executor: str = "mp", cpu_linear: str = "prepack",
+                 llm_kwargs: dict[str, Any] | None = None) -> None:
         if executor not in ("mp", "uni") or (executor == "uni" and tp != 1):
             raise ConfigError(f"vLLM executor {executor!r} with tp={tp}: 'mp' (any tp) or 'uni' (tp=1)")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -94,7 +116,8 @@ class _Engine:
                 t0 = time.perf_counter()
                 self.llm = LLM(self.path, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype=spec.dtype,
                                enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0,
-                               weight_transfer_config={"backend": "policyworker"}, **extra)
+                               **{"weight_transfer_config": {"backend": "policyworker"}, **extra,
+                                  **(llm_kwargs or {})})
                 self.startup_s = time.perf_counter() - t0
                 self.pool = pool.result(timeout=300)
         except BaseException:
@@ -218,12 +241,15 @@ def run_vllm_bench(*, preset: str = "small", train: str = "tp=2", tp: int = 1, r
     if refits < 2:
         raise ConfigError("bench --engine vllm needs --refits >= 2 (the first refit is cold, reported apart)")
     config = get_preset(preset)
-    spec = WorldSpec(config=hf_kwargs(config), dtype=dtype, train=train, timeout_s=timeout_s,
-                     refit_timeout_s=timeout_s, reshard_options={"bucket_bytes": bucket_bytes})
+    spec = WorldSpec(config=hf_kwargs(config), model_type=config.family, dtype=dtype, train=train,
+                     timeout_s=timeout_s, refit_timeout_s=timeout_s, reshard_options={"bucket_bytes": bucket_bytes})
+    need = minimum_bytes(hf_model(spec, 0), tp)
     engine = _Engine(spec, tp=tp, log=log, executor=executor, cpu_linear=cpu_linear)
     try:
         replies = engine.connect(version=0, cpu_linear=cpu_linear)
         total = replies[0]["total_bytes"]
+        if total != need:
+            raise PlanError(f"the plan moves {total} bytes a refit; vLLM's {tp} ranks need {need}")
         send_bytes = [r["send_bytes"] for r in replies]
         rows, ckpt = [], []
         for version in range(1, refits + 1):
@@ -266,7 +292,7 @@ def run_vllm_bench(*, preset: str = "small", train: str = "tp=2", tp: int = 1, r
         "engine": "vllm", "backend": "policyworker", "transport": "nccl_reshard", "device": "cpu",
         "comm": "gloo", "preset": preset, "dtype": dtype, "train": train, "vllm_tp": tp,
         "vllm_executor": executor, "cpu_linear": cpu_linear,
-        "bytes_per_refit": total, "bucket_bytes": bucket_bytes, "engine_startup_seconds": engine.startup_s,
+        "bytes_per_refit": total, "bytes_minimum": need, "moe": config.is_moe, "bucket_bytes": bucket_bytes, "engine_startup_seconds": engine.startup_s,
         "refits": rows, "ceiling_seconds": ceiling_s, "ceiling_gbps": ceiling_gbps,
         "refit_seconds_median": refit_s, "refit_gbps": total / refit_s / 1e9,
         "transfer_seconds_median": transfer_s, "transfer_gbps": total / transfer_s / 1e9,

@@ -19,6 +19,7 @@ has a fresh store, so stale keys never survive a rebuild.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,13 +27,15 @@ import msgspec
 
 from ..errors import ConfigError, PlanError, translate_comm_error
 from ..layout.boxes import Layout, LocalSpec, Piece
+from ..layout.fp8 import Fp8Target, fp8_layout
+from ..layout.experts import expert_specs, split_expert_layout
 from ..layout.local import is_dtensor
 from ..layout.parallelism import Parallelism
 from ..layout.plan import ReshardPlan
 from ..layout.planner import as_parallelism, plan_from_layouts
 from ..layout.rules import dtype_name, rule_layout
 
-__all__ = ["NEEDS_KEY", "PLAN_KEY", "Need", "Needs", "needs_layout", "plan_for_vllm",
+__all__ = ["NEEDS_KEY", "PLAN_KEY", "Need", "Needs", "fp8_target", "needs_layout", "plan_for_vllm",
            "prepare_vllm_refit", "read_needs", "source_layout"]
 
 NEEDS_KEY = "vllm/needs/{rank}"
@@ -56,6 +59,9 @@ class Needs(msgspec.Struct, frozen=True, kw_only=True):
     tp_size: int
     dtype: str
     needs: list[Need]
+    #: Block size of the boxes that land as block-FP8 (0: none), and their names.
+    fp8_block: int = 0
+    fp8: list[str] = msgspec.field(default_factory=list)
 
 
 _NEEDS_DECODER = msgspec.msgpack.Decoder(Needs)
@@ -111,6 +117,29 @@ def needs_layout(specs: Mapping[str, tuple[tuple[int, ...], Any]], needs_by_rank
     return Layout(world_size=world, stage_of_rank=(0,) * world, pieces=pieces, tensors=tensors)
 
 
+def fp8_target(needs_by_rank: Sequence[Any]) -> Fp8Target | None:
+    """The plan's FP8 target from every vLLM rank's needs (None: nothing lands as FP8).
+
+    Exactly the names the ranks said land as FP8 (so vLLM's ``ignored_layers`` and
+    ``lm_head`` stay as vLLM loads them); every rank must agree on them and the block.
+    """
+    blocks = {n.fp8_block for n in needs_by_rank}
+    if blocks == {0}:
+        return None
+    if len(blocks) != 1:
+        raise PlanError(f"vLLM ranks disagree on the FP8 block size: {sorted(blocks)}")
+    names: set[str] = set()
+    for needs in needs_by_rank:
+        names.update(needs.fp8)
+    for needs in needs_by_rank:
+        loaded = {n.name for n in needs.needs}
+        if (loaded & names) != set(needs.fp8):
+            raise PlanError(f"vLLM rank {needs.rank} loads as FP8 other tensors than its peers", rank=needs.rank)
+    if not names:
+        raise PlanError("vLLM ranks announce an FP8 block size but no FP8 tensors")
+    return Fp8Target(block=blocks.pop(), match="|".join(re.escape(n) for n in sorted(names)))
+
+
 def source_layout(source: Any, train: Parallelism, train_world_size: int, *, dtype: Any = "bfloat16"):
     """``(specs, layout)`` of the trainers: from a ModelConfig or specs (rules) or DTensors."""
     from ..models.config import ModelConfig
@@ -120,12 +149,12 @@ def source_layout(source: Any, train: Parallelism, train_world_size: int, *, dty
     if isinstance(source, Mapping) and source and all(is_dtensor(t) for t in source.values()):
         from ..layout.dtensor import dtensor_layout, dtensor_specs
 
-        return dtensor_specs(source), dtensor_layout(source, world_size=train_world_size)
+        return split_expert_layout(dtensor_specs(source), dtensor_layout(source, world_size=train_world_size))
     if isinstance(source, ModelConfig):
         specs = {n: (s, dtype_name(dtype)) for n, (s, _) in param_specs(source).items()}
         return specs, rule_layout(specs, train, config=source, fused=False)
     if isinstance(source, Mapping):
-        specs = {n: (tuple(s), dtype_name(d)) for n, (s, d) in source.items()}
+        specs = {n: (tuple(s), dtype_name(d)) for n, (s, d) in expert_specs(source).items()}
         return specs, rule_layout(specs, train, fused=False)
     raise ConfigError(f"a refit source must be a ModelConfig, {{name: (shape, dtype)}} or DTensors, got "
                       f"{type(source).__name__}")
@@ -142,7 +171,14 @@ def plan_for_vllm(source: Any, train_parallelism: Any, train_world_size: int, ne
     sizes = {n.tp_size for n in needs_by_rank}
     # One engine of tp ranks is described by Parallelism(tp); several engines are not.
     gen = Parallelism(tp=len(needs_by_rank)) if sizes == {len(needs_by_rank)} else None
-    return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=False)
+    fp8 = fp8_target(needs_by_rank)
+    if fp8 is None:
+        return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=False)
+    # Block-FP8 vLLM layers: those boxes are quantized by the trainers' pack step.
+    src = fp8_layout(src, specs, fp8, tp=train.tp, side="train", retype=False)
+    dst = fp8_layout(dst, specs, fp8, tp=max(sizes), side="gen", retype=True)
+    return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=False, fp8_block=fp8.block,
+                             compress=False)
 
 
 def read_needs(store: Any, gen_world_size: int, *, what: str = "vLLM needs") -> list[Needs]:

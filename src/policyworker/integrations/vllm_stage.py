@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, PlanMismatch
+from .vllm_moe import kernel_built, repack_experts
 from .vllm_prepack import MODULE_SLOTS, SKIP_FLAG, BackgroundPrepack, set_skip_flag, shallow_layer
 
 __all__ = ["Prepared", "VllmStage"]
@@ -153,6 +154,8 @@ class VllmStage:
         out = {}
         for slot in self._slots:
             stage, row = slot.sets[k], 0
+            if slot.targets and stage.dim() == len(slot.targets[0].need.shape) + 1:
+                stage = stage.flatten(0, 1)  # fused experts: [E_local, rows, cols] as rows of experts
             for t in slot.targets:
                 shape = tuple(b - a for a, b in zip(t.need.start, t.need.stop))
                 if len(shape) != stage.dim() or tuple(shape[1:]) != tuple(stage.shape[1:]) \
@@ -198,11 +201,15 @@ class VllmStage:
                 carrier = torch.zeros(t.need.shape, dtype=scratch.dtype, device=scratch.device)
                 carrier[tuple(slice(a, b) for a, b in zip(t.need.start, t.need.stop))] = box
                 with torch.no_grad():
-                    loader(scratch, carrier) if t.shard is None else loader(scratch, carrier, t.shard)
+                    if isinstance(t.shard, dict):  # keyword arguments (vLLM's MoE loader)
+                        loader(scratch, carrier, **t.shard)
+                    else:
+                        loader(scratch, carrier) if t.shard is None else loader(scratch, carrier, t.shard)
                 for k in (0, 1):
                     self._views[k][t.need.name].copy_(box)
             for stage in slot.sets:
-                same = torch.equal(stage, scratch)
+                # bit for bit (float8 has no torch.equal on CPU)
+                same = stage.dtype == scratch.dtype and torch.equal(stage.view(torch.uint8), scratch.view(torch.uint8))
                 stage.zero_()
                 if not same:
                     name = slot.targets[0].need.name if slot.targets else "?"
@@ -235,8 +242,11 @@ class VllmStage:
                     background.append((module, self._skip_flag.get(id(module)), not _is_embedding(method)))
             elif isinstance(method, QuantizeMethodBase):
                 shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
+                repack = kernel_built(shadow)
                 with torch.no_grad():
                     method.process_weights_after_loading(shadow)
+                if repack:  # vLLM skips its MoE kernel's repack once the kernel exists
+                    repack_experts(shadow)
                 if hasattr(shadow, "update_param_tp_status"):
                     shadow.update_param_tp_status()
             layers.append((module, shadow))

@@ -16,9 +16,12 @@ from typing import Any
 
 import torch
 
+from ..errors import ConfigError
+from .vllm_fp8 import fp8_fields, fp8_targets
+from .vllm_moe import expert_targets, is_routed_experts
 from .vllm_plan import Need, Needs
 
-__all__ = ["Target", "needs_from_vllm_model", "vllm_targets"]
+__all__ = ["Target", "needs_from_vllm_model", "needs_of", "vllm_targets"]
 
 
 def _box(shape: tuple[int, ...], dim: int | None, start: int, size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -95,6 +98,10 @@ class Target:
     module: str
     pname: str
     shard: Any = None
+    #: Not sent by the trainers but derived from what they send (a block-FP8 weight's scales).
+    derived: bool = False
+    #: Block size when this box lands as block-FP8 (:mod:`.vllm_fp8`), else 0.
+    fp8_block: int = 0
 
 
 def vllm_targets(model: torch.nn.Module) -> list[Target]:
@@ -106,8 +113,10 @@ def vllm_targets(model: torch.nn.Module) -> list[Target]:
     ``num_heads`` on its ``tp_rank``, kv heads by ``tp_rank // num_kv_head_replicas``
     (replicated when tp exceeds them), the vocabulary by the embedding's own shard
     indices (vLLM pads it; only real rows are needed), row-parallel inputs by
-    ``input_size_per_partition``; norms whole. Layers it does not know (fused MoE,
-    quantized or LoRA-wrapped layers) are a ConfigError naming them.
+    ``input_size_per_partition``; norms whole; block-FP8 linear layers' weights as fp8
+    boxes plus their derived block scales (:mod:`.vllm_fp8`); routed experts (``FusedMoE``)
+    per local expert (:mod:`.vllm_moe`). Layers it does not know (other quantized or
+    LoRA-wrapped layers, quantized or padded experts) are a ConfigError naming them.
     """
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import LinearBase
@@ -118,15 +127,23 @@ def vllm_targets(model: torch.nn.Module) -> list[Target]:
     for name, param in model.named_parameters():
         mod_name, _, pname = name.rpartition(".")
         module = model.get_submodule(mod_name)
-        if getattr(module, "quant_method", None) is not None and \
-                type(module.quant_method).__name__ not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+        if is_routed_experts(module):  # FusedMoE's experts: each local expert's boxes
+            targets += expert_targets(module, mod_name, pname, Target)
+            continue
+        quantized = getattr(module, "quant_method", None) is not None and \
+            type(module.quant_method).__name__ not in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+        if quantized and not isinstance(module, LinearBase):
             raise ConfigError(f"{mod_name} is quantized ({type(module.quant_method).__name__}); the policyworker "
-                              "backend moves unquantized weights only", param=name)
+                              "backend moves unquantized weights and block-FP8 linear layers only", param=name)
         if isinstance(module, LinearBase):
             parent, _, leaf = mod_name.rpartition(".")
             base = f"{parent}." if parent else ""
-            targets += [Target(need, mod_name, pname, shard)
-                        for need, shard in _linear_needs(module, pname, packed.get(leaf, [leaf]), base)]
+            pairs = _linear_needs(module, pname, packed.get(leaf, [leaf]), base)
+            if quantized:  # block-FP8 (else a ConfigError naming the layer)
+                targets += [Target(need, mod_name, pname, shard, derived, block)
+                            for need, shard, derived, block in fp8_targets(module, pname, pairs)]
+            else:
+                targets += [Target(need, mod_name, pname, shard) for need, shard in pairs]
         elif isinstance(module, VocabParallelEmbedding):
             si = module.shard_indices
             shape = (module.org_vocab_size, module.embedding_dim)
@@ -141,9 +158,15 @@ def vllm_targets(model: torch.nn.Module) -> list[Target]:
     return targets
 
 
+def needs_of(targets: list[Target], *, rank: int, tp_rank: int, tp_size: int, dtype: Any) -> Needs:
+    """What the trainers must send for ``targets`` (derived targets are not sent)."""
+    return Needs(rank=rank, tp_rank=tp_rank, tp_size=tp_size, dtype=str(dtype).removeprefix("torch."),
+                 needs=[t.need for t in targets if not t.derived], **fp8_fields(targets))
+
+
 def needs_from_vllm_model(model: torch.nn.Module, *, rank: int, dtype: Any) -> Needs:
     """What this vLLM rank loads (:func:`vllm_targets`' boxes), as published to the trainers."""
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    return Needs(rank=rank, tp_rank=get_tensor_model_parallel_rank(), tp_size=get_tensor_model_parallel_world_size(),
-                 dtype=str(dtype).removeprefix("torch."), needs=[t.need for t in vllm_targets(model)])
+    return needs_of(vllm_targets(model), rank=rank, tp_rank=get_tensor_model_parallel_rank(),
+                    tp_size=get_tensor_model_parallel_world_size(), dtype=dtype)

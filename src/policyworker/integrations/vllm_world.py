@@ -44,6 +44,25 @@ class WorldSpec:
 
         return Parallelism.parse(self.train).world_size
 
+    # What a trainer process runs (a subclass trains something else, e.g. a LoRA adapter).
+    def make_worker(self, rank: int) -> Any:
+        """Trainer ``rank``'s worker over version 0's model."""
+        from ..torch_worker import TorchPolicyWorker
+
+        return TorchPolicyWorker(hf_model(self, 0), rank=rank, world_size=self.n_train, device="cpu",
+                                 timeout_s=self.timeout_s, reshard_options=self.reshard_options)
+
+    def load(self, worker: Any, version: int) -> None:
+        """The stand-in for a training step: the worker's model takes version ``version``'s weights."""
+        import torch
+
+        _load(worker.model, hf_model(self, version), torch)
+
+    async def prepare(self, worker: Any, gen_world_size: int, train: str | None = None) -> dict:
+        from .vllm_plan import prepare_vllm_refit
+
+        return await prepare_vllm_refit(worker, train or self.train, gen_world_size)
+
 
 def hf_config(spec: WorldSpec) -> Any:
     from transformers import AutoConfig
@@ -91,15 +110,10 @@ def _trainer_main(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> No
 
 
 async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> None:
-    import torch
-
     from ..testing.faults import die_after_waits
-    from ..torch_worker import TorchPolicyWorker
-    from .vllm_plan import prepare_vllm_refit
 
-    model = hf_model(spec, 0)
-    w = TorchPolicyWorker(model, rank=rank, world_size=spec.n_train, device="cpu", timeout_s=spec.timeout_s,
-                          reshard_options=spec.reshard_options)
+    w = spec.make_worker(rank)
+    model = w.model
     loop = asyncio.get_running_loop()
     while True:
         cmd = await loop.run_in_executor(None, commands.get, True, 600.0)
@@ -115,7 +129,7 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                                         train_world_size=spec.n_train)
                 await w.init_nccl_reshard_comm_group(["127.0.0.1"], [cmd["stage_port"]], 1, 0,
                                                      spec.n_train + cmd["gen_world_size"], rank)
-                info = await prepare_vllm_refit(w, spec.train, cmd["gen_world_size"])
+                info = await spec.prepare(w, cmd["gen_world_size"], cmd.get("train"))
                 plan = w._refit_transport_state("nccl_reshard")["seed_plan"]
                 replies.put({"ok": True, "hash": info["hash"], "total_bytes": plan.total_bytes,
                              "send_bytes": {t.dst: t.nbytes for t in plan.sends(rank)}})
@@ -127,11 +141,11 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                 await w._run(model.save_pretrained, cmd["path"], safe_serialization=True)
                 replies.put({"ok": True, "seconds": time.perf_counter() - t0})
             elif kind == "load":  # the stand-in for a training step: version v's weights
-                _load(model, hf_model(spec, cmd["version"]), torch)
+                spec.load(w, cmd["version"])
                 replies.put({"ok": True})
             elif kind == "refit":
                 if cmd.get("load", True):
-                    _load(model, hf_model(spec, cmd["version"]), torch)
+                    spec.load(w, cmd["version"])
                 if cmd.get("die_after_waits"):
                     die_after_waits(cmd["die_after_waits"])
                 t0 = time.perf_counter()
@@ -222,11 +236,13 @@ class TrainerPool:
     def replies(self, timeout_s: float, ranks: list[int] | None = None) -> list[dict[str, Any]]:
         return [self.reply(r, timeout_s) for r in (range(self.spec.n_train) if ranks is None else ranks)]
 
-    def connect(self, gen_world_size: int, version: int) -> dict[str, Any]:
-        """Fresh ports; tell every trainer to join them. Returns the ``init_info`` for vLLM."""
+    def connect(self, gen_world_size: int, version: int, train: str | None = None) -> dict[str, Any]:
+        """Fresh ports; tell every trainer to join them. Returns the ``init_info`` for vLLM.
+
+        ``train``: plan from this trainer layout (same world size) instead of the spec's."""
         update_port, stage_port = free_port(), free_port()
         self.send({"cmd": "connect", "update_port": update_port, "stage_port": stage_port,
-                   "gen_world_size": gen_world_size, "version": version})
+                   "gen_world_size": gen_world_size, "version": version, "train": train})
         return {"host": "127.0.0.1", "update_port": update_port, "stage_ports": [stage_port],
                 "trainers_per_stage": [self.spec.n_train], "timeout_s": self.spec.timeout_s,
                 "refit_timeout_s": self.spec.refit_timeout_s, "reshard_options": dict(self.spec.reshard_options)}

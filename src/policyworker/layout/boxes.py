@@ -75,15 +75,6 @@ class Layout:
     tensors: dict[int, dict[str, LocalSpec]] = field(default_factory=dict)
     exact: bool = False
 
-    def rank_pieces(self, rank: int) -> dict[str, list[tuple[str, Piece]]]:
-        """``{local_name: [(param, piece), ...]}`` of one rank (linear scan; for tests)."""
-        out: dict[str, list[tuple[str, Piece]]] = {}
-        for param, pieces in self.pieces.items():
-            for p in pieces:
-                if p.rank == rank:
-                    out.setdefault(p.tensor, []).append((param, p))
-        return out
-
 
 def merge_layouts(layouts: Iterable[Layout]) -> Layout:
     """One layout from per-stage layouts of the same world (e.g. one per pp stage's mesh).

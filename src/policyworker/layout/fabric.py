@@ -270,6 +270,34 @@ def _broadcast(plan: ReshardPlan, fabric: Fabric, place: Placement) -> dict[str,
             "received_per_gen_rank": model}
 
 
+def _topology(plan: ReshardPlan, fabric: Fabric, place: Placement, bucket: int) -> dict[str, Any]:
+    """The topology-aware routes (:mod:`.topology`) with NVLink domains as nodes."""
+    from policyworker.layout.topology import relay_routes
+
+    dom = fabric.domain_gpus
+    routes = relay_routes(plan, [g // dom for g in place.train], [g // dom for g in place.gen])
+    ports: dict[Port, float] = {}
+    by_kind = dict.fromkeys(KINDS, 0.0)
+    got = [dict.fromkeys(KINDS, 0.0) for _ in place.gen]
+    for r in routes.routes:
+        entry = place.gen[r.entry]
+        kind = _add(ports, fabric, place.train[r.src], entry, r.nbytes)
+        by_kind[kind] += r.nbytes
+        got[r.entry][kind] += r.nbytes
+        for d in r.fanout:
+            kind = _add(ports, fabric, entry, place.gen[d], r.nbytes)
+            by_kind[kind] += r.nbytes
+            got[d][kind] += r.nbytes
+    bound, port = port_bound(fabric, ports)
+    # A relay forwards a bucket once it landed: the fan-out trails the first hop by one
+    # bucket at NVLink speed (the pipeline's fill), on top of the port bound.
+    fill = bucket / fabric.bandwidth("nvlink") if routes.relayed_bytes else 0.0
+    return {"bytes_by_kind": {k: int(v) for k, v in by_kind.items()}, "bound_s": bound + fill,
+            "bound_port": _port_name(port), "pipeline_fill_s": fill,
+            "cross_node_bytes": routes.cross_node_bytes, "relayed_bytes": routes.relayed_bytes,
+            "received_by_gen_rank": [{k: int(v) for k, v in x.items()} for x in got]}
+
+
 def fabric_report(plan: ReshardPlan, fabric: Fabric, *, bucket_bytes: int | None = None
                   ) -> dict[str, Any]:
     """The fabric model for ``plan`` (JSON-safe; see the module docstring)."""
@@ -289,6 +317,7 @@ def fabric_report(plan: ReshardPlan, fabric: Fabric, *, bucket_bytes: int | None
         "plan": ours,
         "broadcast": _broadcast(plan, fabric, place),
         "full_tensor": full,
+        "topology": _topology(plan, fabric, place, bucket),
     }
 
 
@@ -302,7 +331,7 @@ def format_fabric_report(d: dict[str, Any], *, per_rank: bool = True) -> str:
     def kinds(x: dict[str, int]) -> str:
         return "  ".join(f"{k} {gib(x[k]).strip()}" for k in KINDS)
 
-    p, b, m = d["plan"], d["broadcast"], d["full_tensor"]
+    p, b, m, t = d["plan"], d["broadcast"], d["full_tensor"], d["topology"]
     lines = [
         f"fabric {f['name'] or '(unnamed)'}: {f['gpus_per_node']} GPUs/node, NVLink domain "
         f"{f['nvlink_domain_gpus'] or f['gpus_per_node']} GPUs, NVLink {f['nvlink_gbps']:g} GB/s, "
@@ -313,6 +342,8 @@ def format_fabric_report(d: dict[str, Any], *, per_rank: bool = True) -> str:
         f"  {'broadcast':<14}{b['bound_s']:>10.3f}{'':>11}   {kinds(b['bytes_by_kind'])}"
         f"  (gather {b['gather_s']:.3f} s, broadcast {b['broadcast_s']:.3f} s)",
         f"  {'full_tensor':<14}{m['bound_s']:>10.3f}{'':>11}   {kinds(m['bytes_by_kind'])}",
+        f"  {'topology':<14}{t['bound_s']:>10.3f}{'':>11}   {kinds(t['bytes_by_kind'])}"
+        f"  (relays {gib(t['relayed_bytes']).strip()}, pipeline fill {t['pipeline_fill_s'] * 1e3:.2f} ms)",
         f"  plan bound set by {p['bound_port']}; full_tensor by {m['bound_port']}",
     ]
     if per_rank:

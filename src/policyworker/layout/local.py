@@ -85,8 +85,10 @@ def plan_for_source(
 
         gen = as_parallelism(gen_parallelism, "gen")
         gen.check_world_size(gen_world_size, side="gen")
-        specs = dtensor_specs(source)
-        src = dtensor_layout(source, world_size=train_world_size)
+        from .experts import split_expert_layout
+
+        # Fused expert tensors (transformers >= 5) are planned as their per-expert members.
+        specs, src = split_expert_layout(dtensor_specs(source), dtensor_layout(source, world_size=train_world_size))
         dst = rule_layout(specs, gen, config=config, fused=gen_fused)
         train = as_parallelism(train_parallelism, "train") if train_parallelism is not None else None
         return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=gen_fused)

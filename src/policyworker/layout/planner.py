@@ -27,6 +27,7 @@ from typing import Any
 from policyworker.errors import ConfigError, PlanError
 from policyworker.layout import fp8 as _fp8
 from policyworker.layout.boxes import Layout, Piece, box_volume
+from policyworker.layout.experts import expert_specs
 from policyworker.layout.parallelism import Parallelism
 from policyworker.layout.plan import (
     Copy,
@@ -368,7 +369,7 @@ def _build_plan(
         if dtype_name(dtype) != "bfloat16":
             specs = {n: (s, dtype_name(dtype)) for n, (s, _) in specs.items()}
     elif isinstance(config_or_param_specs, Mapping):
-        config, specs = None, config_or_param_specs
+        config, specs = None, expert_specs(config_or_param_specs)  # fused experts: per-expert members
     else:
         raise ConfigError("build_plan needs a ModelConfig or a {name: (shape, dtype)} mapping, "
                           f"got {type(config_or_param_specs).__name__}")

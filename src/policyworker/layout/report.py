@@ -9,15 +9,16 @@ from policyworker.layout.fabric import Fabric, fabric_report, format_fabric_repo
 from policyworker.layout.fp8 import split_gen_layout
 from policyworker.layout.parallelism import Parallelism
 from policyworker.layout.planner import as_parallelism, build_plan
-from policyworker.models.config import get_preset
+from policyworker.models.config import ModelConfig, get_preset
 
 __all__ = ["format_plan_report", "plan_report"]
 
 
-def plan_report(preset: str, train: Parallelism | str, gen: Parallelism | str, *,
+def plan_report(preset: str | ModelConfig, train: Parallelism | str, gen: Parallelism | str, *,
                 gen_fused: bool = True, fabric: Fabric | None = None,
                 bucket_bytes: int | None = None) -> dict[str, Any]:
-    """Plan ``preset`` from layout ``train`` to ``gen`` and summarise it (JSON-safe).
+    """Plan ``preset`` (a preset's name or a `ModelConfig`) from layout ``train`` to ``gen``
+    and summarise it (JSON-safe).
 
     ``gen`` may carry ``fp8=block128``; byte counts are then the fp8 sizes (fp8
     bytes + float32 scales for quantized tensors).
@@ -28,7 +29,8 @@ def plan_report(preset: str, train: Parallelism | str, gen: Parallelism | str, *
     the rank as a string (JSON object keys). With a `Fabric`, also ``fabric_model``:
     :func:`.fabric.fabric_report` of the plan (a model, not a measurement).
     """
-    config = get_preset(preset)
+    config = get_preset(preset) if isinstance(preset, str) else preset
+    preset = config.name if not isinstance(preset, str) else preset
     gen, fp8 = split_gen_layout(gen)  # fp8 hook (issue 16): "tp=4,fp8=block128"
     t, g = as_parallelism(train, "train"), as_parallelism(gen, "gen")
     began = time.perf_counter()

@@ -12,6 +12,7 @@ replicated         norms, q/k norms, the MoE router           whole on every ran
 expert column/row  experts.E.{gate,up}/down_proj              expert E on its ep rank,
                                                               then column/row over etp
 shared expert      shared_experts.{gate,up}/down_proj         column/row over tp
+LoRA factor        <linear>.lora_A / .lora_B (.weight)        see :func:`_lora_rule`
 =================  =========================================  ======================
 
 Division rules. Attention shards by whole heads: tp must divide ``num_heads``; for
@@ -54,6 +55,7 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _SHARED = re.compile(r"mlp\.shared_experts\.(gate|up|down)_proj\.weight")
 _QKV = re.compile(r"self_attn\.(q|k|v)_proj\.(weight|bias)")
+_LORA = re.compile(r"(.+)\.lora_(A|B)\.weight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,9 @@ def match_rule(name: str, config: ModelConfig | None = None) -> ParamRule:
     With a config, features the config lacks (qkv biases, q/k norms, experts) are
     unknown names too; without one every family's names are accepted.
     """
+    lora = _LORA.fullmatch(name)
+    if lora:
+        return _lora_rule(match_rule(f"{lora.group(1)}.weight", config), lora.group(2), name)
     bias = config is None or config.qkv_bias
     qk_norm = config is None or config.qk_norm
     if name == "model.embed_tokens.weight":
@@ -143,6 +148,23 @@ def match_rule(name: str, config: ModelConfig | None = None) -> ParamRule:
                              members=(f"{base}gate_proj.weight", f"{base}up_proj.weight"))
     family = f" for family {config.family!r}" if config is not None else ""
     raise PlanError(f"no placement rule matches parameter {name!r}{family}", param=name)
+
+
+def _lora_rule(base: ParamRule, which: str, name: str) -> ParamRule:
+    """A LoRA factor of a linear layer, placed so that ``B @ A`` is sharded like the base.
+
+    Column-parallel base (``W`` rows split): ``A [r, in]`` whole on every rank, ``B [out, r]``
+    split by rows like ``W`` (by heads for q/k/v). Row-parallel base (``W`` columns split):
+    ``A`` split by columns like ``W``, ``B`` whole. Never fused: each factor is its own tensor.
+    """
+    whole = ParamRule(REPLICATED, layer=base.layer, where=base.where)
+    if base.kind == REPLICATED:
+        return whole
+    if base.kind not in (COLUMN, ROW) or base.expert is not None:
+        raise PlanError(f"no LoRA placement for {name!r}: LoRA on {base.kind} layers is not supported", param=name)
+    if (base.kind == COLUMN) != (which == "B"):
+        return whole
+    return ParamRule(base.kind, base.dim, base.layer, heads=base.heads, where=base.where)
 
 
 def layer_stages(num_layers: int, pp: int) -> list[int]:

@@ -172,6 +172,12 @@ PRESETS: dict[str, ModelConfig] = {
     # refit measures bandwidth, small enough for 8 processes on 2 cores.
     "small": _qwen3("small", vocab_size=32768, hidden_size=512, intermediate_size=1536,
                     num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64),
+    # "small"'s MoE sibling for the vLLM bench (65M parameters, 262 MB in fp32): 8 experts
+    # of 256, top 2, in every layer (widths the CPU MoE kernel takes without padding).
+    "small-moe": _qwen3("small-moe", family="qwen3_moe", vocab_size=32768, hidden_size=512,
+                        intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=4,
+                        head_dim=64, num_experts=8, moe_intermediate_size=256,
+                        num_experts_per_tok=2),
     # Test-sized shapes: every rule (GQA, qk-norm, untied head, experts) in a few KB.
     "tiny": ModelConfig(family="qwen3", vocab_size=256, hidden_size=64,
                         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

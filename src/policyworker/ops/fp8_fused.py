@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from policyworker.ops.fp8_persist import _load_tile, _quant_store
+from policyworker.ops.fp8_tiles import _load_tile, _quant_store
 
 __all__ = ["FusedLaunch", "copy_rows", "quant_rows"]
 

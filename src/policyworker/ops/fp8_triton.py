@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from policyworker.errors import ConfigError
-from policyworker.ops.fp8_persist import PersistProgram, PersistVariant, _abs_max, _div_scale
+from policyworker.ops.fp8_persist import PersistProgram, PersistVariant
+from policyworker.ops.fp8_tiles import _abs_max, _div_scale
 
 __all__ = ["QuantProgram", "configure", "configure_from_string", "quantize_jobs"]
 

@@ -2,14 +2,16 @@
 
 * :class:`InMemoryTransport` / :class:`MemoryHub` — the in-process test double
   (registered as transport ``memory``);
-* :func:`check_transport` — the conformance suite every transport runs on itself;
+* :func:`check_transport` — the conformance suite every transport runs on itself,
+  through real workers; :class:`TransportPair` / :func:`plain_pair` build its pairs;
 * :mod:`.toy_model` — a small causal LM with Hugging Face names (``build_model``);
 * :mod:`.faults` — fault injection for the drill and the tests;
 * :mod:`.fixtures` — pytest fixtures shared by our suite and plugins' suites (imports pytest).
 """
 
-from .conformance import ConformanceReport, TransportPair, check_transport
+from .conformance import ConformanceReport, check_transport
 from .memory import InMemoryTransport, MemoryHub, MemorySetup, memory_pair_factory
+from .pairs import TransportPair, plain_pair, tensor_module
 
 __all__ = ["ConformanceReport", "InMemoryTransport", "MemoryHub", "MemorySetup", "TransportPair",
-           "check_transport", "memory_pair_factory"]
+           "check_transport", "memory_pair_factory", "plain_pair", "tensor_module"]

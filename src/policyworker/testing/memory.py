@@ -3,7 +3,10 @@
 It moves a refit between two transport instances of one process (registered as
 ``memory``): the test double for controllers and for the worker's road itself.
 Same layout on both sides (plan-less); everything it copies runs on the refit
-executor, and ``abort()`` cuts a waiting receive short.
+executor, and ``abort()`` cuts a waiting receive short. Each side leaves its
+tensors' names, dtypes and shapes on the hub at ``connect``; whichever connects
+second compares them with its peer's (``PlanMismatch``), so a mismatched pairing
+fails at connect, in either order, without waiting for the peer.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, ProtocolError, RefitAborted, RefitTimeout, TransportError
+from ..errors import ConfigError, PlanMismatch, ProtocolError, RefitAborted, RefitTimeout, TransportError
 from ..transports.base import Transport, TransportContext, RefitReport
-from .conformance import TransportPair
+from .pairs import TransportPair, plain_pair
 
 __all__ = ["InMemoryTransport", "MemoryHub", "memory_pair_factory"]
 
@@ -29,6 +32,13 @@ class MemoryHub:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._box: dict[int, dict[str, torch.Tensor]] = {}
+        self._signatures: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+
+    def meet(self, role: str, signature: dict[str, tuple[str, tuple[int, ...]]]):
+        """Leave this side's signature; return the peer's (None if it has not connected)."""
+        with self._cond:
+            self._signatures[role] = signature
+            return self._signatures.get("receive" if role == "send" else "send")
 
     def put(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         with self._cond:
@@ -87,6 +97,13 @@ class InMemoryTransport(Transport):
 
     async def connect(self, ctx: TransportContext) -> None:
         self._check_open()
+        mine = {k: (str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in ctx.params.items()}
+        theirs = self.hub.meet(ctx.role, mine)
+        if theirs is not None and theirs != mine:
+            diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            raise PlanMismatch(f"the peer's tensors differ from this side's at {diff[:3]} "
+                               f"(this side: {[mine.get(k) for k in diff[:3]]}, peer: {[theirs.get(k) for k in diff[:3]]})",
+                               transport=self.name, rank=ctx.rank)
         ctx.state["hub"] = self.hub
         self._aborted.clear()
 
@@ -100,13 +117,25 @@ class InMemoryTransport(Transport):
                            seconds=time.perf_counter() - t0, buckets=1)
 
     async def receive(self, ctx: TransportContext, version: int) -> RefitReport:
+        """Take and validate the whole refit first (live bytes intact), then copy one tensor
+        per executor step, checking for an abort between them: an abort mid-copy leaves
+        the weights torn, as in any transport that writes in place."""
         self._check_open()
         ctx.touched = False
-        wait = self.timeout_s if ctx.deadline is None else max(0.0, min(self.timeout_s, ctx.deadline.remaining()))
-        return await ctx.blocking(self._receive, ctx, version, wait)
-
-    def _receive(self, ctx: TransportContext, version: int, wait: float) -> RefitReport:
         t0 = time.perf_counter()
+        wait = self.timeout_s if ctx.deadline is None else max(0.0, min(self.timeout_s, ctx.deadline.remaining()))
+        incoming = await ctx.blocking(self._take, ctx, version, wait)
+        ctx.touched = True  # everything validated; from here on the live bytes change
+        nbytes = 0
+        for name, dst in ctx.params.items():
+            if self._aborted.is_set():
+                raise RefitAborted(f"in-memory refit {version} was aborted mid-copy", transport=self.name)
+            await ctx.blocking(dst.copy_, incoming[name])
+            nbytes += dst.numel() * dst.element_size()
+        return RefitReport(transport=self.name, role="receive", version=version, bytes=nbytes,
+                           seconds=time.perf_counter() - t0, buckets=len(ctx.params))
+
+    def _take(self, ctx: TransportContext, version: int, wait: float) -> dict[str, torch.Tensor]:
         incoming = self.hub.take(version, wait, self._aborted)
         missing = set(ctx.params) - set(incoming)
         extra = set(incoming) - set(ctx.params)
@@ -118,30 +147,17 @@ class InMemoryTransport(Transport):
             if src.shape != dst.shape or src.dtype != dst.dtype:
                 raise ProtocolError(f"refit {version}: {name} is {src.dtype}{list(src.shape)}, "
                                     f"expected {dst.dtype}{list(dst.shape)}", transport=self.name, param=name)
-        # Everything was validated before any destination is touched: nothing half-applied.
-        ctx.touched = True
-        nbytes = 0
-        for name, dst in ctx.params.items():
-            dst.copy_(incoming[name])
-            nbytes += dst.numel() * dst.element_size()
-        return RefitReport(transport=self.name, role="receive", version=version, bytes=nbytes,
-                           seconds=time.perf_counter() - t0, buckets=1)
+        return incoming
 
     async def aclose(self) -> None:
         self._closed = True
 
 
-def memory_pair_factory(params: Mapping[str, torch.Tensor], *, device=None) -> Callable[[], Awaitable[TransportPair]]:
-    """A conformance factory for :class:`InMemoryTransport` (used by our own tests)."""
-    from ..device import device_facts
+def memory_pair_factory(params: Mapping[str, torch.Tensor]) -> Callable[[], Awaitable[TransportPair]]:
+    """A conformance factory for :class:`InMemoryTransport`: CPU workers over copies of
+    ``params``, a fresh hub per pair."""
 
     async def factory() -> TransportPair:
-        hub = MemoryHub()
-        facts = device_facts("cpu")
-        src = {k: v.clone() for k, v in params.items()}
-        dst = {k: torch.zeros_like(v) for k, v in params.items()}
-        s_ctx = TransportContext(worker=None, role="send", rank=0, device=facts, state={}, params=src)
-        r_ctx = TransportContext(worker=None, role="receive", rank=0, device=facts, state={}, params=dst)
-        return TransportPair(InMemoryTransport(hub), s_ctx, InMemoryTransport(hub), r_ctx)
+        return plain_pair("memory", params, setup={"hub": MemoryHub()})
 
     return factory

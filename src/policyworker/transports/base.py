@@ -136,18 +136,14 @@ class TransportContext:
             return opts.get(key, default)
         return getattr(opts, key, default)
 
-    def setting(self, key: str, default: Any = None) -> Any:
-        """``setup.key`` (a dataclass or a mapping), else ``default``."""
-        setup = self.setup
-        if setup is None:
-            return default
-        if isinstance(setup, Mapping):
-            return setup.get(key, default)
-        return getattr(setup, key, default)
-
 
 class RefitReport(msgspec.Struct, frozen=True, kw_only=True):
-    """What one side of one refit did. ``bytes`` counts payload bytes moved by this rank."""
+    """What one side of one refit did. ``bytes`` counts payload bytes moved by this rank.
+
+    ``wire_bytes``: what crossed the wire when it differs from ``bytes`` (a delta refit
+    lands and verifies ``bytes`` but moves only the changed elements); ``shadow_bytes``:
+    memory the sender keeps across refits to know what changed.
+    """
 
     transport: str
     role: str
@@ -157,6 +153,8 @@ class RefitReport(msgspec.Struct, frozen=True, kw_only=True):
     buckets: int = 0
     peak_extra_bytes: int = 0
     notes: tuple[str, ...] = ()
+    wire_bytes: int | None = None
+    shadow_bytes: int = 0
 
     @property
     def gbps(self) -> float:

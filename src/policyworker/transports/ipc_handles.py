@@ -17,7 +17,7 @@ type to one of two fixed constructors, never to anything named by the peer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from math import prod
 
 import torch
@@ -156,12 +156,3 @@ def flatten_into(tensors: Sequence[torch.Tensor], *, device: torch.device, share
             t.set_(storage, offset // t.element_size(), t.shape, t.stride())
     return flat
 
-
-def distinct_storages(tensors: Iterable[torch.Tensor]) -> bool:
-    seen = set()
-    for t in tensors:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen:
-            return False
-        seen.add(ptr)
-    return True

@@ -45,7 +45,6 @@ import logging
 import time
 import zlib
 from collections import deque
-from concurrent.futures import Future
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +76,8 @@ from .nccl_schedule import (
     plan_hash63,
     stage_members,
 )
+from . import nccl_delta
+from .nccl_delta import DeltaSettings
 from .nccl_verdict import exchange_leftovers
 
 __all__ = ["NcclReshardTransport", "exchange_leftovers", "stage_members"]
@@ -86,10 +87,11 @@ _log = logging.getLogger(__name__)
 def _completed(work: Any) -> bool:
     """Whether ``work`` delivered its bytes: a gloo work is a future (``CommGroup``'s
     waiter completes it), an NCCL work answers ``is_completed``."""
-    if isinstance(work, Future):
+    is_completed = getattr(work, "is_completed", None)
+    if is_completed is None:  # a group's completion future (gloo point-to-point)
         return work.done() and not work.cancelled() and work.exception() is None
     try:
-        return bool(work.is_completed())
+        return bool(is_completed())
     except RuntimeError:  # an aborted work: it delivered nothing more
         return False
 
@@ -118,7 +120,10 @@ class NcclReshardSetup:
     """Attach-time setup. ``bucket_bytes``/``checksum`` must match on every rank.
 
     Trainer: ``group`` (its stage's group) and ``stage``. Receiver: ``groups``
-    (stage → group, every stage of the plan).
+    (stage → group, every stage of the plan). ``delta`` (every rank): refits carry only
+    the changed elements when every receiver holds the trainers' last version
+    (:mod:`.nccl_delta`); ``delta_max_fraction`` and ``delta_full_every`` (trainers)
+    say when a refit is full anyway.
     """
 
     bucket_bytes: int = 16 << 20
@@ -128,9 +133,22 @@ class NcclReshardSetup:
     group: Any = None
     stage: int | None = None
     groups: Any = None
+    # "auto": when the ranks span nodes, each byte crosses into a node once and is
+    # relayed inside it (:mod:`.nccl_relay`; full refits only); "off": every rank
+    # receives from trainers.
+    relay: str = "auto"
+    delta: bool = False
+    delta_max_fraction: float = 0.25
+    delta_full_every: int | None = None
 
     def __post_init__(self) -> None:
+        if self.relay not in ("auto", "off"):
+            raise ConfigError(f"relay must be 'auto' or 'off', got {self.relay!r}", transport="nccl_reshard")
         positive_int(self.bucket_bytes, "bucket_bytes", minimum=1024)
+        if not 0.0 <= self.delta_max_fraction <= 1.0:
+            raise ConfigError(f"delta_max_fraction must be in [0, 1], got {self.delta_max_fraction!r}")
+        if self.delta_full_every is not None:
+            positive_int(self.delta_full_every, "delta_full_every")
         positive_int(self.in_flight, "in_flight")
         positive_int(self.staging, "staging")
         if self.stage is not None:
@@ -141,9 +159,11 @@ class NcclReshardSetup:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NcclReshardOptions:
-    """Per-refit options: ``kv_scales`` (name → float; trainer rank 0's are sent)."""
+    """Per-refit options: ``kv_scales`` (name → float; trainer rank 0's are sent);
+    ``delta=False`` (trainer) makes this refit full when the attachment has delta on."""
 
     kv_scales: Any = None
+    delta: bool | None = None
 
     def __post_init__(self) -> None:
         from ..layout.local import validate_kv_scales
@@ -161,11 +181,15 @@ class NcclReshardTransport(Transport):
 
     @classmethod
     def from_setup(cls, setup: NcclReshardSetup) -> NcclReshardTransport:
-        return cls(bucket_bytes=setup.bucket_bytes, in_flight=setup.in_flight, staging=setup.staging,
-                   checksum=setup.checksum)
+        transport = cls(bucket_bytes=setup.bucket_bytes, in_flight=setup.in_flight, staging=setup.staging,
+                        checksum=setup.checksum, relay=setup.relay)
+        if setup.delta:
+            transport.delta = DeltaSettings(setup.delta_max_fraction, setup.delta_full_every)
+        return transport
 
     def __init__(
-        self, *, bucket_bytes: int = 16 << 20, in_flight: int = 16, staging: int = 2, checksum: bool = False
+        self, *, bucket_bytes: int = 16 << 20, in_flight: int = 16, staging: int = 2, checksum: bool = False,
+        relay: str = "auto",
     ) -> None:
         for value, what, low in ((bucket_bytes, "bucket_bytes", 1024), (in_flight, "in_flight", 1),
                                  (staging, "staging", 1)):
@@ -175,8 +199,10 @@ class NcclReshardTransport(Transport):
         self.in_flight = in_flight  # messages outstanding per rank
         self.staging = min(staging, in_flight)  # staging buffers (bucket_bytes each) per rank
         self.checksum = bool(checksum)
+        self.relay = relay
         self._closed = False
         self._active: list[Any] = []  # groups of the refit in progress (abort() aborts them)
+        self.delta: DeltaSettings | None = None  # delta mode (see nccl_delta), set from the setup
 
     def abort(self) -> None:
         for group in list(self._active):
@@ -210,7 +236,9 @@ class NcclReshardTransport(Transport):
         self._wire(ctx)
         plan = ctx.plan
         members = stage_members(plan)
-        mine = torch.tensor([plan_hash63(plan), self.bucket_bytes, int(self.checksum)], dtype=torch.int64)
+        mine = torch.tensor([plan_hash63(plan), self.bucket_bytes, int(self.checksum) + 2 * (self.delta is not None),
+                             int(self.relay == "auto")],
+                            dtype=torch.int64)
         groups = [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
         if ctx.role == "send":
             stage = ctx.state["stage"]
@@ -221,7 +249,7 @@ class NcclReshardTransport(Transport):
         self._check_fresh(ctx)
         for group in groups:
             dev = group.device
-            gathered = [torch.zeros(3, dtype=torch.int64, device=dev) for _ in range(group.world_size)]
+            gathered = [torch.zeros(4, dtype=torch.int64, device=dev) for _ in range(group.world_size)]
             live = not group.aborted
             try:
                 group.all_gather(gathered, mine.to(dev))
@@ -236,11 +264,13 @@ class NcclReshardTransport(Transport):
                 )
             if any(r[1:] != rows[0][1:] for r in rows):
                 raise ConfigError(
-                    f"ranks of group {group.name!r} disagree on bucket_bytes/checksum: {sorted({tuple(r[1:]) for r in rows})}",
+                    f"ranks of group {group.name!r} disagree on bucket_bytes/checksum/delta/relay: "
+                    f"{sorted({tuple(r[1:]) for r in rows})}",
                     rank=ctx.rank, transport=self.name,
                 )
         device = groups[0].device
-        schedule = ctx.state["schedule"] = _schedule(plan, ctx, self.bucket_bytes)
+        bulk = self._route(ctx, plan)
+        schedule = ctx.state["schedule"] = _schedule(bulk, ctx, self.bucket_bytes)
         ctx.state["direct_spans"] = _DirectSpans()  # keyed by schedule index: new schedule, new spans
         pair_bytes: dict[tuple[int, int], int] = {}
         for m in schedule:
@@ -252,7 +282,7 @@ class NcclReshardTransport(Transport):
         # exceed a tiny bucket_bytes, and it is always packed; the ring slots then grow
         # to the largest such message.
         biggest = max((m.nbytes for m in schedule if m.copies is not None
-                       and any(_fp8.is_fp8_copy(plan, c) for c in m.copies)), default=0)
+                       and any(_fp8.is_fp8_copy(bulk, c) for c in m.copies)), default=0)
         ring_bytes = max(self.bucket_bytes, biggest) + (8 if self.checksum else 0)
         ring = ctx.state.get("ring")
         if ring is None or len(ring) != self.staging or ring[0].numel() != ring_bytes or ring[0].device != device:
@@ -260,10 +290,32 @@ class NcclReshardTransport(Transport):
             ctx.state["ring"] = [torch.empty(ring_bytes, dtype=torch.uint8, device=device) for _ in range(self.staging)]
         ctx.state["connected_hash"] = plan.hash
 
+    def _route(self, ctx: TransportContext, plan: ReshardPlan) -> ReshardPlan:
+        """The plan the bulk runs: ``plan``, or its first hop when relays pay (:mod:`.nccl_relay`)."""
+        from .nccl_relay import gather_nodes, node_name, relay_setup
+
+        ctx.state.pop("bulk_plan", None)
+        ctx.state.pop("fanouts", None)
+        update_group = ctx.state.get("update_group")
+        if self.relay != "auto" or self.delta is not None or update_group is None:
+            return plan
+        train_nodes, gen_nodes = gather_nodes(update_group, plan.body.train_world_size, node_name(),
+                                              self._deadline(ctx))
+        routed = relay_setup(plan, train_nodes, gen_nodes, self.bucket_bytes)
+        if routed is None:
+            return plan
+        ctx.state["bulk_plan"], ctx.state["fanouts"] = routed
+        return routed[0]
+
     # -- refit -----------------------------------------------------------------------
     async def send(self, ctx: TransportContext, version: int) -> RefitReport:
         """Send refit ``version``; ``ctx.options["kv_scales"]`` (name → float) rides along."""
         self._check(ctx)
+        if self.delta is None and ctx.option("delta"):
+            raise ConfigError("delta=True needs the setup's delta=True on every rank of the attachment",
+                              rank=ctx.rank, transport=self.name)
+        if self.delta is not None:
+            return await ctx.blocking(nccl_delta.refit, self, ctx, version)
         return await ctx.blocking(self._refit, ctx, version)
 
     async def receive(self, ctx: TransportContext, version: int | None = None) -> RefitReport:
@@ -274,6 +326,8 @@ class NcclReshardTransport(Transport):
         failure) and ``ctx.state["kv_scales"]`` holds the received scales.
         """
         self._check(ctx)
+        if self.delta is not None:
+            return await ctx.blocking(nccl_delta.refit, self, ctx, version)
         return await ctx.blocking(self._refit, ctx, version)
 
     def _check(self, ctx: TransportContext) -> None:
@@ -349,6 +403,22 @@ class NcclReshardTransport(Transport):
         ctx.ready = ready
         return report
 
+    def _fan_out(self, ctx: TransportContext, nbytes: int, failure: Any) -> tuple[int, Any]:
+        """The relay phase (:func:`.nccl_relay.run_fanout`) after the bulk; a lost relay
+        is a failure like a lost trainer (shared in the verdict round)."""
+        from .nccl_relay import run_fanout
+
+        def touch() -> None:
+            ctx.state["touched"] = ctx.touched = True
+
+        members = stage_members(ctx.plan)
+        try:
+            got = run_fanout(ctx.state["fanouts"], ctx.rank, ctx.state["groups"][0], len(members[0]), ctx.params,
+                             ctx.plan, self.in_flight, self._deadline(ctx), touch)
+        except PeerLost as exc:
+            return nbytes, failure if failure is not None else exc
+        return nbytes + got, failure
+
     def _stream(self, ctx: TransportContext):
         device = self._groups(ctx)[0].device
         if device.type != "cuda":
@@ -372,6 +442,8 @@ class NcclReshardTransport(Transport):
                 nbytes, nbuckets, failure = self._send_bulk(ctx, version)
             else:
                 nbytes, nbuckets, version, failure = self._recv_bulk(ctx)
+                if ctx.state.get("fanouts"):
+                    nbytes, failure = self._fan_out(ctx, nbytes, failure)
             if update_group is not None:
                 scales, version, failures, lost = exchange_leftovers(
                     update_group,
@@ -443,7 +515,7 @@ class NcclReshardTransport(Transport):
         messages are skipped and the others still get theirs, so every live rank
         reaches the verdict round promptly and learns of the loss there.
         """
-        plan, params, ring = ctx.plan, ctx.params, ctx.state["ring"]
+        plan, params, ring = ctx.state.get("bulk_plan") or ctx.plan, ctx.params, ctx.state["ring"]
         deadline = self._deadline(ctx)
         schedule = ctx.state["schedule"]
         headers = _header_rows(ctx, version, self.checksum, schedule)
@@ -511,7 +583,7 @@ class NcclReshardTransport(Transport):
         every rank reaches the verdict round, where the failure is shared. A trainer
         that is gone (``PeerLost``) is skipped the same way.
         """
-        plan, params, ring = ctx.plan, ctx.params, ctx.state["ring"]
+        plan, params, ring = ctx.state.get("bulk_plan") or ctx.plan, ctx.params, ctx.state["ring"]
         deadline = self._deadline(ctx)
         hash63 = plan_hash63(plan)
         schedule = ctx.state["schedule"]

@@ -146,7 +146,7 @@ def _header_rows(ctx: TransportContext, version: int, checksum: bool, schedule: 
     transport's stream: a header made per message from a Python list would be a
     pageable copy, which waits for the stream, inside the send window.
     """
-    hash63 = plan_hash63(ctx.plan)
+    hash63 = plan_hash63(ctx.state.get("bulk_plan") or ctx.plan)
     totals = ctx.state["pair_bytes"]
     index = [i for i, m in enumerate(schedule) if m.copies is None]
     rows = torch.tensor([[_HEADER_MAGIC, version, totals.get((schedule[i].key[1], schedule[i].key[2]), 0),

@@ -64,7 +64,6 @@ __all__ = [
     "CudaIpcHandle",
     "FlattenedTensorMetadata",
     "ShmHandle",
-    "dtype_from_name",
     "export_buffer",
     "manifest_digest",
     "open_buffer",
@@ -88,13 +87,6 @@ _DTYPES: dict[str, torch.dtype] = {
         *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)),
     )
 }
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ProtocolError(f"dtype {name!r} is not one a bucket may carry") from None
 
 
 @dataclass(eq=True)

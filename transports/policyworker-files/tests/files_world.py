@@ -97,3 +97,69 @@ def crash_mid_write(rank: int, directory: str, files_before_death: int, setup: d
         return "the trainer survived its own crash"
 
     return asyncio.run(main())
+
+
+def two_trainers_and_rollout(rank: int, directory: str, refits: int, reports: Any, late: str, timeout_s: float,
+                             setup: dict) -> dict:
+    """Ranks 0 and 1 are trainers of one world (rank 0 writes), rank 2 a rollout; no
+    barrier anywhere. ``late`` names the trainer that starts late: ``"non-writer"``
+    attaches only once the writer committed all its versions, ``"writer"`` 1.5 s after
+    the other. Each trainer puts ``(rank, refit index, version)`` on ``reports`` after
+    each refit; the rollout acts as a controller would: once both trainers reported
+    refit ``i``, it refits to that version (unless it already holds it) and checks the
+    weights bit for bit against the version it landed."""
+    import time
+
+    from policyworker_files import dirs
+
+    torch.set_num_threads(1)
+
+    async def trainer() -> dict:
+        if late == "non-writer" and rank == 1:
+            until = time.monotonic() + timeout_s
+            while not (os.path.isdir(directory) and dirs.committed_versions(directory)[-1:] == [refits]):
+                if time.monotonic() > until:
+                    raise TimeoutError("the writer did not commit its versions in time")
+                await asyncio.sleep(0.05)
+        if late == "writer" and rank == 0:
+            await asyncio.sleep(1.5)
+        w = make_trainer(rank=rank, world_size=2)
+        out: dict[str, Any] = {"reports": []}
+        try:
+            await w.attach_transport("files", directory=directory, **setup)
+            for i in range(refits):
+                set_weights(w.model, w.transport_version("files") + 1)
+                rep = await w.refit("files", refit_timeout_s=timeout_s)
+                newest = dirs.committed_versions(directory)[-1:]
+                out["reports"].append({"version": rep.version, "bytes": rep.bytes,
+                                       "published_at_return": newest[0] if newest else 0})
+                reports.put((rank, i, rep.version))
+        finally:
+            await w.shutdown()
+        return out
+
+    async def rollout() -> dict:
+        w = make_rollout()
+        out: dict[str, Any] = {"asked": [], "landed": [], "exact": [], "disagree": []}
+        seen: dict[int, dict[int, int]] = {}
+        try:
+            await w.attach_transport("files", directory=directory, timeout_s=timeout_s)
+            for i in range(refits):
+                while len(seen.get(i, {})) < 2:
+                    r, j, v = await asyncio.to_thread(reports.get, True, timeout_s)
+                    seen.setdefault(j, {})[r] = v
+                versions = set(seen[i].values())
+                if len(versions) != 1:
+                    out["disagree"].append(seen[i])
+                want = max(versions)
+                out["asked"].append(want)
+                if want > w.weight_version:
+                    rep = await w.refit("files", version=want, refit_timeout_s=timeout_s)
+                    out["landed"].append(rep.version)
+                    out["exact"].append(exact(w.weights(), weights(rep.version)))
+            out["final"] = w.weight_version
+        finally:
+            await w.shutdown()
+        return out
+
+    return asyncio.run(trainer() if rank < 2 else rollout())

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from files_helpers import committed, listing, make_rollout
-from files_world import CRASH_EXIT_CODE, crash_mid_write, refit_pair
+from files_world import CRASH_EXIT_CODE, crash_mid_write, refit_pair, two_trainers_and_rollout
 from policyworker.errors import RefitTimeout
 from policyworker.cli.procs import run_world, start_world
 
@@ -75,3 +75,22 @@ def test_trainer_killed_mid_write_leaves_no_half_version(tmp_path):
     assert trainer["resumed_from"] == 0
     _check_pair(trainer, rollout, [1, 2])
     assert listing(d) == ["signature.json", "v00000001", "v00000002"]
+
+
+@pytest.mark.parametrize("late", ["non-writer", "writer"])
+def test_two_trainers_without_a_barrier_report_the_published_versions(tmp_path, late):
+    """Two trainer processes (rank 0 writes) and a rollout process, no barrier: whichever
+    trainer starts late, both report the versions the writer published (the non-writer
+    with 0 bytes, only once that version is committed), and a rollout that follows
+    their reports lands each bit for bit."""
+    d = str(tmp_path / "refit")
+    reports = mp.get_context("spawn").Queue()
+    writer, other, rollout = run_world(two_trainers_and_rollout, 3, (d, 3, reports, late, 60.0, SETUP),
+                                       timeout_s=WORLD_TIMEOUT_S)
+    assert [r["version"] for r in writer["reports"]] == [1, 2, 3]
+    assert [r["version"] for r in other["reports"]] == [1, 2, 3]
+    assert all(r["bytes"] > 0 for r in writer["reports"]) and all(r["bytes"] == 0 for r in other["reports"])
+    # The non-writer never reports a version before the writer committed it.
+    assert all(r["version"] <= r["published_at_return"] for r in other["reports"])
+    assert rollout["disagree"] == [] and rollout["asked"] == [1, 2, 3]
+    assert rollout["final"] == 3 and rollout["landed"][-1] == 3 and all(rollout["exact"])

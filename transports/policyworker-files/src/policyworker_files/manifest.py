@@ -7,8 +7,10 @@ file that does not decode, or whose self-digest does not match, is a
 a shape digit, a file checksum — is caught before any tensor is read.
 
 * :class:`Signature` (``signature.json``, written by the writer at connect): every
-  tensor's name, dtype and shape. A receiver compares it with its destinations at
-  connect, so a mismatched pairing fails there (``PlanMismatch``).
+  tensor's name, dtype and shape, and the writer's session and base version. A
+  receiver compares it with its destinations at connect, so a mismatched pairing
+  fails there (``PlanMismatch``); a trainer rank that does not write numbers its
+  refits from it.
 * :class:`Manifest` (``v<version>/manifest.json``, written last, inside the version's
   temporary directory): the version, the checksum algorithm, every file with its byte
   count and checksum, every tensor with its file, dtype, shape and byte count.
@@ -56,9 +58,15 @@ class ParamSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 
 class Signature(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The writer's tensors, and its session: ``session`` is new at every connect of the
+    writer, ``base`` the version it numbers on from (its refit ``k`` writes ``base + k``);
+    trainer ranks that do not write take their version numbers from these."""
+
     format: int
     writer_rank: int
     params: tuple[ParamSpec, ...]
+    session: str = ""
+    base: int = 0
     digest: str = ""
 
 
@@ -77,12 +85,15 @@ class FileEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One committed version; ``session`` is the writer session (``Signature.session``) that wrote it."""
+
     format: int
     version: int
     writer_rank: int
     checksum: str
     files: tuple[FileEntry, ...]
     tensors: tuple[TensorEntry, ...]
+    session: str = ""
     digest: str = ""
 
     @property

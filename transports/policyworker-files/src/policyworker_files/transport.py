@@ -12,16 +12,23 @@ Order of operations (the two sides never talk; the directory is the channel):
   ``signature.json`` (``PlanMismatch`` if committed versions of other tensors are
   there). Receiver: wait (``timeout_s``, abortable) for ``signature.json`` and compare
   it with its destinations — a mismatched pairing fails here, ``PlanMismatch``.
-* ``send(ctx, v)`` — only on ``writer_rank`` (other ranks report 0 bytes for ``v``):
-  write ``v`` (``writer``), commit it by rename, prune to the newest ``keep``. A
-  ``v`` not past the newest committed version is refused (``ConfigError``).
+* ``send(ctx, v)`` — on ``writer_rank``: write ``v`` (``writer``), commit it by
+  rename, prune to the newest ``keep``. A ``v`` not past the newest committed version
+  is refused (``ConfigError``). Every other trainer rank writes nothing: its refit
+  ``k`` of the writer's session (``signature.json``: session, base) waits until the
+  writer published version ``base + k`` (that version or a newer one of the same
+  session is committed), then reports it with 0 bytes — a rank that runs ahead of the
+  writer waits (bounded, ``RefitTimeout``), one that starts late reports the versions
+  the writer already published; a new writer session (the writer reconnected)
+  re-bases it. The versions every trainer reports are the versions published.
 * ``receive(ctx, v)`` — wait, polling every ``poll_s``, until a committed version
   ``>= v`` exists, then land the **newest** such version: a rollout that fell behind
   (its expected version already pruned) catches up instead of waiting forever, and
   its report says which version landed (the ledger commits that one). The wait is
   bounded by the refit's deadline while one is armed, else (none, or stood down by
   the controller) by ``timeout_s`` (``RefitTimeout``). The whole version is verified first (``reader``); only then is
-  ``ctx.touched`` set and are the destinations overwritten.
+  ``ctx.touched`` set and are the destinations overwritten, one file per executor
+  step (an abort between files leaves the rollout torn).
 
 ``abort()`` (any thread) ends the current wait or hash loop within one poll and the
 refit raises ``RefitAborted`` (``RefitTimeout`` when the deadline fired). Filesystem
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -48,7 +56,7 @@ from policyworker.errors import ConfigError, PolicyWorkerError, RefitAborted, Re
 from policyworker.transports.base import RefitReport, Transport, TransportContext
 
 from . import dirs
-from .manifest import CHECKSUMS, FORMAT, Signature, check_against, decode, encode, param_specs
+from .manifest import CHECKSUMS, FORMAT, Manifest, Signature, check_against, decode, encode, param_specs
 from .reader import SAFETENSORS_DTYPES, OpenVersion, open_version
 from .writer import write_version
 
@@ -121,6 +129,13 @@ def _check_tensors(params: Mapping[str, torch.Tensor], role: str) -> None:
             if start < end:
                 raise ConfigError(f"{a} and {b} share memory; send each tensor under one name", transport="files",
                                   param=b)
+
+
+def _follow(state: dict[str, Any], signature: Signature) -> None:
+    """A non-writer rank follows the writer session of ``signature``: its next refit
+    reports ``base + 1``."""
+    state["session"], state["base"], state["count"] = signature.session, signature.base, 0
+    state["version"] = signature.base
 
 
 class FilesTransport(Transport):
@@ -205,10 +220,17 @@ class FilesTransport(Transport):
         if ctx.role == "send" and self.setup.writer_rank >= ctx.world_size:
             raise ConfigError(f"writer_rank {self.setup.writer_rank} is outside this trainer world of "
                               f"{ctx.world_size}: no rank would write", transport=self.name, rank=ctx.rank)
-        if ctx.role == "send":
-            newest = await self._io(ctx, self._connect_sender, ctx, what="connect")
+        if ctx.role == "send" and ctx.rank == self.setup.writer_rank:
             # Continue the numbering: v <= newest would overwrite what rollouts may hold.
-            ctx.state["version"] = max(int(ctx.state.get("version", 0)), newest)
+            base = await self._io(ctx, self._connect_sender, ctx, what="connect")
+            ctx.state["version"] = base
+        elif ctx.role == "send":
+            await self._io(ctx, self._connect_sender, ctx, what="connect")
+            signature = await self._io(ctx, self._await_signature, ctx, what="waiting for the writer's signature")
+            check_against(signature.params, param_specs(ctx.params),
+                          what=f"the writer's signature in {self.directory}")
+            if signature.session != ctx.state.get("session"):
+                _follow(ctx.state, signature)
         else:
             signature = await self._io(ctx, self._await_signature, ctx, what="waiting for the writer's signature")
             check_against(signature.params, param_specs(ctx.params),
@@ -216,13 +238,18 @@ class FilesTransport(Transport):
             ctx.state["signature"] = signature
 
     def _connect_sender(self, ctx: TransportContext) -> int:
+        """Create the directory, clean this rank's leftovers; on the writer, write the
+        signature of a new session. Returns the version the writer numbers on from."""
         os.makedirs(self.directory, exist_ok=True)
         writer = ctx.rank == self.setup.writer_rank
         for name in dirs.clean_stale(self.directory, ctx.rank, writer=writer):
             _log.info("files transport: removed %s, left by an earlier writer of rank %d", name, ctx.rank)
         versions = dirs.committed_versions(self.directory)
+        base = max(int(ctx.state.get("version", 0)), versions[-1] if versions else 0)
         if writer:
-            mine = Signature(format=FORMAT, writer_rank=ctx.rank, params=param_specs(ctx.params))
+            session = secrets.token_hex(8)
+            mine = Signature(format=FORMAT, writer_rank=ctx.rank, params=param_specs(ctx.params),
+                             session=session, base=base)
             path = os.path.join(self.directory, dirs.SIGNATURE)
             if versions and os.path.exists(path):
                 theirs = decode(dirs.read_small(path, limit=64 << 20), Signature, what=path)
@@ -230,7 +257,8 @@ class FilesTransport(Transport):
                               what=f"versions {versions[0]}..{versions[-1]} already in {self.directory} "
                                    f"(give this trainer a fresh directory)")
             dirs.write_atomic(self.directory, dirs.SIGNATURE, encode(mine), fsync=self.setup.fsync)
-        return versions[-1] if versions else 0
+            ctx.state["session"] = session
+        return base
 
     def _await_signature(self, ctx: TransportContext) -> Signature:
         path = os.path.join(self.directory, dirs.SIGNATURE)
@@ -247,11 +275,14 @@ class FilesTransport(Transport):
     async def send(self, ctx: TransportContext, version: int) -> RefitReport:
         self._check_open()
         t0 = time.perf_counter()
-        if ctx.rank != self.setup.writer_rank:
-            return RefitReport(transport=self.name, role="send", version=version, bytes=0,
-                               seconds=time.perf_counter() - t0,
-                               notes=(f"rank {ctx.rank} does not write; rank {self.setup.writer_rank} does",))
         self._cancel.clear()
+        if ctx.rank != self.setup.writer_rank:
+            published = await self._io(ctx, self._await_published, ctx,
+                                       what=f"waiting for the writer (rank {self.setup.writer_rank})")
+            return RefitReport(transport=self.name, role="send", version=published, bytes=0,
+                               seconds=time.perf_counter() - t0,
+                               notes=(f"rank {ctx.rank} does not write; rank {self.setup.writer_rank} "
+                                      f"published version {published}",))
         manifest = await self._io(ctx, self._write, ctx, version, what=f"writing version {version}")
         notes: tuple[str, ...] = ()
         try:
@@ -264,6 +295,32 @@ class FilesTransport(Transport):
         return RefitReport(transport=self.name, role="send", version=version, bytes=manifest.nbytes,
                            seconds=time.perf_counter() - t0, buckets=len(manifest.files), notes=notes)
 
+    def _await_published(self, ctx: TransportContext) -> int:
+        """A non-writer's refit: the version the writer published for it (see the module
+        docstring). Waits, bounded and abortable, while the writer has not published it."""
+        state = ctx.state
+        path = os.path.join(self.directory, dirs.SIGNATURE)
+
+        def probe() -> int | None:
+            signature = decode(dirs.read_small(path, limit=64 << 20), Signature, what=path)
+            if signature.session != state.get("session"):
+                _follow(state, signature)  # the writer (re)connected: number on from its new base
+            target = state["base"] + state["count"] + 1
+            newer = [v for v in dirs.committed_versions(self.directory) if v >= target]
+            if not newer:
+                return None
+            manifest_path = os.path.join(self.directory, dirs.version_name(newer[-1]), dirs.MANIFEST)
+            try:
+                manifest = decode(dirs.read_small(manifest_path, limit=64 << 20), Manifest, what=manifest_path)
+            except FileNotFoundError:
+                return None  # pruned meanwhile: look again
+            return target if manifest.session == state["session"] else None
+
+        published = self._wait(ctx, probe, what=f"the writer's (rank {self.setup.writer_rank}) version for "
+                                                f"refit {state.get('count', 0) + 1} of its session")
+        state["count"] += 1
+        return published
+
     def _write(self, ctx: TransportContext, version: int):
         versions = dirs.committed_versions(self.directory)
         if versions and version <= versions[-1]:
@@ -271,19 +328,38 @@ class FilesTransport(Transport):
                               transport=self.name, rank=ctx.rank)
         s = self.setup
         return write_version(self.directory, version, ctx.params, rank=ctx.rank, checksum=s.checksum,
-                             file_bytes=s.file_bytes, fsync=s.fsync, stop=self._stopper(ctx))
+                             file_bytes=s.file_bytes, fsync=s.fsync, stop=self._stopper(ctx),
+                             session=ctx.state.get("session", ""))
 
     async def receive(self, ctx: TransportContext, version: int) -> RefitReport:
         self._check_open()
         t0 = time.perf_counter()
         ctx.touched = False
         self._cancel.clear()
-        landed, nbytes, files = await self._io(ctx, self._land, ctx, version, what=f"receiving version {version}")
+        opened = await self._io(ctx, self._open_verified, ctx, version, what=f"receiving version {version}")
+        stop = self._stopper(ctx)
+        groups: dict[str, list[str]] = {}
+        for entry in opened.manifest.tensors:
+            groups.setdefault(entry.file, []).append(entry.name)
+        try:
+            ctx.touched = True  # everything checked; from here on the live bytes change
+            nbytes = 0
+            for names in groups.values():  # one file per step: an abort lands between files
+                nbytes += await self._io(ctx, opened.copy_into, {n: ctx.params[n] for n in names}, stop,
+                                         what=f"copying version {opened.version}")
+        finally:
+            # Unmapped on the refit executor, after any copy still running there.
+            if ctx.executor is not None:
+                ctx.executor.submit(opened.close)
+            else:
+                opened.close()
+        landed = opened.version
         notes = (f"caught up: expected {version}, the newest committed was {landed}",) if landed != version else ()
         return RefitReport(transport=self.name, role="receive", version=landed, bytes=nbytes,
-                           seconds=time.perf_counter() - t0, buckets=files, notes=notes)
+                           seconds=time.perf_counter() - t0, buckets=len(opened.manifest.files), notes=notes)
 
-    def _land(self, ctx: TransportContext, version: int) -> tuple[int, int, int]:
+    def _open_verified(self, ctx: TransportContext, version: int) -> OpenVersion:
+        """Wait for the newest committed version >= ``version``, map and verify all of it."""
         stop = self._stopper(ctx)
 
         def probe() -> OpenVersion | None:
@@ -298,11 +374,10 @@ class FilesTransport(Transport):
         opened = self._wait(ctx, probe, what=f"version {version} (or newer)")
         try:
             opened.verify(ctx.params, stop)
-            ctx.touched = True  # everything checked; from here on the live bytes change
-            nbytes = opened.copy_into(ctx.params, stop)
-        finally:
+        except BaseException:
             opened.close()
-        return opened.version, nbytes, len(opened.manifest.files)
+            raise
+        return opened
 
     def abort(self) -> None:
         self._cancel.set()

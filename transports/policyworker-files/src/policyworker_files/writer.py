@@ -80,6 +80,7 @@ def write_version(
     file_bytes: int,
     fsync: bool,
     stop: Callable[[], None],
+    session: str = "",
 ) -> Manifest:
     """Write and commit ``version`` of ``params`` into ``directory``; return its manifest.
 
@@ -106,7 +107,7 @@ def write_version(
                                         nbytes=_nbytes(t), file=fname) for n, t in tensors.items()]
                 del tensors
         manifest = Manifest(format=FORMAT, version=version, writer_rank=rank, checksum=checksum,
-                            files=tuple(files), tensors=tuple(entries))
+                            files=tuple(files), tensors=tuple(entries), session=session)
         with open(os.path.join(tmp, dirs.MANIFEST), "wb") as f:
             f.write(encode(manifest))
             f.flush()

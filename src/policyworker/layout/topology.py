@@ -1,0 +1,138 @@
+"""Topology-aware routes: each byte crosses into a node once, then fans out inside it.
+
+`ReshardPlan` sends every generation rank its shard's bytes straight from a trainer.
+When several generation ranks on one node need the same bytes (data-parallel
+replicas, or kv heads replicated over tp), each of them pulls its own copy over the
+node's network links. `relay_routes` routes the plan's copies by node instead:
+
+* a copy class is one ``(param, box)`` of the plan with the generation ranks that need
+  it and the training ranks that hold it (every source the plan used for it);
+* per destination node, a class needed there is taken from a holder *on that node*
+  when one exists (nothing crosses the network); otherwise it crosses once, from the
+  holder whose outbound network load is smallest, to the *entry* rank of that node
+  whose inbound load is smallest (so the bytes spread over every NIC of both nodes),
+  and the entry relays it to the node's other ranks that need it (NVLink on GPUs,
+  shared memory or loopback on CPU).
+
+Objective: minimal cross-node bytes (each class at most once per destination node,
+which no route can beat); tie-break: minimal total bytes (a rank receives a class
+once, from one place). When every rank sits on one node the routes are the plan's
+own transfers.
+
+"Node" here is whatever shares the cheap links: a host (``POLICYWORKER_NODE`` or the
+host name), or an NVLink domain in the fabric model (:mod:`.fabric`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from math import prod
+
+from policyworker.errors import ConfigError
+from policyworker.layout.plan import ReshardPlan, dtype_size
+
+__all__ = ["Route", "RelayRoutes", "relay_routes"]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One copy class into one node: ``src`` (training rank) sends ``nbytes`` once to
+    ``entry`` (generation rank), which relays them to ``fanout``. ``cross`` says whether
+    the first hop leaves the source's node."""
+
+    param: int
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    nbytes: int
+    src: int
+    entry: int
+    fanout: tuple[int, ...]
+    cross: bool
+
+
+@dataclass(slots=True)
+class RelayRoutes:
+    routes: list[Route] = field(default_factory=list)
+
+    @property
+    def cross_node_bytes(self) -> int:
+        return sum(r.nbytes for r in self.routes if r.cross)
+
+    @property
+    def relayed_bytes(self) -> int:
+        return sum(r.nbytes * len(r.fanout) for r in self.routes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes * (1 + len(r.fanout)) for r in self.routes)
+
+    def received_bytes(self, gen_world_size: int) -> list[int]:
+        got = [0] * gen_world_size
+        for r in self.routes:
+            got[r.entry] += r.nbytes
+            for d in r.fanout:
+                got[d] += r.nbytes
+        return got
+
+
+def _classes(plan: ReshardPlan) -> dict[tuple[int, tuple[int, ...], tuple[int, ...]],
+                                         tuple[int, set[int], set[int]]]:
+    """(param, start, stop) -> (bytes, holders, needers) over every copy of the plan."""
+    params = plan.params
+    out: dict[tuple, tuple[int, set[int], set[int]]] = {}
+    for t in plan.transfers:
+        for c in t.all_copies():
+            key = (c.param, tuple(c.start), tuple(c.stop))
+            got = out.get(key)
+            if got is None:
+                n = prod(b - a for a, b in zip(c.start, c.stop)) * dtype_size(params[c.param].dtype)
+                got = out[key] = (n, set(), set())
+            got[1].add(t.src)
+            got[2].add(t.dst)
+    return out
+
+
+def relay_routes(plan: ReshardPlan, train_nodes: Sequence[Hashable],
+                 gen_nodes: Sequence[Hashable]) -> RelayRoutes:
+    """Routes for ``plan`` given the node of every training and generation rank.
+
+    Deterministic: the same plan and nodes give the same routes on every rank (classes
+    and candidates are visited in sorted order; ties go to the lowest rank).
+    """
+    body = plan.body
+    if len(train_nodes) != body.train_world_size or len(gen_nodes) != body.gen_world_size:
+        raise ConfigError(f"nodes given for {len(train_nodes)} training / {len(gen_nodes)} generation ranks; "
+                          f"the plan has {body.train_world_size} / {body.gen_world_size}")
+    net_out = [0] * body.train_world_size      # bytes leaving each trainer's node link
+    net_in = [0] * body.gen_world_size         # bytes entering each generation rank from off-node
+    local_out = [0] * body.train_world_size    # bytes a trainer sends inside its node
+    relay_out = [0] * body.gen_world_size      # bytes a generation rank forwards
+    routes = RelayRoutes()
+    classes = _classes(plan)
+    # Biggest classes first: greedy balancing places the large pieces while every port
+    # is still open, the small ones fill the gaps.
+    for key in sorted(classes, key=lambda k: (-classes[k][0], k)):
+        nbytes, holders, needers = classes[key]
+        by_node: dict[Hashable, list[int]] = {}
+        for d in sorted(needers):
+            by_node.setdefault(gen_nodes[d], []).append(d)
+        for node in sorted(by_node, key=repr):
+            ranks = by_node[node]
+            near = [h for h in sorted(holders) if train_nodes[h] == node]
+            if near:
+                # Same node: every needer takes it from the least loaded near holder,
+                # as the plan would (no relay: nothing crosses the network).
+                for d in ranks:
+                    h = min(near, key=lambda r: (local_out[r], r))
+                    local_out[h] += nbytes
+                    routes.routes.append(Route(key[0], key[1], key[2], nbytes, h, d, (), False))
+                continue
+            src = min(sorted(holders), key=lambda r: (net_out[r], r))
+            entry = min(ranks, key=lambda r: (net_in[r], relay_out[r], r))
+            fanout = tuple(d for d in ranks if d != entry)
+            net_out[src] += nbytes
+            net_in[entry] += nbytes
+            relay_out[entry] += nbytes * len(fanout)
+            routes.routes.append(Route(key[0], key[1], key[2], nbytes, src, entry, fanout, True))
+    return routes

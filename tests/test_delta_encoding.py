@@ -1,0 +1,119 @@
+"""The delta encoding alone: round trips, bit patterns, checksums, the handshake's decision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policyworker.errors import ConfigError, ProtocolError
+from policyworker.transports.nccl_reshard import NcclReshardOptions, NcclReshardSetup
+from policyworker.layout import delta as D
+from policyworker.transports.nccl_delta import _HS_MAGIC, _NO_SHADOW, _RECEIVER, _TRAINER, _WANT_DELTA, decide
+
+
+def _units(t: torch.Tensor) -> torch.Tensor:
+    return t.view(D.unit_dtype(t.element_size())).view(-1)
+
+
+@pytest.mark.parametrize("fraction, kind", [(0.0, D.NONE), (0.001, D.SPARSE), (0.03, D.SPARSE), (0.2, D.BITMAP),
+                                            (1.0, D.RAW)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+def test_round_trip_is_bit_exact_and_picks_the_smallest_encoding(fraction, kind, dtype, path, monkeypatch):
+    if path == "torch":  # the device path (CUDA), run on CPU tensors
+        monkeypatch.setattr(D, "_numpy_ok", lambda t: False)
+    g = torch.Generator().manual_seed(1)
+    n = 200_003  # several 65,536-unit blocks and a ragged end
+    old = torch.randn(n, generator=g).to(dtype)
+    new = old.clone()
+    mask = torch.rand(n, generator=g) < fraction
+    new[mask] = torch.randn(int(mask.sum()), generator=g).to(dtype)
+    enc = D.encode(_units(new), _units(old))
+    assert enc.kind == kind
+    assert enc.blob.numel() == D.blob_bytes(enc.kind, n, enc.count, new.element_size())
+    base = old.clone()
+    D.apply(_units(base), enc.kind, enc.count, enc.blob)
+    assert torch.equal(_units(base), _units(new))
+    if kind == D.SPARSE:  # index (2 B) + value per changed unit, and little else
+        assert enc.blob.numel() <= enc.count * (2 + new.element_size()) + 4 * (n // 65536 + 1) + 24
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_signed_zeros_and_nan_payloads_are_changes_by_their_bits(dtype):
+    old = torch.tensor([0.0, 1.0, float("nan"), 2.0, float("nan")], dtype=dtype)
+    new = old.clone()
+    new[0] = -0.0  # equal as a value, another bit pattern
+    bits = _units(new)
+    bits[4] = bits[4] ^ 1  # another NaN payload: NaN != NaN as values either way
+    enc = D.encode(_units(new), _units(old))
+    assert enc.count == 2  # the untouched NaN at index 2 is not a change
+    base = old.clone()
+    D.apply(_units(base), enc.kind, enc.count, enc.blob)
+    assert torch.equal(_units(base), _units(new))
+    assert D.checksum(base) == D.checksum(new) != D.checksum(old)
+
+
+def test_checksum_sees_any_one_changed_word_and_swaps_and_ragged_tails():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(0, 256, (8 * 1000 + 5,), dtype=torch.uint8, generator=g)
+    ref = D.checksum(x)
+    assert ref == D.checksum(x.clone())
+    for i in (0, 7, 8, 4000, 8004):
+        y = x.clone()
+        y[i] ^= 0x80
+        assert D.checksum(y) != ref
+    y = x.clone()
+    y[0:8], y[8:16] = x[8:16].clone(), x[0:8].clone()
+    assert D.checksum(y) != ref
+    assert D.checksum(x[1:]) != D.checksum(x[:-1])  # an unaligned view works and differs
+    assert D.checksum(torch.zeros(3, dtype=torch.uint8)) != D.checksum(torch.zeros(4, dtype=torch.uint8))
+
+
+def test_a_damaged_blob_is_refused_before_anything_is_written():
+    old = torch.zeros(1000, dtype=torch.int16)
+    new = old.clone()
+    new[[3, 500]] = 7
+    enc = D.encode(new, old)
+    base = old.clone()
+    with pytest.raises(ProtocolError):
+        D.apply(base, enc.kind, enc.count + 1, enc.blob)
+    with pytest.raises(ProtocolError):
+        D.apply(base, enc.kind, enc.count, enc.blob[:-8])
+    bad = enc.blob.clone()
+    bad[:4].view(torch.int32)[0] = 5  # block counts no longer add up
+    with pytest.raises(ProtocolError):
+        D.apply(base, enc.kind, enc.count, bad)
+    assert torch.equal(base, old)
+
+
+def _row(role, v, shadow=0, want=_WANT_DELTA):
+    return [_HS_MAGIC, role, v, shadow, want, 0]
+
+
+def test_the_handshake_decides_delta_only_when_every_base_matches():
+    trainers = [_row(_TRAINER, 5, 4), _row(_TRAINER, 5, 4)]
+    assert decide([*trainers, _row(_RECEIVER, 4), _row(_RECEIVER, 4)])[0]
+    fresh, why = decide([*trainers, _row(_RECEIVER, 4), _row(_RECEIVER, 0)])  # a replacement rollout
+    assert not fresh and "holds version 0" in why
+    assert not decide([*trainers, _row(_RECEIVER, -1)])[0]  # torn
+    assert not decide([_row(_TRAINER, 5, -1, _NO_SHADOW), _row(_TRAINER, 5, 4), _row(_RECEIVER, 4)])[0]
+    assert not decide([_row(_TRAINER, 5, 4), _row(_TRAINER, 5, 3), _row(_RECEIVER, 4)])[0]
+    with pytest.raises(ProtocolError):
+        decide([[0, 0, 0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("bad", [{"delta_max_fraction": 1.5}, {"delta_max_fraction": -0.1},
+                                 {"delta_full_every": 0}])
+def test_bad_delta_settings_fail_at_attach(bad):
+    with pytest.raises(ConfigError):
+        NcclReshardSetup(delta=True, **bad)
+
+
+def test_delta_settings_parse_from_plain_keywords():
+    from policyworker.config import parse
+
+    setup = parse(NcclReshardSetup, {"delta": True, "delta_max_fraction": 0.1, "delta_full_every": 8}, what="t")
+    assert (setup.delta, setup.delta_max_fraction, setup.delta_full_every) == (True, 0.1, 8)
+    assert parse(NcclReshardOptions, {"delta": False}, what="t").delta is False
+    with pytest.raises(ConfigError):
+        parse(NcclReshardSetup, {"delta": "yes"}, what="t")

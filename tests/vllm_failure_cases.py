@@ -1,0 +1,215 @@
+"""Failure paths of a real vLLM engine, run by test_vllm.py (tp=1) and test_vllm_tp2.py (tp=2).
+
+Each case makes one weight-transfer call fail, checks that the controller catches
+policyworker's own error type through ``typed_errors()`` (vLLM hands it only text), that
+nothing of the failed version is served, that the *next* call answers for itself (at
+tp=2 vLLM's executor used to hand back the previous call's queued reply), and that the
+next refit commits: vLLM's greedy tokens equal Hugging Face transformers' on the same
+weights.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from policyworker.cli.procs import free_port
+from policyworker.errors import ConfigError, PeerLost, PolicyWorkerError, RefitTimeout, TornWeights, TransportError
+from policyworker.integrations.vllm import typed_errors
+
+
+def served_at_least_v1(world) -> None:
+    """A case run alone: connect and commit a first version."""
+    if world.version == 0:
+        world.history[0] = world.tokens()
+        assert all(r["ok"] for r in world.connect(version=0))
+        assert world.refit(1)[0] is None
+        world.version, world.history[1] = 1, world.tokens()
+
+
+def assert_serves(world, v: int) -> None:
+    assert world.tokens() == world.history[v]
+    assert world.llm.get_weight_version() == str(v)
+
+
+def refit_commits(world, v: int) -> None:
+    """The next refit (``v``) commits on every rank: tokens are HF's for ``v``."""
+    error, replies = world.refit(v)
+    assert error is None, error
+    assert [r["version"] for r in replies] == [v] * world.spec.n_train, replies
+    got = world.tokens()
+    assert got == world.oracle(v) and got != world.history[world.version]
+    assert world.llm.get_weight_version() == str(v)
+    world.version, world.history[v] = v, got
+
+
+def refused_version(world) -> None:
+    served_at_least_v1(world)
+    v = world.version
+    # The trainers are not told to send: a refused update must not wait for their bytes.
+    for stale in (v, v - 1):
+        if stale < 1:
+            continue
+        world.llm.start_weight_update()
+        with pytest.raises(ConfigError, match=r"update_info.version .* not newer") as info:
+            with typed_errors():
+                world.llm.update_weights({"update_info": {"version": stale}})
+        assert info.value.rank == 0  # the lowest failed rank's error, every rank agreed on it
+        assert "[policyworker-error:" not in str(info.value)
+    # A bad init_info is refused by every rank before anything changes.
+    with pytest.raises(ConfigError, match=r"init_info.commit must be"):
+        with typed_errors():
+            world.llm.init_weight_transfer_engine({"init_info": {"host": "127.0.0.1", "update_port": 1,
+                                                                  "stage_ports": [2], "trainers_per_stage": [2],
+                                                                  "commit": "in-place"}})
+    assert_serves(world, v)
+    # The groups are intact (nothing was posted): the next call answers for itself and
+    # the next version commits.
+    refit_commits(world, v + 1)
+
+
+def failed_commit(world) -> None:
+    served_at_least_v1(world)
+    v = world.version
+    world.llm.start_weight_update()
+    with pytest.raises(ConfigError, match=r"no complete refit was received"):
+        with typed_errors():
+            world.llm.finish_weight_update(weight_version=str(v + 1))
+    assert_serves(world, v)
+    # vLLM keeps the session open after a failed finish: receive, then finish again.
+    world.pool.send({"cmd": "refit", "version": v + 1})
+    world.llm.update_weights({"update_info": {"version": v + 1}})
+    world.llm.finish_weight_update(weight_version=str(v + 1))
+    world.llm.reset_prefix_cache()
+    replies = world.pool.replies(world.spec.refit_timeout_s)
+    assert [r["version"] for r in replies] == [v + 1] * world.spec.n_train, replies
+    got = world.tokens()
+    assert got == world.oracle(v + 1) and got != world.history[v]
+    world.version, world.history[v + 1] = v + 1, got
+    refit_commits(world, v + 2)
+
+
+def deadline(world, deadline_s: float = 2.0) -> None:
+    served_at_least_v1(world)
+    v = world.version
+    world.llm.start_weight_update()
+    t0 = time.monotonic()
+    with pytest.raises(RefitTimeout) as info:  # the trainers never send
+        with typed_errors():
+            world.llm.update_weights({"update_info": {"version": v + 1, "refit_timeout_s": deadline_s}})
+    elapsed = time.monotonic() - t0
+    assert elapsed < deadline_s + 10.0, elapsed
+    assert isinstance(info.value.rank, int)
+    assert_serves(world, v)
+    # The deadline aborted the engine's groups: every side joins fresh ones (the
+    # documented recovery), then the next version commits.
+    replies = world.connect(version=v)
+    assert all(r["ok"] for r in replies), replies
+    refit_commits(world, v + 1)
+
+
+def dead_trainer(world) -> None:
+    served_at_least_v1(world)
+    v = world.version
+    error, replies = world.refit(v + 1, die={1: 3})
+    assert isinstance(error, PeerLost), error
+    assert replies[0]["ok"] is False and replies[0]["error"] == "PeerLost", replies
+    assert world.pool.wait_dead(1, 10.0) == -9
+    # Nothing of v + 1 is served.
+    assert_serves(world, v)
+    assert world.tokens() == world.oracle(v)
+    # A replacement trainer joins fresh groups with the survivor and the engine: the
+    # engine's init answers for itself, and the next refit commits.
+    world.pool.start(1)
+    replies = world.connect(version=v)
+    assert all(r["ok"] for r in replies), replies
+    refit_commits(world, v + 1)
+
+
+def init_without_trainers(world, timeout_s: float = 2.0) -> None:
+    """No trainer hosts the groups: init raises a typed error within its bound, changes
+    nothing served, and the next init (trainers present) and refit work."""
+    served_at_least_v1(world)
+    v = world.version
+    info = {"host": "127.0.0.1", "update_port": free_port(), "stage_ports": [free_port()],
+            "trainers_per_stage": [world.spec.n_train], "timeout_s": timeout_s}
+    t0 = time.monotonic()
+    with pytest.raises(TransportError):
+        with typed_errors():
+            world.llm.init_weight_transfer_engine({"init_info": info})
+    # Bound: one group formation (the first never forms), plus process slack.
+    assert time.monotonic() - t0 < 2 * timeout_s + 15.0
+    assert_serves(world, v)
+    replies = world.connect(version=v)
+    assert all(r["ok"] for r in replies), replies
+    refit_commits(world, v + 1)
+
+
+def fail_once_on(world, rank: int, step: str) -> None:
+    """Make vLLM rank ``rank``'s next ``step`` ("prepare": the post-processing, "commit": the
+    swap) raise once, inside the real worker process (vLLM runs this function there)."""
+
+    def inject(worker) -> bool:
+        engine = worker.weight_transfer_engine
+        if engine.tp_rank != rank:
+            return False
+        stage = engine._stage
+        original = getattr(stage, step)
+
+        def failing(*args, **kwargs):
+            setattr(stage, step, original)  # once
+            raise RuntimeError(f"injected {step} failure on vLLM rank {rank}")
+
+        setattr(stage, step, failing)
+        return True
+
+    assert sum(world.llm.collective_rpc(inject)) == 1
+
+
+def _received_then(world, v: int, step: str):
+    """Trainers send ``v`` and vLLM receives it; then rank 0's ``step`` fails in finish."""
+    world.pool.send({"cmd": "refit", "version": v})
+    world.llm.start_weight_update()
+    world.llm.update_weights({"update_info": {"version": v}})
+    assert [r["version"] for r in world.pool.replies(world.spec.refit_timeout_s)] == [v] * world.spec.n_train
+    fail_once_on(world, 0, step)  # rank 0: at tp=2 not the rank whose reply vLLM reads
+    with pytest.raises(PolicyWorkerError, match=f"injected {step} failure on vLLM rank 0") as info:
+        with typed_errors():
+            world.llm.finish_weight_update(weight_version=str(v))
+    return info.value
+
+
+def _resend_and_commit(world, v: int) -> None:
+    """In the session vLLM kept open: receive ``v`` again, then finish; HF's tokens."""
+    world.pool.send({"cmd": "refit", "version": v})
+    world.llm.update_weights({"update_info": {"version": v}})
+    world.llm.finish_weight_update(weight_version=str(v))
+    world.llm.reset_prefix_cache()
+    assert [r["version"] for r in world.pool.replies(world.spec.refit_timeout_s)] == [v] * world.spec.n_train
+    got = world.tokens()
+    assert got == world.oracle(v) and got != world.history[world.version]
+    assert world.llm.get_weight_version() == str(v)
+    world.version, world.history[v] = v, got
+
+
+def postprocess_fails_on_one_rank(world) -> None:
+    """Every rank post-processes before any swaps: one rank's failure swaps nothing anywhere."""
+    served_at_least_v1(world)
+    v = world.version
+    _received_then(world, v + 1, "prepare")
+    assert_serves(world, v)  # no rank swapped: no mix of versions
+    _resend_and_commit(world, v + 2)  # the trainers' next version
+    refit_commits(world, v + 3)
+
+
+def swap_fails_on_one_rank(world) -> None:
+    """A failed swap marks the engine torn on every rank; a full refit commits and clears it."""
+    served_at_least_v1(world)
+    v = world.version
+    _received_then(world, v + 1, "commit")
+    with pytest.raises(TornWeights):  # every rank refuses until a full refit commits
+        with typed_errors():
+            world.llm.finish_weight_update(weight_version=str(v + 1))
+    _resend_and_commit(world, v + 2)
+    refit_commits(world, v + 3)
