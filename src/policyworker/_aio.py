@@ -1,8 +1,11 @@
 """Bridging blocking work to whatever async loop runs the worker.
 
-The worker runs on asyncio (uvloop when installed) or under anyio. Blocking bodies go
-to a dedicated executor; awaiting its future must work on each: asyncio wraps the
-concurrent future directly; any other anyio backend waits for it on a worker thread.
+The worker runs on asyncio (uvloop when installed) or under anyio (asyncio or trio).
+Blocking bodies go to a dedicated executor; awaiting its future must work on each,
+and must stay cancellable on each: a cancelled await returns at once (the caller —
+``WorkerCore.refit`` — then aborts the transport and waits, bounded and shielded, for
+the executor to leave the weights). asyncio wraps the concurrent future directly; any
+other backend waits for it on a helper thread it can abandon when cancelled.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ async def run_in_executor(executor: Executor | None, fn: Callable[..., T], /, *a
     import anyio.to_thread
 
     if executor is None:
-        return await anyio.to_thread.run_sync(call)
+        return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
     future = executor.submit(call)
-    return await anyio.to_thread.run_sync(future.result)
+    # Abandoned on cancel: the helper thread then only waits for ``future`` (which the
+    # caller's abort ends) and returns; nothing it does touches the weights.
+    return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)

@@ -21,12 +21,15 @@ their deadline.
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
+import logging
 import os
 import queue
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -39,6 +42,12 @@ from .errors import ConfigError, PeerLost, RefitAborted, RefitTimeout, translate
 __all__ = ["DEFAULT_TIMEOUT_S", "CommGroup", "backend_for", "group_on_store", "nccl_device", "new_group", "share_token"]
 
 DEFAULT_TIMEOUT_S = 120.0
+
+_log = logging.getLogger(__name__)
+#: A point-to-point tag no refit uses: the probes that close a dying group's pairs.
+_RELEASE_TAG = (1 << 30) + 7
+#: How long closing a group waits for its waiter thread to leave gloo.
+_RELEASE_JOIN_S = 5.0
 
 # Poll backoff for work handles: start tight (small messages finish in microseconds),
 # grow to 1 ms so a long transfer does not burn a core spinning.
@@ -76,18 +85,38 @@ def _failed(exc: BaseException | None) -> Future:
 
 
 class _Waiter:
-    """One daemon thread that waits on gloo works in issue order and completes futures."""
+    """One daemon thread that waits on gloo works in issue order and completes futures.
+
+    While it is inside a gloo ``wait`` (C++) the interpreter must not finalize: a daemon
+    thread that comes back from C++ into a finalizing interpreter is unwound through
+    C++ frames and the process dies of ``std::terminate`` (SIGABRT, "terminate called
+    without an active exception"). :meth:`CommGroup.close` and the exit hook therefore
+    end its pending works first and join it (see ``_release_pending``).
+    """
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0  # works submitted and not finished (under _lock)
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return self._pending > 0
+
     def submit(self, work, future: Future) -> None:
+        with self._lock:
+            self._pending += 1
         self._queue.put((work, future))
 
     def stop(self) -> None:
         self._queue.put(None)
+
+    def join(self, timeout_s: float) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:
@@ -95,14 +124,18 @@ class _Waiter:
             if item is None:
                 return
             work, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
             try:
-                work.wait()
-            except BaseException as exc:  # handed to the caller through the future
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    work.wait()
+                except BaseException as exc:  # handed to the caller through the future
+                    future.set_exception(exc)
+                else:
+                    future.set_result(None)
+            finally:
+                with self._lock:
+                    self._pending -= 1
 
 
 class CommGroup:
@@ -136,6 +169,7 @@ class CommGroup:
         self._cond = threading.Condition()
         self._waiter: _Waiter | None = None
         self._closed = False
+        _LIVE.add(self)
         # NCCL: the worker's own device, fixed at construction — never the current device of
         # whichever thread happens to issue an operation.
         if backend == "nccl":
@@ -176,9 +210,10 @@ class CommGroup:
         self._aborted.set()
         self._notify()
         if self._waiter is not None:
-            # A waiter stuck on a dead gloo pair returns at the group's own timeout; it is
-            # a daemon thread, so it never holds up shutdown or process exit.
+            if self._waiter.busy:
+                self._release_pending()
             self._waiter.stop()
+            self._waiter.join(_RELEASE_JOIN_S)
         shutdown = getattr(self.pg, "shutdown", None) if self.backend == "nccl" else None
         if shutdown is not None:
             try:
@@ -187,6 +222,28 @@ class CommGroup:
                 pass  # a dead communicator cannot be shut down twice; nothing to release
         self.pg = None  # type: ignore[assignment]
         self._owner_store = None
+
+    def _release_pending(self) -> None:
+        """End this group's pending gloo works (a stale receive whose sender gave up, a send
+        nobody will receive), so that the waiter thread returns from C++.
+
+        gloo has no cancel for a posted point-to-point op; its one lever from outside is an
+        application-side timeout, which closes the pair it happened on and fails every op
+        pending there. So: one probe receive per peer, on a tag nothing else uses, waited
+        for 1 ms. Only for a group that is being closed (dead to us already): its peers
+        then see the connection closed (``PeerLost``) instead of waiting for a deadline.
+        """
+        pg = self.pg
+        if pg is None or self.backend != "gloo":
+            return
+        probe = torch.zeros(1, dtype=torch.uint8)
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            try:
+                pg.recv([probe], peer, _RELEASE_TAG).wait(_dt.timedelta(milliseconds=1))
+            except RuntimeError as exc:  # the timeout that closes the pair (or it is closed already)
+                _log.debug("group %r: released pending works with peer %d (%s)", self.name, peer, _first_line(exc))
 
     # -- waiting -------------------------------------------------------------------
     def _completion(self, work) -> Future:
@@ -399,6 +456,32 @@ class CommGroup:
     def __repr__(self) -> str:
         state = "aborted" if self.aborted else ("closed" if self._closed else "open")
         return f"CommGroup({self.name!r}, rank={self.rank}/{self.world_size}, {self.backend}, {state})"
+
+
+#: Every group not yet garbage: the exit hook ends their waiters' pending works.
+_LIVE: weakref.WeakSet[CommGroup] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """At interpreter exit, no waiter thread may still be inside gloo (see ``_Waiter``).
+
+    A process that exits without ``shutdown`` (an uncaught ``KeyboardInterrupt`` after a
+    cancelled refit, a script that just returns) still has groups whose waiters may be
+    blocked on works no peer will finish: abort those groups, end their pending works
+    and join their waiters, so the process exits with its own code (0; -SIGINT for an
+    uncaught KeyboardInterrupt) rather than SIGABRT. Runs after the interpreter joined
+    its non-daemon threads (the refit executors), so nothing else uses the groups.
+    """
+    for group in list(_LIVE):
+        waiter = group._waiter
+        if waiter is None or group._closed:
+            continue
+        if waiter.busy:
+            group._aborted.set()
+            group._release_pending()
+        waiter.stop()
+        waiter.join(_RELEASE_JOIN_S)
 
 
 def backend_for(device: torch.device | int | str | None) -> str:

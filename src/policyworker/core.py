@@ -392,9 +392,11 @@ class WorkerCore(DeviceQueries):
         if timeout is not None:
             deadline = ctx.deadline = process_watchdog().arm(
                 timeout, aborts, label=f"{name} {self.role} rank {self.rank}", owner=self)
+        moving = False  # connect builds resources and never writes a live byte: untouched until send/receive
         try:
             if not att.connected:
                 await self._connect(att, deadline)
+            moving = True
             if ctx.role == "send":
                 report = await att.transport.send(ctx, version)
             else:
@@ -406,7 +408,7 @@ class WorkerCore(DeviceQueries):
                 ledger.commit(report.version, received_bytes=report.bytes, expected_bytes=self._expected_bytes(att))
         except Exception as exc:
             if ledger is not None and ledger.in_flight:
-                ledger.fail(ctx.touched)
+                ledger.fail(ctx.touched if moving else False)
             if isinstance(exc, RefitAborted) and deadline is not None:
                 deadline.check()  # fired: a RefitTimeout, not a bare abort
             raise
@@ -415,7 +417,7 @@ class WorkerCore(DeviceQueries):
                 abort()
             drained = await _drain(self._executor, self.timeout_s)
             if ledger is not None and ledger.in_flight:
-                ledger.fail(ctx.touched if drained else True)
+                ledger.fail((ctx.touched if drained else True) if moving else False)
             raise
         finally:
             if deadline is not None:

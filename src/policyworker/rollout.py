@@ -19,6 +19,8 @@ Destination tensors: given directly (``RolloutWorker(params={name: tensor})``) f
 plan-less transports, or allocated from a plan when a transport attaches with one
 (its own tp shard, fused ``qkv_proj`` / ``gate_up_proj`` where the plan says so, as
 views of one flat buffer in the plan's order) unless the held tensors already fit it.
+A plan that the caller's own tensors do not fit is a ``ConfigError``; they are never
+swapped for allocated ones.
 
 Seed-style shims: ``init_nccl_reshard_comm_groups`` + ``load_refit_plan`` +
 ``receive_nccl_reshard_refit`` (``nccl_reshard``: the update group as rank
@@ -37,7 +39,7 @@ from .comm import CommGroup, new_group
 from .core import Attachment, WorkerCore
 from .errors import ConfigError
 from .layout.apply import empty_local_tensors
-from .layout.local import as_plan, check_local_tensors, flat_local_tensors
+from .layout.local import as_plan, flat_local_tensors
 from .layout.plan import ReshardPlan
 from .ledger import WeightLedger
 from .staging import same_structure, storage_bytes, twin_tensors
@@ -82,6 +84,9 @@ class RolloutWorker(WorkerCore):
         self.world_size = gen_world_size
         self.kv_scales: dict[str, float] | None = None
         self.params: dict[str, torch.Tensor] = dict(params or {})
+        #: The dict this worker allocated from a plan; any other ``params`` are the caller's
+        #: tensors, never replaced behind their back.
+        self._allocated: dict[str, torch.Tensor] | None = None
         self.last_report: RefitReport | None = None
         self._ready = None  # the last refit's ready event (CUDA), see weights()
         self.double_buffer = double_buffer
@@ -156,14 +161,25 @@ class RolloutWorker(WorkerCore):
             raise ConfigError(
                 f"the plan is for {plan.body.gen_world_size} generation ranks, this world has {self.gen_world_size}"
             )
-        try:
-            check_local_tensors(plan, "dst", self.rank, self.params)
-        except ConfigError:
-            if self.params and self.ledger.version > 0:
-                raise  # committed weights of another layout: refuse rather than drop them silently
-            self.params = {k: v.zero_() for k, v in
-                           empty_local_tensors(plan, "dst", self.rank, self.device, flat=True).items()}
+        if not self.params:
+            self._allocate(plan)
+            return plan
+        misfit = _misfit(plan, self.rank, self.params)
+        if misfit is None:
+            return plan
+        if self.params is not self._allocated:  # the caller's tensors: refuse, never swap them
+            raise ConfigError(f"rollout rank {self.rank}: the given params do not fit the plan: {misfit}",
+                              rank=self.rank)
+        if self.ledger.version > 0:  # committed weights of another layout: refuse rather than drop them
+            raise ConfigError(f"rollout rank {self.rank}: the committed weights do not fit the plan: {misfit}",
+                              rank=self.rank)
+        self._allocate(plan)
         return plan
+
+    def _allocate(self, plan: ReshardPlan) -> None:
+        self.params = {k: v.zero_() for k, v in
+                       empty_local_tensors(plan, "dst", self.rank, self.device, flat=True).items()}
+        self._allocated = self.params
 
     def _expected_bytes(self, att: Attachment) -> int | None:
         if att.plan is None:
@@ -231,13 +247,19 @@ class RolloutWorker(WorkerCore):
 
         ``params``: this rank's tensors in the generation layout; by default they are
         allocated (zeros) from the plan, as views of one buffer in the plan's order, so
-        the copies of a transfer land as one span. A plan that does not fit them is a
-        ConfigError.
+        the copies of a transfer land as one span — unless the worker already holds the
+        caller's tensors, which must fit. A plan that does not fit the caller's tensors
+        is a ConfigError naming what differs, and they stay as they were.
         """
         self._ensure_open()
         plan = as_plan(plan)
         if params is not None:
-            check_local_tensors(plan, "dst", self.rank, params)
+            misfit = _misfit(plan, self.rank, params)
+            if misfit is not None:
+                raise ConfigError(f"rollout rank {self.rank}: params do not fit the plan: {misfit}", rank=self.rank)
+            if plan.body.gen_world_size != self.gen_world_size:
+                raise ConfigError(f"the plan is for {plan.body.gen_world_size} generation ranks, "
+                                  f"this world has {self.gen_world_size}")
             self.params = dict(params)
         plan = self._adopt_plan("nccl_reshard", plan)
         state = self._refit_transport_state("nccl_reshard")
@@ -274,11 +296,15 @@ class RolloutWorker(WorkerCore):
         if plan.body.gen_world_size != self.gen_world_size:
             raise ConfigError(f"the plan is for {plan.body.gen_world_size} generation ranks, "
                               f"this world has {self.gen_world_size}")
-        if params is None:
-            params = flat_local_tensors(plan, self.rank, self.device)
+        given = params if params is not None else (self.params if self.params is not self._allocated else None)
+        if given:
+            misfit = _misfit(plan, self.rank, given)
+            if misfit is not None:
+                raise ConfigError(f"rollout rank {self.rank}: the given params do not fit the plan: {misfit}",
+                                  rank=self.rank)
+            self.params = dict(given)
         else:
-            check_local_tensors(plan, "dst", self.rank, params)
-        self.params = dict(params)
+            self.params = self._allocated = dict(flat_local_tensors(plan, self.rank, self.device))
         state = self._refit_transport_state("zmq")
         state["seed_plan"] = state["plan"] = plan
         state["program"] = state["program_alt"] = None
@@ -293,3 +319,31 @@ class RolloutWorker(WorkerCore):
         self.maybe_init_zmq()
         await self._seed_attach("zmq", plan=state["seed_plan"], timeout_s=self.zmq_timeout_s)
         return await self.refit("zmq", refit_timeout_s=refit_timeout_s)
+
+
+def _misfit(plan: ReshardPlan, rank: int, tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """What keeps ``tensors`` from being ``rank``'s destination tensors of ``plan`` (None: they fit).
+
+    Names the missing and unexpected tensors and each shape/dtype that differs (a few of
+    each), so a caller sees every way the layouts part, not only the first.
+    """
+    want = plan.local_tensors("dst", rank)
+    parts = []
+    missing = sorted(set(want) - set(tensors))
+    extra = sorted(set(tensors) - set(want))
+    if missing:
+        parts.append(f"{len(missing)} missing ({', '.join(map(repr, missing[:4]))}{', ...' if len(missing) > 4 else ''})")
+    if extra:
+        parts.append(f"{len(extra)} not in the plan ({', '.join(map(repr, extra[:4]))}{', ...' if len(extra) > 4 else ''})")
+    differ = []
+    for name in sorted(set(want) & set(tensors)):
+        t, spec = tensors[name], want[name]
+        have = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+        need = f"{spec.dtype}{list(spec.shape)}"
+        if have != need:
+            differ.append(f"{name!r} is {have}, the plan says {need}")
+    if differ:
+        parts.append(f"{len(differ)} differ ({'; '.join(differ[:4])}{'; ...' if len(differ) > 4 else ''})")
+    if not missing and not differ:
+        return None  # tensors the plan does not name are left alone
+    return "; ".join(parts)

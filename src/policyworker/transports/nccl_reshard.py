@@ -41,6 +41,7 @@ bucket is *torn* (the worker marks it and refuses to serve until a full refit).
 
 from __future__ import annotations
 
+import logging
 import time
 import zlib
 from collections import deque
@@ -52,7 +53,15 @@ from ..config import positive_int
 
 import torch
 
-from ..errors import ConfigError, PeerLost, PlanMismatch, ProtocolError, RefitAborted, TransportError
+from ..errors import (
+    ConfigError,
+    PeerLost,
+    PlanMismatch,
+    ProtocolError,
+    RefitAborted,
+    TransportError,
+    translate_comm_error,
+)
 from ..layout import fp8 as _fp8
 from ..layout.apply import pack, unpack
 from ..layout.plan import ReshardPlan
@@ -73,7 +82,11 @@ from .nccl_verdict import exchange_leftovers
 
 __all__ = ["NcclReshardTransport", "exchange_leftovers", "stage_members"]
 
+_log = logging.getLogger(__name__)
+
 def _completed(work: Any) -> bool:
+    """Whether ``work`` delivered its bytes: a gloo work is a future (``CommGroup``'s
+    waiter completes it), an NCCL work answers ``is_completed``."""
     is_completed = getattr(work, "is_completed", None)
     if is_completed is None:  # a group's completion future (gloo point-to-point)
         return work.done() and not work.cancelled() and work.exception() is None
@@ -81,6 +94,20 @@ def _completed(work: Any) -> bool:
         return bool(is_completed())
     except RuntimeError:  # an aborted work: it delivered nothing more
         return False
+
+
+#: Per group, in the group's store: how many refit attempts on it ended with messages
+#: still posted (a timeout, an abort, a lost peer). See ``_spoiled`` / ``_check_fresh``.
+_SPOILED_KEY = "nccl_reshard/spoiled_attempts"
+
+
+def _spoiled_counts(groups: list, rank: int) -> list[int]:
+    """Each group's spoiled-attempt count, read from its store (``add(key, 0)`` reads atomically)."""
+    try:
+        return [int(g.store.add(_SPOILED_KEY, 0)) for g in groups]
+    except Exception as exc:  # the store raises DistStoreError/RuntimeError when its host is gone
+        raise translate_comm_error(exc, rank=rank, transport="nccl_reshard",
+                                   what="reading the groups' refit attempts") from exc
 
 
 def _crc(buf: torch.Tensor) -> int:
@@ -219,10 +246,16 @@ class NcclReshardTransport(Transport):
                 raise ConfigError(f"train rank {ctx.rank} is not in stage {stage} of the plan", rank=ctx.rank)
         elif len(groups) != len(members):
             raise ConfigError(f"plan has {len(members)} stages, rollout joined {len(groups)} stage groups")
+        self._check_fresh(ctx)
         for group in groups:
             dev = group.device
             gathered = [torch.zeros(4, dtype=torch.int64, device=dev) for _ in range(group.world_size)]
-            group.all_gather(gathered, mine.to(dev))
+            live = not group.aborted
+            try:
+                group.all_gather(gathered, mine.to(dev))
+            except BaseException:  # a peer that never joined: this collective may stay posted
+                self._spoiled(ctx, [group] if live else [])
+                raise
             rows = [g.cpu().tolist() for g in gathered]
             if any(r[0] != rows[0][0] for r in rows):
                 raise PlanMismatch(
@@ -311,6 +344,44 @@ class NcclReshardTransport(Transport):
     def _groups(self, ctx: TransportContext) -> list:
         return [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
 
+    def _attempt_groups(self, ctx: TransportContext) -> list:
+        update_group = ctx.state.get("update_group")
+        return [*self._groups(ctx), *([update_group] if update_group is not None else [])]
+
+    # Stale attempts. A message posted by an attempt that then failed (a deadline, an
+    # abort, a lost peer) stays posted in the backend: a gloo send the peer never received
+    # is matched by that peer's *next* receive of the same (peer, tag), and its bytes would
+    # land in live weights as if they were the next refit's. Nothing in the bytes tells
+    # them apart, so the groups carry the fact instead: the failed attempt counts itself
+    # in each of its groups' stores and aborts its groups; every later connect or refit on
+    # those groups — on any rank, whatever it saw itself — reads the counts before it
+    # posts anything and refuses (RefitAborted, untouched) unless they are all zero. The
+    # recovery is the usual one: every side rebuilds its groups (new groups count from 0).
+    # A refit that failed cleanly (every rank reached the verdict) leaves nothing posted.
+    def _spoiled(self, ctx: TransportContext, groups: list) -> None:
+        """An attempt failed with messages possibly still posted on ``groups``: count it there
+        and abort them. (A group aborted before the attempt began got nothing posted: the
+        group refuses every operation once aborted.)"""
+        for group in groups:
+            group.abort()
+        for group in groups:
+            try:
+                group.store.add(_SPOILED_KEY, 1)
+            except Exception as exc:  # the store's host is gone: its peers learn that as a lost peer
+                _log.warning("nccl_reshard rank %s: could not record a failed attempt on group %r: %s",
+                             ctx.rank, group.name, exc)
+
+    def _check_fresh(self, ctx: TransportContext) -> None:
+        """Refuse to post anything on groups where an attempt failed with messages in flight."""
+        groups = self._attempt_groups(ctx)
+        counts = _spoiled_counts(groups, ctx.rank)
+        if any(counts):
+            names = [g.name for g, n in zip(groups, counts) if n]
+            raise RefitAborted(
+                f"a refit attempt on group(s) {names} failed (on this rank or a peer) "
+                f"with messages still in flight; rebuild the groups on every side (init_collective, then the "
+                f"stage groups) before the next refit", rank=ctx.rank, transport=self.name)
+
     def _refit(self, ctx: TransportContext, version: int | None) -> RefitReport:
         """One refit on the transport's own CUDA stream (CPU: no stream).
 
@@ -363,7 +434,9 @@ class NcclReshardTransport(Transport):
         ctx.touched = False
         ctx.state["kv_scales"] = None
         update_group = ctx.state.get("update_group")
-        self._active = [*self._groups(ctx), *([update_group] if update_group is not None else [])]
+        self._check_fresh(ctx)
+        self._active = self._attempt_groups(ctx)
+        live = [g for g in self._active if not g.aborted]
         try:
             if ctx.role == "send":
                 nbytes, nbuckets, failure = self._send_bulk(ctx, version)
@@ -384,8 +457,9 @@ class NcclReshardTransport(Transport):
                 ctx.state["kv_scales"] = scales
             else:
                 failures, lost = int(failure is not None), int(isinstance(failure, PeerLost))
-        except RefitAborted:
-            if ctx.deadline is not None:
+        except BaseException as exc:  # cut short: messages of this attempt may still be posted
+            self._spoiled(ctx, live)
+            if isinstance(exc, RefitAborted) and ctx.deadline is not None:
                 ctx.deadline.check()  # a fired deadline is a RefitTimeout
             raise
         finally:
