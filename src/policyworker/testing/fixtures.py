@@ -29,7 +29,9 @@ def anyio_backend(request):
 @pytest.fixture(autouse=True)
 def _private_runtime_dir(tmp_path_factory, monkeypatch):
     """Each test gets its own 0700 runtime dir, so IPC paths never collide across tests."""
-    path = tmp_path_factory.mktemp("pw-runtime")
+    # Short: a socket path (runtime dir + "policyworker-GPU-<uuid>-<pair>.sock") must stay
+    # under the platform's 107 bytes even deep in pytest's numbered temp dirs.
+    path = tmp_path_factory.mktemp("rt")
     os.chmod(path, 0o700)
     monkeypatch.setenv("POLICYWORKER_RUNTIME_DIR", str(path))
     return path
