@@ -21,7 +21,7 @@ import torch
 from policyworker import ConfigError, PolicyWorkerError, RolloutWorker
 from policyworker.errors import RefitAborted, TornWeights, TransportError
 from policyworker.transports.base import RefitReport, Transport, TransportContext
-from policyworker.cli.procs import free_port, start_world
+from policyworker.procs import free_port, start_world
 from policyworker.layout import Parallelism, build_plan, dest_shards, source_shards
 from policyworker.models import get_preset, seeded_state_dict
 
