@@ -150,10 +150,8 @@ def _cell(transport: str, fault: str) -> Cell:
         trainer = idle if transport in IN_PROCESS else sender_after_rollout_fault
         return Cell(transport, fault, (Step(fault, "rollout", trainer, Expect(("Cancelled",), CANCEL_BOUND_S)),), rec)
     if fault == "sigint":
-        if transport == "sglang_ipc":  # rank 1 is interrupted; rank 0 (and its engine) sees a lost peer,
-            # unless rank 1's executor had finished its part (its last bucket) before the interrupt
-            # landed on its loop: then the refit completes, as for the other transports below.
-            return Cell(transport, fault, (Step("sigint", "trainer", dead, Expect(("ok", *COMM), d)),), rec)
+        if transport == "sglang_ipc":  # rank 1 is interrupted; rank 0 (and its engine) sees a lost peer
+            return Cell(transport, fault, (Step("sigint", "trainer", dead, Expect(COMM, d)),), rec)
         # The interrupt lands on the loop; the executor may finish the rollout's part (its last
         # message) first, and the trainer then succeeds. The interrupted rollout never commits.
         return Cell(transport, fault, (Step("sigint", "rollout", Expect(("ok", *COMM), d), dead),), rec)
