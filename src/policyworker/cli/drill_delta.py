@@ -17,7 +17,7 @@ import signal
 import time
 from typing import Any
 
-from .drill_rows import collect_with_replacement, failure_row
+from .drill_rows import collect_with_replacement, failure_row, join_groups
 
 N_TRAIN = N_GEN = 2
 REFITS = 3
@@ -56,12 +56,7 @@ def delta_rank_main(rank: int, sc: Any, ports: list[dict], events, start_epoch: 
         return dest_shards(plan, rank - N_TRAIN, state(version))
 
     async def join(w, epoch: int) -> None:
-        p = ports[epoch]
-        await w.init_collective("127.0.0.1", p["update"], N_TRAIN + N_GEN, train_world_size=N_TRAIN)
-        if trainer:
-            await w.init_nccl_reshard_comm_group(["127.0.0.1"], [p["stage"]], 1, 0, N_TRAIN + N_GEN, rank)
-        else:
-            await w.init_nccl_reshard_comm_groups(["127.0.0.1"], [p["stage"]], [N_TRAIN])
+        await join_groups(w, ports[epoch], trainer=trainer, rank=rank, n_train=N_TRAIN, n_gen=N_GEN)
 
     async def main() -> dict[str, Any]:
         epoch = start_epoch

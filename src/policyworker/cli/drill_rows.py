@@ -9,7 +9,7 @@ import signal
 import time
 from typing import Any
 
-__all__ = ["collect_with_replacement", "failure_row"]
+__all__ = ["collect_with_replacement", "failure_row", "join_groups"]
 
 
 def failure_row(exc: BaseException, *, version: int, t0: float, w: Any, trainer: bool, out: dict,
@@ -67,3 +67,14 @@ def collect_with_replacement(world: Any, sc: Any, events: Any, timeout_s: float,
         results[sc.victim] = replacement.collect(max(10.0, timeout_s - (time.monotonic() - t0)))[0]
         results[sc.victim]["victim_exitcode"] = world.procs[sc.victim].exitcode
     return results
+
+
+async def join_groups(w: Any, ports: dict[str, int], *, trainer: bool, rank: int, n_train: int, n_gen: int) -> None:
+    """Join one epoch's update group and its one pipeline stage's group (the drill's
+    nccl_reshard worlds have a single stage): ``ports`` holds that epoch's "update" and
+    "stage" ports; ``rank`` is the process's rank (trainers first)."""
+    await w.init_collective("127.0.0.1", ports["update"], n_train + n_gen, train_world_size=n_train)
+    if trainer:
+        await w.init_nccl_reshard_comm_group(["127.0.0.1"], [ports["stage"]], 1, 0, n_train + n_gen, rank)
+    else:
+        await w.init_nccl_reshard_comm_groups(["127.0.0.1"], [ports["stage"]], [n_train])
