@@ -84,6 +84,11 @@ class Cell:
 RECOVERY = {"nccl_reshard": "rebuild", "sglang_ipc": "rebuild", "zmq": "reattach", "files": "none", "memory": "none"}
 #: Senders that never wait for a receiver: a missing or dead receiver fails nothing on them.
 FIRE_AND_FORGET = ("files", "memory")
+#: Transports whose rollouts receive straight into live tensors from a socket. When the
+#: sender dies (or stalls past the deadline) after its header arrived, the receiver cannot
+#: tell a partial write from none: it is torn although the bytes it holds may be
+#: unchanged (docs/guarantees.md, guarantee 3). Everywhere else torn equals "a byte changed".
+DIRECT_RECEIVE = ("nccl_reshard",)
 IN_PROCESS = ("memory",)
 
 
@@ -105,12 +110,6 @@ def exclusions() -> dict[tuple[str, str], str]:
                                "at receive, checked before any byte lands (tests/test_generic_road.py)")
     out[("sglang_ipc", "plan")] = ("plan-less: the engine takes tensors by name; the trainer ranks' tensor "
                                    "lists are compared at connect like their options (the options cell)")
-    # Not a "does not apply": an open defect, found by this cell in the session's last full run
-    # (after the stale-attempt and exit fixes merged): a trainer stopped (SIGSTOP) mid-bulk
-    # leaves the rollout's refit unreturned past its deadline (the cell ran into its 300 s
-    # bound). Excluded so the rest of the matrix runs in CI; listed in docs/guarantees.md.
-    out[("nccl_reshard", "stall")] = ("OPEN DEFECT: a trainer stopped mid-bulk keeps the rollout's refit from "
-                                      "returning at its deadline (see docs/guarantees.md, 'Known gaps')")
     out[("memory", "stale")] = ("the sender never waits, so no attempt of it can be cut short; the hub "
                                 "holds one value per version")
     return out

@@ -42,7 +42,7 @@ bucket is *torn* (the worker marks it and refuses to serve until a full refit).
 from __future__ import annotations
 
 import logging
-import datetime
+import threading
 import time
 import zlib
 from collections import deque
@@ -60,6 +60,7 @@ from ..errors import (
     PlanMismatch,
     ProtocolError,
     RefitAborted,
+    RefitTimeout,
     TransportError,
     translate_comm_error,
 )
@@ -102,15 +103,54 @@ def _completed(work: Any) -> bool:
 _SPOILED_KEY = "nccl_reshard/spoiled_attempts"
 #: How long recording a failed attempt may wait for its group's store.
 _SPOIL_WRITE_S = 2.0
+#: How long reading the counts may wait for a store when the refit has no deadline.
+_SPOIL_READ_S = 30.0
 
 
-def _spoiled_counts(groups: list, rank: int) -> list[int]:
-    """Each group's spoiled-attempt count, read from its store (``add(key, 0)`` reads atomically)."""
-    try:
-        return [int(g.store.add(_SPOILED_KEY, 0)) for g in groups]
-    except Exception as exc:  # the store raises DistStoreError/RuntimeError when its host is gone
-        raise translate_comm_error(exc, rank=rank, transport="nccl_reshard",
-                                   what="reading the groups' refit attempts") from exc
+def _store_add(store: Any, value: int, timeout_s: float) -> int:
+    """``store.add(_SPOILED_KEY, value)`` that returns within ``timeout_s``.
+
+    A store's host may be a stopped process (SIGSTOP, a debugger, swapped out): its TCP
+    connection stays open and c10d's ``add`` then waits with no timeout of its own
+    (``set_timeout`` bounds ``get``/``wait`` only). The call runs on a daemon thread; past
+    ``timeout_s`` it raises ``TimeoutError`` and the thread is left to finish (or die
+    with the process) — it holds nothing of ours but the store.
+    """
+    box: list = []
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            box.append(("ok", int(store.add(_SPOILED_KEY, value))))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box.append(("err", exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name="pw-store-add", daemon=True).start()
+    if not done.wait(max(timeout_s, 0.0)):
+        raise TimeoutError(f"the group's store did not answer in {timeout_s:.1f} s (its host is stopped or gone)")
+    kind, value = box[0]
+    if kind == "err":
+        raise value
+    return value
+
+
+def _spoiled_counts(groups: list, rank: int, deadline: float | None = None) -> list[int]:
+    """Each group's spoiled-attempt count, read from its store (``add(key, 0)`` reads
+    atomically), each read bounded by ``deadline`` (``time.monotonic()``)."""
+    counts = []
+    for g in groups:
+        left = (deadline - time.monotonic()) if deadline is not None else _SPOIL_READ_S
+        try:
+            counts.append(_store_add(g.store, 0, left))
+        except TimeoutError as exc:
+            raise RefitTimeout(f"reading the refit attempts of group {g.name!r}: {exc}", rank=rank,
+                               transport="nccl_reshard") from exc
+        except Exception as exc:  # the store raises DistStoreError/RuntimeError when its host is gone
+            raise translate_comm_error(exc, rank=rank, transport="nccl_reshard",
+                                       what="reading the groups' refit attempts") from exc
+    return counts
 
 
 def _crc(buf: torch.Tensor) -> int:
@@ -367,13 +407,13 @@ class NcclReshardTransport(Transport):
         group refuses every operation once aborted.)"""
         for group in groups:
             group.abort()
+        end = time.monotonic() + _SPOIL_WRITE_S  # one bound for all of them
         for group in groups:
             try:
                 # Bounded: the store's host may be the very peer that stalled (a stopped
-                # trainer hosts its group's store); the group is dead to us already, so a
-                # short timeout on its store changes nothing else.
-                group.store.set_timeout(datetime.timedelta(seconds=_SPOIL_WRITE_S))
-                group.store.add(_SPOILED_KEY, 1)
+                # trainer hosts its group's store); its peers then learn of the failure
+                # as a lost or timed-out peer, and a rebuild replaces the group anyway.
+                _store_add(group.store, 1, end - time.monotonic())
             except Exception as exc:  # the store's host is gone: its peers learn that as a lost peer
                 _log.warning("nccl_reshard rank %s: could not record a failed attempt on group %r: %s",
                              ctx.rank, group.name, exc)
@@ -381,7 +421,7 @@ class NcclReshardTransport(Transport):
     def _check_fresh(self, ctx: TransportContext) -> None:
         """Refuse to post anything on groups where an attempt failed with messages in flight."""
         groups = self._attempt_groups(ctx)
-        counts = _spoiled_counts(groups, ctx.rank)
+        counts = _spoiled_counts(groups, ctx.rank, self._deadline(ctx))
         if any(counts):
             names = [g.name for g, n in zip(groups, counts) if n]
             raise RefitAborted(
