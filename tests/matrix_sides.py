@@ -46,6 +46,7 @@ class Side:
     #: (object, attribute) whose k-th call is the fault point: k=1 before the bulk, k=MID mid-bulk.
     MID = 4
     SIGINT_AT: int | None = None  # default MID
+    SIGINT_HOLD_S = 0.0  # see signal_self(hold_s=)
 
     def __init__(self, name: str, cell: dict[str, Any]) -> None:
         self.name, self.cell = name, cell
@@ -298,6 +299,9 @@ class SglangSide(Side):
     transport = "sglang_ipc"
     MID = 2
     SIGINT_AT = 1  # rank 1 has few waits: interrupted later, its part may be complete already
+    # Its executor holds still after sending the signal: the interrupt lands mid-refit, never after
+    # rank 1 finished its part (which would let rank 0 complete the refit).
+    SIGINT_HOLD_S = 2.0
 
     async def open(self, epoch: int) -> None:
         from policyworker.sglang_engine import InProcessSglangEngine

@@ -106,7 +106,7 @@ async def _step(side, step: dict, cell: dict, k: int) -> dict[str, Any]:
         remove = faults.after_calls(*hook, 1 if fault == "killed_before" else side.MID,
                                     faults.signal_self(signal.SIGKILL))
     elif fault == "sigint" and me == victim:
-        remove = faults.after_calls(*hook, side.SIGINT_AT or side.MID, faults.signal_self(signal.SIGINT))
+        remove = faults.after_calls(*hook, side.SIGINT_AT or side.MID, faults.signal_self(signal.SIGINT, hold_s=side.SIGINT_HOLD_S))
     elif fault == "stall" and me == victim:
         remove = faults.after_calls(*hook, side.MID, faults.signal_self(signal.SIGSTOP))
     elif fault == "stand_down" and me != victim:

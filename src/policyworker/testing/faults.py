@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -95,9 +96,19 @@ def after_calls(cls: Any, attr: str, k: int, action) -> Callable[[], None]:
     return remove
 
 
-def signal_self(sig: int):
-    """An ``action`` for :func:`after_calls`: this process sends itself ``sig``."""
-    return lambda: os.kill(os.getpid(), sig)
+def signal_self(sig: int, *, hold_s: float = 0.0):
+    """An ``action`` for :func:`after_calls`: this process sends itself ``sig``.
+
+    ``hold_s``: the calling thread then sleeps that long before going on, so a signal
+    the main thread handles (SIGINT) lands while the refit is still under way rather
+    than after a worker thread finished its part.
+    """
+    def action() -> None:
+        os.kill(os.getpid(), sig)
+        if hold_s > 0:
+            time.sleep(hold_s)
+
+    return action
 
 
 def cancel_task(loop, task):
