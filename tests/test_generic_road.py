@@ -279,3 +279,35 @@ async def test_shutdown_detaches_every_transport():
     with pytest.raises(TransportError):
         await send.send(None, 1)
     await rollout.shutdown()
+
+
+def test_a_ledger_transaction_commits_once_or_fails_with_what_it_touched():
+    from policyworker.errors import ProtocolError
+    from policyworker.ledger import WeightLedger
+
+    ledger = WeightLedger(rank=0)
+    with ledger.transaction(1) as tx:  # committed inside: the exit adds nothing
+        with pytest.raises(RefitInProgress):
+            ledger.check_servable()
+        tx.commit(received_bytes=8, expected_bytes=8)
+    assert (ledger.version, ledger.torn, ledger.in_flight) == (1, False, False)
+    with pytest.raises(RuntimeError), ledger.transaction(2):  # an error before any write: untouched
+        raise RuntimeError("lost before the first byte")
+    assert (ledger.version, ledger.torn, ledger.in_flight) == (1, False, False)
+    with ledger.transaction(2) as tx:  # left without a commit after a write: torn, version kept
+        tx.touched = True
+    assert (ledger.version, ledger.torn) == (1, True)
+    with pytest.raises(TornWeights):
+        ledger.check_servable()
+    tx = ledger.transaction(2).open()  # a refused commit ends the transaction as torn
+    with pytest.raises(ProtocolError):
+        tx.commit(received_bytes=4, expected_bytes=8)
+    tx.close()
+    assert (ledger.version, ledger.torn, ledger.in_flight, tx.done) == (1, True, False, True)
+    with ledger.transaction(2) as tx:
+        tx.commit()
+    assert (ledger.version, ledger.torn) == (2, False)
+    staged = WeightLedger(staged=True)  # a staged receiver never tears the live set
+    with staged.transaction(1, touched=None):
+        staged.check_servable()
+    assert (staged.version, staged.torn) == (0, False)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .comm_setup import _first_line, _quiet_cpp_stderr, _rendezvous, nccl_device
+from .config import positive_seconds
 from .errors import ConfigError, PeerLost, RefitAborted, RefitTimeout, translate_comm_error
 
 __all__ = ["DEFAULT_TIMEOUT_S", "CommGroup", "backend_for", "group_on_store", "nccl_device", "new_group", "share_token"]
@@ -53,14 +54,6 @@ _RELEASE_JOIN_S = 5.0
 # grow to 1 ms so a long transfer does not burn a core spinning.
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 1e-3
-
-
-def _check_timeout(timeout_s: float, what: str = "timeout_s") -> float:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        raise ConfigError(f"{what} must be a number of seconds, got {timeout_s!r}")
-    if not (timeout_s > 0) or timeout_s != timeout_s or timeout_s == float("inf"):
-        raise ConfigError(f"{what} must be a finite number > 0, got {timeout_s!r}")
-    return float(timeout_s)
 
 
 def _check_rank(rank: int, world_size: int) -> None:
@@ -521,7 +514,7 @@ def new_group(
     ``PeerLost`` / ``RefitTimeout`` (a peer never came) — never hangs past ``timeout_s``.
     """
     _check_rank(rank, world_size)
-    timeout_s = _check_timeout(timeout_s)
+    timeout_s = positive_seconds(timeout_s, "timeout_s", optional=False)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ConfigError(f"port must be an int in (0, 65536), got {port!r}")
     if not isinstance(host, str) or not host:

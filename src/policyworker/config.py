@@ -22,9 +22,11 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+import torch
+
 from .errors import ConfigError
 
-__all__ = ["EmptyOptions", "EmptySetup", "parse", "positive_int", "positive_seconds"]
+__all__ = ["EmptyOptions", "EmptySetup", "parse", "positive_int", "positive_seconds", "torch_dtype"]
 
 T = TypeVar("T")
 
@@ -94,9 +96,22 @@ def positive_int(value: int, name: str, *, minimum: int = 1) -> None:
         raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def positive_seconds(value: float | None, name: str, *, optional: bool = True) -> None:
-    """``ConfigError`` unless ``value`` is a finite number of seconds > 0 (or None when optional)."""
+def positive_seconds(value: float | None, name: str, *, optional: bool = True) -> float | None:
+    """``value`` as a float; ``ConfigError`` unless it is a finite number of seconds > 0
+    (or None when ``optional``). The one timeout check: workers, transports, groups, clients."""
     if value is None and optional:
-        return
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
         raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name`` (``"bfloat16"``); ``ConfigError`` for anything else.
+
+    The one dtype-name converter: plans, handles and files carry dtypes by name.
+    """
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"unknown torch dtype {name!r}")
+    return dtype

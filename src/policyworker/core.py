@@ -29,8 +29,8 @@ import torch
 
 from . import device as _device
 from ._aio import run_in_executor
-from .comm import DEFAULT_TIMEOUT_S, CommGroup, _check_timeout, new_group, share_token
-from .config import parse
+from .comm import DEFAULT_TIMEOUT_S, CommGroup, new_group, share_token
+from .config import parse, positive_seconds
 from .errors import ConfigError, RefitAborted, TransportError, WorkerClosed
 from .facts import DeviceQueries
 from .ledger import WeightLedger
@@ -128,9 +128,8 @@ class WorkerCore(DeviceQueries):
         _check_index(rank, "rank")
         _check_index(zmq_pair, "zmq_pair")
         _check_index(cpu_index, "cpu_index")
-        for value, name in ((timeout_s, "timeout_s"), (zmq_timeout_s, "zmq_timeout_s")):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        positive_seconds(timeout_s, "timeout_s", optional=False)
+        positive_seconds(zmq_timeout_s, "zmq_timeout_s", optional=False)
         if registry is not None and not isinstance(registry, TransportRegistry):
             raise ConfigError(f"registry must be a TransportRegistry, got {type(registry).__name__}")
         seed = _check_transport_options(transport_options, registry)
@@ -234,9 +233,7 @@ class WorkerCore(DeviceQueries):
         return await run_in_executor(self._executor, fn, *args, **kwargs)
 
     def _check_refit_timeout(self, refit_timeout_s: float | None) -> float | None:
-        if refit_timeout_s is None:
-            return None
-        return _check_timeout(refit_timeout_s, "refit_timeout_s")
+        return positive_seconds(refit_timeout_s, "refit_timeout_s")
 
     def _refit_transport_state(self, key: str) -> dict[str, Any]:
         """The bookkeeping dict of transport ``key``: same dict per key, created lazily."""
@@ -386,8 +383,7 @@ class WorkerCore(DeviceQueries):
             version = (ledger.version if ledger is not None else int(state.get("version", 0))) + 1
         ctx = self._context(att, options=opts)
         aborts = [att.transport.abort, *(g.abort for g in _groups_in(state))]
-        if ledger is not None:
-            ledger.begin(version)
+        tx = ledger.transaction(version).open() if ledger is not None else None
         deadline = None
         if timeout is not None:
             deadline = ctx.deadline = process_watchdog().arm(
@@ -404,11 +400,11 @@ class WorkerCore(DeviceQueries):
             if not isinstance(report, RefitReport):
                 raise TransportError(f"transport {name!r} returned {type(report).__name__}, not a RefitReport",
                                      transport=name, rank=self.rank)
-            if ledger is not None:
-                ledger.commit(report.version, received_bytes=report.bytes, expected_bytes=self._expected_bytes(att))
+            if tx is not None:
+                tx.commit(report.version, received_bytes=report.bytes, expected_bytes=self._expected_bytes(att))
         except Exception as exc:
-            if ledger is not None and ledger.in_flight:
-                ledger.fail(ctx.touched if moving else False)
+            if tx is not None:
+                tx.touched = ctx.touched if moving else False
             if isinstance(exc, RefitAborted) and deadline is not None:
                 deadline.check()  # fired: a RefitTimeout, not a bare abort
             raise
@@ -416,10 +412,12 @@ class WorkerCore(DeviceQueries):
             for abort in aborts:
                 abort()
             drained = await _drain(self._executor, self.timeout_s)
-            if ledger is not None and ledger.in_flight:
-                ledger.fail((ctx.touched if drained else True) if moving else False)
+            if tx is not None:
+                tx.touched = (ctx.touched if drained else True) if moving else False
             raise
         finally:
+            if tx is not None:
+                tx.close()  # no commit: the refit failed (a no-op after a commit, refused or not)
             if deadline is not None:
                 process_watchdog().disarm(deadline)
         state["version"] = report.version

@@ -1,12 +1,17 @@
 """The commit ledger: which version a set of weights holds, and whether it may be served.
 
 One :class:`WeightLedger` per receiver — a ``RolloutWorker`` or an engine adapter (the
-vLLM backend) — and one commit path for every transport::
+vLLM backend) — and one commit path for every transport, :meth:`WeightLedger.transaction`::
 
-    ledger.begin(expected)      # a refit starts: weights are not servable meanwhile
-    ... the transport lands bytes, sets ctx.touched ...
-    ledger.commit(version, received_bytes=..., expected_bytes=...)   # all arrived
-    ledger.fail(touched)        # anything else: version stays, torn if bytes were touched
+    with ledger.transaction(version) as tx:   # begin: weights are not servable meanwhile
+        ... land bytes; tx.touched = True before the first live byte is written ...
+        tx.commit(version, received_bytes=..., expected_bytes=...)   # all arrived
+    # leaving without a commit (an error, a cancel, a plain return): fail(tx.touched) —
+    # the version stays, torn if live bytes were (or may have been) touched
+
+A receive spread over several calls (a bucket per call) keeps the transaction open
+between them (``tx = ledger.transaction(v).open()``) and ends it with ``tx.commit`` or
+``tx.close()``; the rules are the same.
 
 A *staged* ledger (``WeightLedger(staged=True)``) is for a receiver that lands each
 refit in a second set of tensors and commits by swapping sets: the live set is never
@@ -30,7 +35,7 @@ from typing import TypeVar
 
 from .errors import ProtocolError, RefitInProgress, TornWeights
 
-__all__ = ["WeightLedger"]
+__all__ = ["Transaction", "WeightLedger"]
 
 _T = TypeVar("_T")
 
@@ -105,6 +110,14 @@ class WeightLedger:
                 self._torn = True
             self._in_flight = None
 
+    def transaction(self, version: int, *, touched: bool | None = False) -> Transaction:
+        """One refit of ``version`` as a transaction (see the module docstring).
+
+        ``touched``: what a failure before the receiver says otherwise assumes
+        (False: nothing written yet; None: unknown, treated as touched).
+        """
+        return Transaction(self, version, touched)
+
     def serve(self, read: Callable[[], _T]) -> tuple[int, _T]:
         """``(version, read())`` atomically with commits, after ``check_servable``'s checks."""
         with self._lock:
@@ -124,3 +137,47 @@ class WeightLedger:
             raise TornWeights(f"{self.what} rank {self.rank}: a failed refit left the weights partly "
                               f"overwritten (last committed version {self._version}); a full refit must "
                               f"commit first", rank=self.rank)
+
+
+class Transaction:
+    """One refit on a :class:`WeightLedger`: begun once, then committed or failed exactly once.
+
+    ``touched``: live bytes were (True), were not (False) or may have been (None)
+    overwritten; the receiver keeps it true to the bytes. As a context manager it
+    begins on entry and, unless :meth:`commit` ran, fails on exit with ``touched``
+    (an exception leaving the block still propagates). ``done``: ended either way.
+    """
+
+    __slots__ = ("ledger", "version", "touched", "done", "_open")
+
+    def __init__(self, ledger: WeightLedger, version: int, touched: bool | None = False) -> None:
+        self.ledger, self.version, self.touched = ledger, version, touched
+        self.done = False
+        self._open = False
+
+    def open(self) -> Transaction:
+        """Begin (``RefitInProgress`` when another refit is in flight)."""
+        self.ledger.begin(self.version)
+        self._open = True
+        return self
+
+    def commit(self, version: int | None = None, *, received_bytes: int | None = None,
+               expected_bytes: int | None = None) -> None:
+        """Commit ``version`` (default: the transaction's); a refused commit ends it too."""
+        self.done = True
+        self.ledger.commit(self.version if version is None else version, received_bytes=received_bytes,
+                           expected_bytes=expected_bytes)
+
+    def close(self) -> None:
+        """End without a commit (a no-op once ended): fail with ``self.touched``."""
+        if self.done or not self._open:
+            return
+        self.done = True
+        if self.ledger.in_flight:
+            self.ledger.fail(self.touched)
+
+    def __enter__(self) -> Transaction:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

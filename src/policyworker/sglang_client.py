@@ -26,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
+from .config import positive_seconds
 from .errors import ConfigError, PeerLost, PolicyWorkerError, ProtocolError, RefitTimeout, TransportError
 from .transports.sglang_format import BufferHandle
 
@@ -129,8 +130,7 @@ class SglangHttpEngine:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"url must be http(s)://host:port, got {url!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
-            raise ConfigError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+        positive_seconds(timeout_s, "timeout_s", optional=False)
         self.url = url.rstrip("/")
         self._scheme, self._host = parts.scheme, parts.hostname
         self._port = parts.port or (443 if parts.scheme == "https" else 80)

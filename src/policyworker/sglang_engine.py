@@ -27,11 +27,12 @@ a failed one. ``close()`` lets go of the opened buffers (call it before the trai
 exit).
 
 Versions go through each worker's :class:`~policyworker.ledger.WeightLedger` — the
-one commit path: the first bucket of a refit begins it (``weights()`` refuses while
-it is in flight); bytes land in place; the bucket that carries ``weight_version``
-commits it, and only when every param of every worker was received (manifest
-check). A failed bucket after bytes landed leaves the workers *torn* (``weights()``
-raises ``TornWeights``) at their last committed version until a full refit commits.
+one commit path, one ledger transaction per worker and refit: the first bucket of a
+refit opens it (``weights()`` refuses while it is in flight); bytes land in place; the
+bucket that carries ``weight_version`` commits it, and only when every param of every
+worker was received (manifest check). A failed bucket after bytes landed leaves the
+workers *torn* (``weights()`` raises ``TornWeights``) at their last committed version
+until a full refit commits.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import ConfigError, PolicyWorkerError
+from .ledger import Transaction
 from .rollout import RolloutWorker
 from .sglang_client import EngineResult, UpdateWeightsFromTensorRequest
 from .transports.base import RefitReport
@@ -97,6 +99,7 @@ class InProcessSglangEngine:
         self._next_bucket = 0
         self._seen: list[set[str]] = []
         self._touched = False
+        self._txs: list[Transaction] = []  # the refit in flight: one ledger transaction per worker
         self._used: set[BufferHandle] = set()  # handles the current (or last) refit named
         self._bytes = 0
         self._plans: dict[tuple[int, BufferHandle, int], _BucketPlan] = {}
@@ -130,11 +133,9 @@ class InProcessSglangEngine:
             self.spans = {}
             self._next_bucket, self._bytes, self._t0 = 0, 0, time.perf_counter()
             self._seen = [set() for _ in self.workers]
+            self.fail_refit(True)  # the last refit never finished: it touched, or may have
             self._touched = False
-            for worker in self.workers:
-                if worker.ledger.in_flight:  # the last refit never finished: it touched, or may have
-                    worker.ledger.fail(True)
-                worker.ledger.begin(worker.ledger.version + 1)
+            self._txs = [w.ledger.transaction(w.ledger.version + 1).open() for w in self.workers]
             # A reconnected trainer rank exported new buffers: drop those the last refit did
             # not use either (the trainers alternate between their buffers bucket by bucket).
             for stale in set(self._buffers) - set(request.buffers) - self._used:
@@ -146,9 +147,7 @@ class InProcessSglangEngine:
             reading = self._apply(request)
         except (PolicyWorkerError, RuntimeError, ValueError) as exc:
             self._next_bucket = -1
-            for worker in self.workers:
-                if worker.ledger.in_flight:
-                    worker.ledger.fail(self._touched)
+            self.fail_refit(self._touched)
             # SGLang answers (False, message) when a load fails; so do we, and the
             # transport raises it on every trainer rank of this engine.
             return EngineResult(success=False, message=f"{type(exc).__name__}: {exc}")
@@ -180,6 +179,8 @@ class InProcessSglangEngine:
                             # Torn from the first byte until the commit: the trainer side may fail
                             # between buckets without this adapter ever hearing of it.
                             self._touched = True
+                            for tx in self._txs:
+                                tx.touched = True
                             for w in self.workers:
                                 w.ledger.mark_torn()
                         stream = self._stream(plan.device, request.bucket == 0)
@@ -214,10 +215,18 @@ class InProcessSglangEngine:
             return reading
         except BaseException:
             self._next_bucket = -1  # a failed refit: only a new one (bucket 0) is accepted
-            for worker in self.workers:
-                if worker.ledger.in_flight:
-                    worker.ledger.fail(self._touched)
+            self.fail_refit(self._touched)
             raise
+
+    def fail_refit(self, touched: bool | None) -> None:
+        """End the refit in flight (if any) as failed; ``touched``: live bytes were (or may
+        have been) written. For a refit given up outside this adapter, e.g. its trainer
+        stopped waiting for a bucket's answer."""
+        txs, self._txs = self._txs, []
+        for tx in txs:
+            if not tx.done:
+                tx.touched = touched
+                tx.close()
 
     def _stream(self, device: torch.device, first: bool) -> torch.cuda.Stream | None:
         """This adapter's copy stream on ``device`` (None on CPU); at a refit's first bucket it
@@ -286,8 +295,8 @@ class InProcessSglangEngine:
                     raise ValueError(f"refit {version} never sent {len(missing)} param(s) of tp rank "
                                      f"{worker.rank}, e.g. {sorted(missing)[0]!r}; not committed")
         seconds = time.perf_counter() - self._t0
-        for worker in self.workers:
-            worker.ledger.commit(version)
+        for worker, tx in zip(self.workers, self._txs):
+            tx.commit(version)
             worker.last_report = RefitReport(
                 transport="sglang_ipc", role="receive", version=version, bytes=self._bytes // len(self.workers),
                 seconds=seconds, buckets=request.num_buckets,

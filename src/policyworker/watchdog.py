@@ -28,7 +28,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from .errors import ConfigError, RefitTimeout
+from .config import positive_seconds
+from .errors import RefitTimeout
 
 __all__ = ["Deadline", "RefitWatchdog", "process_watchdog"]
 
@@ -87,10 +88,7 @@ class RefitWatchdog:
     def arm(self, timeout_s: float, on_fire: Iterable[Callable[[], None]] = (), *, label: str = "refit",
             owner: object = None) -> Deadline:
         """Arm a deadline ``timeout_s`` from now for ``owner``; ``on_fire`` runs on its own thread."""
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-            raise ConfigError(f"refit_timeout_s must be a number of seconds, got {timeout_s!r}")
-        if not timeout_s > 0 or timeout_s == float("inf"):
-            raise ConfigError(f"refit_timeout_s must be a finite number > 0, got {timeout_s!r}")
+        positive_seconds(timeout_s, "refit_timeout_s", optional=False)
         seq = next(self._seq)
         deadline = Deadline(label, time.monotonic() + float(timeout_s), tuple(on_fire), seq, owner)
         with self._wake:

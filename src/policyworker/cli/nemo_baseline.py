@@ -23,7 +23,8 @@ import msgspec
 import torch
 import zmq
 
-from policyworker.transports.ipc_handles import export_storage, open_handle, share_cpu, torch_dtype
+from policyworker.config import torch_dtype
+from policyworker.transports.ipc_handles import export_storage, open_handle, share_cpu
 from policyworker.transports.zmq_wire import StorageHandle
 
 __all__ = ["baseline_rollout", "baseline_trainer", "buckets_of"]

@@ -17,6 +17,7 @@ from math import prod
 
 import torch
 
+from policyworker.config import torch_dtype
 from policyworker.errors import PlanError
 from policyworker.layout import fp8 as _fp8
 from policyworker.layout import fp8_pack as _fp8_pack
@@ -33,13 +34,6 @@ __all__ = [
     "source_shards",
     "unpack",
 ]
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise PlanError(f"unknown torch dtype {name!r}")
-    return dtype
 
 
 def _region(t: torch.Tensor, at: Sequence[int], start: Sequence[int],
@@ -184,7 +178,7 @@ def empty_local_tensors(plan: ReshardPlan, side: str, rank: int,
     # fp8 hook (issue 16): a generation rank's fp8 tensors come with their scales.
     scales = _fp8_pack.scale_tensors(plan, rank, device) if side == "dst" else {}
     if not flat:
-        return {**{name: torch.empty(t.shape, dtype=_torch_dtype(t.dtype), device=device)
+        return {**{name: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device)
                    for name, t in specs.items()}, **scales}
     order: dict[str, None] = {}
     names = plan.body.tensor_names
@@ -199,7 +193,7 @@ def empty_local_tensors(plan: ReshardPlan, side: str, rank: int,
         offsets[n] = total
         total += -(-sizes[n] // 64) * 64
     buf = torch.empty(total, dtype=torch.uint8, device=device)
-    return {**{n: buf.narrow(0, offsets[n], sizes[n]).view(_torch_dtype(specs[n].dtype)).view(specs[n].shape)
+    return {**{n: buf.narrow(0, offsets[n], sizes[n]).view(torch_dtype(specs[n].dtype)).view(specs[n].shape)
                for n in order}, **scales}
 
 
@@ -210,7 +204,7 @@ def _shards(plan: ReshardPlan, side: str, rank: int,
     for name, t in plan.local_tensors(side, rank).items():
         quantized = t.dtype == _fp8.FP8_DTYPE and plan.body.gen_fp8_block  # fp8 hook (issue 16)
         dtype = params[t.pieces[0].param].dtype if quantized and t.pieces else t.dtype
-        local = torch.empty(t.shape, dtype=_torch_dtype(dtype))
+        local = torch.empty(t.shape, dtype=torch_dtype(dtype))
         for p in t.pieces:
             pname = params[p.param].name
             full = _lookup(full_state, pname, "full state")

@@ -157,7 +157,7 @@ def flat_local_tensors(plan: ReshardPlan, rank: int, device: torch.device) -> di
     Ordered by the parameter their first piece comes from (the trainer's order), so
     copies from a flattened trainer coalesce into few, long copies.
     """
-    from ..transports.ipc_handles import torch_dtype
+    from ..config import torch_dtype
 
     tensors = plan.local_tensors("dst", rank)
     order = sorted(tensors, key=lambda n: min((p.param, p.start) for p in tensors[n].pieces))

@@ -138,9 +138,7 @@ class StallingEngine:
             self.refit += 1
         if self.refit == self.version and request.bucket == self.bucket:
             time.sleep(max(0.0, timeout_s or 0.0))
-            for worker in self.engine.workers:
-                if worker.ledger.in_flight:  # earlier buckets of this refit landed
-                    worker.ledger.fail(True)
+            self.engine.fail_refit(True)  # earlier buckets of this refit landed
             raise RefitTimeout(f"the engine did not answer bucket {request.bucket} within {timeout_s:.1f} s")
         return self.engine.update_weights_from_tensor(request, timeout_s=timeout_s)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..config import positive_seconds
 from ..errors import ConfigError, PlanMismatch, ProtocolError, RefitAborted, RefitTimeout, TransportError
 from ..transports.base import Transport, TransportContext, RefitReport
 from .pairs import TransportPair, plain_pair
@@ -68,8 +69,7 @@ class MemorySetup:
     def __post_init__(self) -> None:
         if self.hub is not None and not isinstance(self.hub, MemoryHub):
             raise ConfigError(f"hub must be a MemoryHub, got {type(self.hub).__name__}", transport="memory")
-        if not 0 < self.timeout_s < float("inf"):
-            raise ConfigError(f"timeout_s must be a finite number > 0, got {self.timeout_s!r}", transport="memory")
+        positive_seconds(self.timeout_s, "timeout_s", optional=False)
 
 
 class InMemoryTransport(Transport):

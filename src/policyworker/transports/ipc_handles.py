@@ -22,6 +22,7 @@ from math import prod
 
 import torch
 
+from ..config import torch_dtype
 from ..errors import ConfigError, TransportError
 from .zmq_wire import CudaHandle, ShmHandle, SourceRef, StorageHandle
 
@@ -35,13 +36,6 @@ StorageKey = tuple[int, int, str]
 def storage_key(t: torch.Tensor) -> StorageKey:
     s = t.untyped_storage()
     return (s.data_ptr(), s.nbytes(), str(t.device))
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"unknown dtype {name!r}")
-    return dtype
 
 
 #: Where torch's file_system sharing puts its files on Linux (containers often mount 64 MB).

@@ -456,7 +456,7 @@ class NcclReshardTransport(Transport):
         from .nccl_relay import run_fanout
 
         def touch() -> None:
-            ctx.state["touched"] = ctx.touched = True
+            ctx.touched = True
 
         members = stage_members(ctx.plan)
         try:
@@ -477,7 +477,6 @@ class NcclReshardTransport(Transport):
 
     def _refit_body(self, ctx: TransportContext, version: int | None) -> RefitReport:
         t0 = time.perf_counter()
-        ctx.state["touched"] = False
         ctx.touched = False
         ctx.state["kv_scales"] = None
         update_group = ctx.state.get("update_group")
@@ -688,7 +687,7 @@ class NcclReshardTransport(Transport):
                 if m.copies is None:
                     headers_seen.add(m.key[1])
                     if m.key[1] in direct_srcs:
-                        ctx.state["touched"] = ctx.touched = True
+                        ctx.touched = True
                     check_header(m, tensor)
                     return
                 if slot is not None:
@@ -699,7 +698,7 @@ class NcclReshardTransport(Transport):
                                 f"checksum mismatch in bucket {m.key[0]} from train rank {m.key[1]}",
                                 rank=ctx.rank, transport=self.name,
                             )
-                    ctx.state["touched"] = ctx.touched = True
+                    ctx.touched = True
                     unpack(plan, m.copies, tensor, params)
             except (ProtocolError, PlanMismatch) as exc:
                 failure = exc
@@ -720,7 +719,7 @@ class NcclReshardTransport(Transport):
                 if direct is not None:
                     direct_srcs.add(m.key[1])
                     if m.key[1] in headers_seen:
-                        ctx.state["touched"] = ctx.touched = True  # bytes land in the live tensor from here on
+                        ctx.touched = True  # bytes land in the live tensor from here on
                     batch.append((m, direct, None))
                 else:
                     if not free:
@@ -740,7 +739,7 @@ class NcclReshardTransport(Transport):
                 if m.copies is None and _completed(work):
                     headers_seen.add(m.key[1])
             if direct_srcs & headers_seen:
-                ctx.state["touched"] = ctx.touched = True
+                ctx.touched = True
         want = sum(expected.values())
         if failure is None and total != want:
             failure = ProtocolError(f"refit received {total} of {want} bytes", rank=ctx.rank, transport=self.name)

@@ -124,8 +124,7 @@ class ZmqIpcTransport(Transport):
         for value, what, low in ((bucket_bytes, "bucket_bytes", 1024), (staging, "staging", 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{what} must be an int >= {low}, got {value!r}", transport=self.name)
-        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s < float("inf"):
-            raise ConfigError(f"timeout_s must be a finite number > 0, got {timeout_s!r}", transport=self.name)
+        positive_seconds(timeout_s, "timeout_s", optional=False)
         self.bucket_bytes, self.staging = bucket_bytes, staging
         self.staged, self.flatten = bool(staged), bool(flatten)
         self.endpoint, self.bind = endpoint, bind
@@ -345,7 +344,7 @@ class ZmqIpcTransport(Transport):
     async def receive(self, ctx: TransportContext, version: int | None = None) -> RefitReport:
         """Pull the next refit into ``ctx.params``; its version comes from the Offer.
 
-        Commits nothing itself (the caller does, on success). ``ctx.state["touched"]``
+        Commits nothing itself (the caller does, on success). ``ctx.touched``
         says whether live bytes were overwritten; ``ctx.state["kv_scales"]`` holds the
         scales that rode along.
         """
@@ -357,7 +356,7 @@ class ZmqIpcTransport(Transport):
         t0 = time.perf_counter()
         chan, deadline = self._begin(ctx)
         st = ctx.state
-        st["touched"] = ctx.touched = False
+        ctx.touched = False
         st["kv_scales"] = None
         # perf_counter stamps of this pull's phases (benchmarks read them; nothing else does)
         times = st["timing"] = {"begin": t0}
@@ -428,7 +427,7 @@ class ZmqIpcTransport(Transport):
         if len(buckets) != offer.staged_buckets:
             raise ProtocolError(f"trainer stages {offer.staged_buckets} buckets, the plan says {len(buckets)}",
                                 rank=ctx.rank, transport=self.name)
-        st["touched"] = ctx.touched = True  # bytes land in the live tensors from here on
+        ctx.touched = True  # bytes land in the live tensors from here on
         nbytes = program.issue(times)
         for seq, bucket in enumerate(buckets):
             msg = chan.expect(deadline, "waiting for a BucketReady", w.BucketReady)

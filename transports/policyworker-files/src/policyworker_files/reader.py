@@ -26,7 +26,8 @@ from collections.abc import Callable, Mapping
 import msgspec
 import torch
 
-from policyworker.errors import ProtocolError
+from policyworker.config import torch_dtype
+from policyworker.errors import ConfigError, ProtocolError
 
 from . import dirs
 from .manifest import CHECKSUMS, Manifest, TensorEntry, check_against, decode, new_checksum, param_specs
@@ -57,10 +58,11 @@ def _bad(message: str, **ctx) -> ProtocolError:
 
 
 def _torch_dtype(name: str, *, what: str) -> torch.dtype:
-    dtype = getattr(torch, name, None) if name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype):
-        raise _bad(f"{what}: unknown dtype {name!r}")
-    return dtype
+    # A file naming a dtype nobody knows is a bad file here (ProtocolError), not bad config.
+    try:
+        return torch_dtype(name)
+    except ConfigError as exc:
+        raise _bad(f"{what}: {exc}") from None
 
 
 class OpenVersion:
