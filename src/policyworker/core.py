@@ -123,7 +123,6 @@ class WorkerCore(DeviceQueries):
         zmq_timeout_s: float = 30.0,
         zmq_pair: int = 0,
         registry: TransportRegistry | None = None,
-        transport_options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         _check_index(rank, "rank")
         _check_index(zmq_pair, "zmq_pair")
@@ -132,7 +131,6 @@ class WorkerCore(DeviceQueries):
         positive_seconds(zmq_timeout_s, "zmq_timeout_s", optional=False)
         if registry is not None and not isinstance(registry, TransportRegistry):
             raise ConfigError(f"registry must be a TransportRegistry, got {type(registry).__name__}")
-        seed = _check_transport_options(transport_options, registry)
         self.rank = rank
         self.zmq_pair = zmq_pair
         self.timeout_s = float(timeout_s)
@@ -160,29 +158,6 @@ class WorkerCore(DeviceQueries):
         self.shutdown_clean: bool | None = None
         #: Closers of resources the seed shims opened outside any transport (run at shutdown).
         self._closers: list[Callable[[], None]] = []
-        #: Setup the seed shims attach each transport with (``transport_options``).
-        self._seed_setup: dict[str, dict[str, Any]] = seed
-
-    # -- transport options (validated when given) ---------------------------------------
-    def set_transport_options(self, name: str, options: Mapping[str, Any] | None) -> None:
-        """The setup the seed shims attach ``name`` with; checked now (``ConfigError``)."""
-        self._seed_setup.update(_check_transport_options({name: options or {}}, self._registry))
-
-    def transport_options(self, name: str) -> dict[str, Any]:
-        return dict(self._seed_setup.get(name, {}))
-
-    async def _seed_attach(self, name: str, **wiring: Any) -> Attachment:
-        """Attach ``name`` with its ``transport_options`` + ``wiring`` unless already so attached.
-
-        The connect is left to the next refit (inside its deadline), as the seed's
-        methods always did.
-        """
-        setup = {**self._seed_setup.get(name, {}), **wiring}
-        att = self._attachments.get(name)
-        if att is not None and att.raw_setup == {k: v for k, v in setup.items() if k != "plan"} \
-                and att.plan == setup.get("plan"):
-            return att
-        return await self._attach(name, setup)
 
     async def _new_update_group(self, ip: str, port: int, world_size: int, group_rank: int) -> None:
         """Replace the update group (recovery). Every group belongs to the old world: abort
@@ -303,7 +278,7 @@ class WorkerCore(DeviceQueries):
         await self._connect(att, None)
 
     async def _attach(self, name: str | Transport, setup: Mapping[str, Any]) -> Attachment:
-        """Attach without connecting (the seed shims connect inside the refit's deadline)."""
+        """Attach without connecting (the NeMo-named shims connect inside the refit's deadline)."""
         self._ensure_open()
         key, cls, instance = self._resolve(name)
         setup = dict(setup)
@@ -525,36 +500,6 @@ class WorkerCore(DeviceQueries):
         if self._profiler is not None:
             self.stop_gpu_profiling()
         return True
-
-
-def _check_transport_options(options: Mapping[str, Mapping[str, Any]] | None, registry: Any) -> dict:
-    """``{name: setup}`` checked against each transport's ``Setup`` (``ConfigError`` now)."""
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping):
-        raise ConfigError(f"transport_options must map transport name -> setup, got {type(options).__name__}")
-    out = {}
-    reg = registry if registry is not None else default_registry()
-    for name, setup in options.items():
-        if not isinstance(setup, Mapping):
-            raise ConfigError(f"transport_options[{name!r}] must be a mapping, got {type(setup).__name__}")
-        cls = reg.load(name)
-        parse(cls.Setup, {k: v for k, v in setup.items() if k != "plan"} | _required_stubs(cls.Setup, setup),
-              what=f"options of transport {name!r}")
-        out[name] = dict(setup)
-    return out
-
-
-def _required_stubs(cls: type, given: Mapping[str, Any]) -> dict[str, Any]:
-    """Placeholders for required wiring keys the shims fill in later (e.g. engine_gpu_counts)."""
-    import dataclasses
-
-    stubs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in given and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            stubs[f.name] = (1,)
-    return stubs
-
 
 
 def _groups_in(state: Mapping[str, Any]) -> list[CommGroup]:

@@ -22,39 +22,39 @@ views of one flat buffer in the plan's order) unless the held tensors already fi
 A plan that the caller's own tensors do not fit is a ``ConfigError``; they are never
 swapped for allocated ones.
 
-Seed-style shims: ``init_nccl_reshard_comm_groups`` + ``load_refit_plan`` +
-``receive_nccl_reshard_refit`` (``nccl_reshard``: the update group as rank
-``train_world_size + rank``, every stage's group after that stage's trainers), and
-``maybe_init_zmq`` + ``load_colocated_plan`` + ``update_weights_via_ipc_zmq`` (``zmq``).
+Seed-style names (``init_nccl_reshard_comm_groups`` + ``load_refit_plan`` +
+``receive_nccl_reshard_refit``; ``maybe_init_zmq`` + ``load_colocated_plan`` +
+``update_weights_via_ipc_zmq``) are thin shims onto the road, inherited from
+:class:`~policyworker.nemo_compat.RolloutCompat`. The update group holds this worker
+as rank ``train_world_size + rank``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .comm import CommGroup, new_group
 from .core import Attachment, WorkerCore
 from .errors import ConfigError
 from .layout.apply import empty_local_tensors
-from .layout.local import as_plan, flat_local_tensors
+from .layout.local import as_plan
 from .layout.plan import ReshardPlan
 from .ledger import WeightLedger
+from .nemo_compat import RolloutCompat
 from .staging import same_structure, storage_bytes, twin_tensors
 from .transports.base import RefitReport, TransportContext
-from .worker import SUPPORTED_NCCL_PEERS, _check_int, _open_pair_socket
+from .worker import SUPPORTED_NCCL_PEERS, _check_int
 
 __all__ = ["RolloutWorker"]
 
 
-class RolloutWorker(WorkerCore):
+class RolloutWorker(RolloutCompat, WorkerCore):
     """Generation-side worker. ``rank`` is its rank among the generation ranks.
 
     ``params``: destination tensors by name (plan-less transports; plans check them).
-    ``transport_options``: transport name → setup mapping, as on the trainer
-    (``reshard_options`` is the ``nccl_reshard`` entry), checked now.
+    A transport's setup is given when it is attached: ``attach_transport(name, **setup)``.
     ``double_buffer``: land refits in a second set and commit by a swap (see module docstring).
     """
 
@@ -63,9 +63,7 @@ class RolloutWorker(WorkerCore):
 
     def __init__(
         self, *, rank: int = 0, gen_world_size: int = 1, params: Mapping[str, torch.Tensor] | None = None,
-        reshard_options: Mapping[str, Any] | None = None,
-        transport_options: Mapping[str, Mapping[str, Any]] | None = None, double_buffer: bool = False,
-        **kwargs: Any
+        double_buffer: bool = False, **kwargs: Any
     ) -> None:
         if not isinstance(double_buffer, bool):
             raise ConfigError(f"double_buffer must be a bool, got {double_buffer!r}")
@@ -76,10 +74,7 @@ class RolloutWorker(WorkerCore):
             if not isinstance(params, Mapping) or not all(
                     isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items()):
                 raise ConfigError("params must map names (str) to tensors")
-        options = dict(transport_options or {})
-        if reshard_options is not None:
-            options["nccl_reshard"] = dict(reshard_options)
-        super().__init__(rank=rank, transport_options=options, **kwargs)
+        super().__init__(rank=rank, **kwargs)
         self.gen_world_size = gen_world_size
         self.world_size = gen_world_size
         self.kv_scales: dict[str, float] | None = None
@@ -93,13 +88,6 @@ class RolloutWorker(WorkerCore):
         self._back: dict[str, torch.Tensor] | None = None  # the landing set (double_buffer)
         self.ledger = WeightLedger(rank=rank, what="rollout", staged=double_buffer,
                                    on_commit=self._swap if double_buffer else None)
-
-    reshard_options = property(lambda self: self.transport_options("nccl_reshard"),
-                               lambda self, v: self.set_transport_options("nccl_reshard", v),
-                               doc="Setup options of nccl_reshard (must match the trainers').")
-    zmq_options = property(lambda self: self.transport_options("zmq"),
-                           lambda self, v: self.set_transport_options("zmq", v),
-                           doc="Setup options of zmq.")
 
     # -- versions ----------------------------------------------------------------------
     @property
@@ -176,6 +164,16 @@ class RolloutWorker(WorkerCore):
         self._allocate(plan)
         return plan
 
+    def _check_fit(self, plan: ReshardPlan, params: Mapping[str, torch.Tensor] | None) -> None:
+        """``ConfigError`` unless ``plan`` is for this world and ``params`` (if given) fit it."""
+        if plan.body.gen_world_size != self.gen_world_size:
+            raise ConfigError(f"the plan is for {plan.body.gen_world_size} generation ranks, "
+                              f"this world has {self.gen_world_size}")
+        misfit = None if params is None else _misfit(plan, self.rank, params)
+        if misfit is not None:
+            raise ConfigError(f"rollout rank {self.rank}: the given params do not fit the plan: {misfit}",
+                              rank=self.rank)
+
     def _allocate(self, plan: ReshardPlan) -> None:
         self.params = {k: v.zero_() for k, v in
                        empty_local_tensors(plan, "dst", self.rank, self.device, flat=True).items()}
@@ -206,119 +204,6 @@ class RolloutWorker(WorkerCore):
             )
         self._ensure_open()
         await self._new_update_group(ip, port, world_size, train_world_size + self.rank)
-
-    # -- nccl_reshard (seed-style shims) --------------------------------------------------
-    async def init_nccl_reshard_comm_groups(
-        self, pp_ips: Sequence[str], pp_ports: Sequence[int], trainers_per_stage: Sequence[int]
-    ) -> None:
-        """Join every pipeline stage's reshard group, after that stage's trainers.
-
-        Stage groups are joined in stage order; every trainer of stage ``s`` must be
-        joining group ``s`` at the same time (a stage whose trainers never come makes
-        this call raise at the timeout).
-        """
-        pp_size = len(trainers_per_stage)
-        if pp_size == 0 or len(pp_ips) != pp_size or len(pp_ports) != pp_size:
-            raise ConfigError(
-                f"pp_ips ({len(pp_ips)}), pp_ports ({len(pp_ports)}) and trainers_per_stage "
-                f"({pp_size}) must have the same, non-zero length"
-            )
-        for n in trainers_per_stage:
-            _check_int(n, "trainers_per_stage[i]", minimum=1)
-        self._ensure_open()
-        state = self._refit_transport_state("nccl_reshard")
-        await self._retire_groups(state, ("seed_groups", "groups"))
-        groups: dict[int, CommGroup] = {}
-        for stage, (ip, port, n_train) in enumerate(zip(pp_ips, pp_ports, trainers_per_stage)):
-            groups[stage] = await self._run(
-                new_group, host=ip, port=port, rank=n_train + self.rank, world_size=n_train + self.gen_world_size,
-                name=f"reshard_pp{stage}", timeout_s=self.timeout_s, device=self.device,
-            )
-        state["seed_groups"] = groups
-
-    @property
-    def stage_groups(self) -> dict[int, CommGroup]:
-        return dict(self._peek_state("nccl_reshard").get("seed_groups") or {})
-
-    def load_refit_plan(
-        self, plan: ReshardPlan | Mapping[str, Any], *, params: Mapping[str, torch.Tensor] | None = None
-    ) -> None:
-        """Adopt the trainers' reshard plan (``prepare_nccl_reshard_refit_info``'s dict).
-
-        ``params``: this rank's tensors in the generation layout; by default they are
-        allocated (zeros) from the plan, as views of one buffer in the plan's order, so
-        the copies of a transfer land as one span — unless the worker already holds the
-        caller's tensors, which must fit. A plan that does not fit the caller's tensors
-        is a ConfigError naming what differs, and they stay as they were.
-        """
-        self._ensure_open()
-        plan = as_plan(plan)
-        if params is not None:
-            misfit = _misfit(plan, self.rank, params)
-            if misfit is not None:
-                raise ConfigError(f"rollout rank {self.rank}: params do not fit the plan: {misfit}", rank=self.rank)
-            if plan.body.gen_world_size != self.gen_world_size:
-                raise ConfigError(f"the plan is for {plan.body.gen_world_size} generation ranks, "
-                                  f"this world has {self.gen_world_size}")
-            self.params = dict(params)
-        plan = self._adopt_plan("nccl_reshard", plan)
-        state = self._refit_transport_state("nccl_reshard")
-        state["seed_plan"] = state["plan"] = plan
-
-    async def receive_nccl_reshard_refit(self, *, refit_timeout_s: float | None = None) -> RefitReport:
-        """``refit("nccl_reshard")`` after the shims' attach steps; commit it or raise."""
-        self._check_refit_timeout(refit_timeout_s)
-        self._ensure_open()
-        state = self._refit_transport_state("nccl_reshard")
-        if state.get("seed_plan") is None:
-            raise ConfigError("call load_refit_plan before receiving a refit", rank=self.rank)
-        if not state.get("seed_groups") or self.model_update_group is None:
-            raise ConfigError("join the update group and the stage groups before receiving a refit", rank=self.rank)
-        await self._seed_attach("nccl_reshard", plan=state["seed_plan"], groups=state["seed_groups"])
-        return await self.refit("nccl_reshard", refit_timeout_s=refit_timeout_s)
-
-    # -- zmq (seed-style shims) -------------------------------------------------------------
-    def maybe_init_zmq(self) -> None:
-        """Connect this side's ZMQ socket to the colocated trainer's endpoint (idempotent)."""
-        self._ensure_open()
-        _open_pair_socket(self, bind=False)
-
-    @property
-    def zmq_socket(self):
-        return self._peek_state("zmq").get("socket")
-
-    def load_colocated_plan(self, plan_or_info: Any, *, params: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Adopt the trainer's one-source plan; allocate (flat, zeroed) or check ``params``."""
-        self._ensure_open()
-        plan = as_plan(plan_or_info)
-        if plan.body.train_world_size != 1:
-            raise ConfigError("a colocated plan has one full source (train 'tp=1', world 1)")
-        if plan.body.gen_world_size != self.gen_world_size:
-            raise ConfigError(f"the plan is for {plan.body.gen_world_size} generation ranks, "
-                              f"this world has {self.gen_world_size}")
-        given = params if params is not None else (self.params if self.params is not self._allocated else None)
-        if given:
-            misfit = _misfit(plan, self.rank, given)
-            if misfit is not None:
-                raise ConfigError(f"rollout rank {self.rank}: the given params do not fit the plan: {misfit}",
-                                  rank=self.rank)
-            self.params = dict(given)
-        else:
-            self.params = self._allocated = dict(flat_local_tensors(plan, self.rank, self.device))
-        state = self._refit_transport_state("zmq")
-        state["seed_plan"] = state["plan"] = plan
-        state["program"] = state["program_alt"] = None
-
-    async def update_weights_via_ipc_zmq(self, *, refit_timeout_s: float | None = None) -> RefitReport:
-        """``refit("zmq")``: pull the next refit from the colocated trainer; commit it or raise."""
-        self._check_refit_timeout(refit_timeout_s)
-        self._ensure_open()
-        state = self._refit_transport_state("zmq")
-        if state.get("seed_plan") is None:
-            raise ConfigError("call load_colocated_plan before update_weights_via_ipc_zmq", rank=self.rank)
-        self.maybe_init_zmq()
-        await self._seed_attach("zmq", plan=state["seed_plan"], timeout_s=self.zmq_timeout_s)
-        return await self.refit("zmq", refit_timeout_s=refit_timeout_s)
 
 
 def _misfit(plan: ReshardPlan, rank: int, tensors: Mapping[str, torch.Tensor]) -> str | None:

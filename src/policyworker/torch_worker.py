@@ -179,9 +179,9 @@ class TorchPolicyWorker(AbstractPolicyWorker):
     sends its training-layout shard of them (views, no copies). A trainer whose model
     is itself sharded passes ``refit_params`` (its local shards by name, or DTensors)
     and ``refit_source`` (a ModelConfig, ``{name: (shape, dtype)}``, or the DTensor
-    state dict). ``reshard_options`` configure the transport (bucket_bytes, in_flight,
-    checksum) and must match the rollouts' (the ``nccl_reshard`` entry of
-    ``transport_options``). Plan-less transports (and colocated one-source plans)
+    state dict). A transport's setup (bucket_bytes, in_flight, checksum, ...) is given
+    when it is attached (``attach_transport(name, **setup)``) and must match the
+    rollouts'. Plan-less transports (and colocated one-source plans)
     move the model's named parameters themselves.
     """
 
@@ -195,8 +195,6 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         micro_batch_size: int = 8,
         refit_params: Mapping[str, torch.Tensor] | None = None,
         refit_source: Any = None,
-        reshard_options: Mapping[str, Any] | None = None,
-        transport_options: Mapping[str, Mapping[str, Any]] | None = None,
         **core_kwargs: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -212,10 +210,7 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         self._fused_experts = has_fused_experts(name for name, _ in unique)
         sources = _reference_sources(model, unique, names, reference_state_dict)
         self._reference = _cpu_copies(sources, unique, self._pin)
-        options = dict(transport_options or {})
-        if reshard_options is not None:
-            options["nccl_reshard"] = dict(reshard_options)
-        super().__init__(rank=rank, world_size=world_size, transport_options=options, **core_kwargs)
+        super().__init__(rank=rank, world_size=world_size, **core_kwargs)
         self.model = model
         self._params = unique
         self._refit_params = None if refit_params is None else dict(refit_params)

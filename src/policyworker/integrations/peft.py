@@ -199,10 +199,7 @@ class LoraPolicyWorker(TorchPolicyWorker):
         """As ``TorchPolicyWorker``'s, for the adapter's factors (placed with the base's heads)."""
         self._ensure_open()
         plan = await self._run(self.lora_plan, train_parallelism, gen_parallelism, train_world_size, gen_world_size)
-        plan = self._adopt_plan("nccl_reshard", plan)
-        state = self._refit_transport_state("nccl_reshard")
-        state["seed_plan"] = state["plan"] = plan
-        return plan.refit_info()
+        return self._wire_plan("nccl_reshard", plan)
 
 
 
