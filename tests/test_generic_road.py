@@ -311,3 +311,44 @@ def test_a_ledger_transaction_commits_once_or_fails_with_what_it_touched():
     with staged.transaction(1, touched=None):
         staged.check_servable()
     assert (staged.version, staged.torn) == (0, False)
+
+
+@pytest.mark.timeout(120)
+async def test_nemo_named_shims_ride_the_road_and_keep_the_setup_attached_through_it(tmp_path):
+    from policyworker.layout import dest_shards
+    from policyworker.layout.local import as_plan
+
+    model = build_model(get_preset("tiny"), seed=0)
+    kw = dict(device="cpu", cpu_index=0, runtime_dir=str(tmp_path), timeout_s=10, zmq_timeout_s=10)
+    trainer, rollout = TorchPolicyWorker(model, **kw), RolloutWorker(**kw)
+    try:
+        info = await trainer.prepare_zmq_refit_info("tp=1", 1)
+        rollout.load_colocated_plan(info)
+
+        async def shim_refit(step):
+            _perturb(model, step)
+            sent, got = await asyncio.gather(trainer.stream_weights_via_ipc_zmq(refit_timeout_s=30),
+                                             rollout.update_weights_via_ipc_zmq(refit_timeout_s=30))
+            want = dest_shards(as_plan(info), 0, {n: p.detach() for n, p in model.named_parameters()})
+            assert want.keys() == rollout.weights().keys()
+            for name, t in want.items():
+                assert torch.equal(rollout.weights()[name], t), name
+            return sent, got
+
+        sent, _ = await shim_refit(1)  # the shims attach with the transport's defaults: every source mapped
+        assert (sent.buckets, sent.peak_extra_bytes) == (1, 0) and trainer.attached_transports() == ["zmq"]
+        # The one way to give a setup: attach through the road, with the plan the wiring built.
+        setup = {"plan": info, "staged": True, "bucket_bytes": 4096, "timeout_s": 10.0}
+        await asyncio.gather(trainer.attach_transport("zmq", **setup), rollout.attach_transport("zmq", **setup))
+        sent, got = await shim_refit(2)  # a shim refit keeps the attached setup: staged, small buckets
+        assert sent.buckets > 1 and (sent.version, got.version, rollout.weight_version) == (2, 2, 2)
+        # The old spellings still work and say they are deprecated.
+        with pytest.warns(DeprecationWarning, match="attach_transport"):
+            trainer.zmq_options = {"bucket_bytes": 8192, "staged": True}
+        with pytest.warns(DeprecationWarning, match="attach_transport"):
+            rollout.zmq_options = {"bucket_bytes": 8192, "staged": True}
+        sent8, _ = await shim_refit(3)
+        assert 1 < sent8.buckets < sent.buckets
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()

@@ -25,10 +25,10 @@ transport with it (the road's attach, no connect: the connect then runs inside t
 refit's deadline, so a peer that never comes is bounded like any other wait). A refit
 shim after no change is ``refit`` and nothing else.
 
-A transport's setup is given one way: ``attach_transport(name, **setup)``. The shims
-attach with the transport's defaults; a caller that wants another setup attaches
-through the road itself (plan and groups from the wiring methods, see
-docs/controller.md). The older spellings — ``transport_options=`` / ``reshard_options=``
+A transport's setup is given one way: ``attach_transport(name, **setup)``, with the
+plan and groups the wiring methods built (docs/controller.md). The shims attach with
+the transport's defaults the first time, and keep the attached setup when they re-wire
+(new groups after a recovery, a new plan). The older spellings — ``transport_options=`` / ``reshard_options=``
 at construction, the ``reshard_options`` / ``zmq_options`` / ``sglang_options``
 properties and ``set_transport_options`` — still work (checked when given, used by
 the shims' next attach) and warn ``DeprecationWarning``.
@@ -157,6 +157,14 @@ class _Compat:
         self._compat_setup.update(_check_setups({name: options or {}}, self._registry))
         self._refit_transport_state(name)["seed_changed"] = True
 
+    def _base_setup(self, name: str) -> dict[str, Any]:
+        """What the shims attach ``name`` with besides their wiring: a deprecated spelling's
+        setup if one was given, else the setup it is attached with now (a re-wire keeps it)."""
+        if name in self._compat_setup:
+            return dict(self._compat_setup[name])
+        att = self._attachments.get(name)
+        return dict(att.raw_setup) if att is not None else {}
+
     def _wire(self, name: str, **wiring: Any) -> None:
         """Record what a wiring method built for ``name``; the next refit shim attaches with it."""
         state = self._refit_transport_state(name)
@@ -174,7 +182,7 @@ class _Compat:
         # own) is told apart by identity: the attached plan is the wired object itself.
         if att is not None and not state.get("seed_changed") and att.plan is wiring.get("plan"):
             return
-        setup = {**self._compat_setup.get(name, {}), **wiring}
+        setup = {**self._base_setup(name), **wiring}
         if att is None or att.raw_setup != {k: v for k, v in setup.items() if k != "plan"} \
                 or att.plan != setup.get("plan"):
             await self._attach(name, setup)
@@ -344,7 +352,7 @@ class TrainerCompat(_Compat):
         if self.model_update_group is None:
             raise ConfigError("call init_collective first: the engine groups are built on its store",
                               rank=self.rank, transport="sglang_ipc")
-        setup = {**self._compat_setup.get("sglang_ipc", {}), "engine_gpu_counts": tuple(engine_gpu_counts),
+        setup = {**self._base_setup("sglang_ipc"), "engine_gpu_counts": tuple(engine_gpu_counts),
                  "engine_gpu_offsets": None if engine_gpu_offsets is None else tuple(engine_gpu_offsets)}
         await self.attach_transport("sglang_ipc", **setup)
 

@@ -251,14 +251,17 @@ class ZmqIpcTransport(Transport):
         # Fast path: a refit whose sources did not move reuses the exported table (a
         # loop of Python over hundreds of params would hold the GIL off the event loop).
         fp = zx.fingerprint(ctx.params, names)
-        if cache is None or fp is None or cache["fp"] != fp:
+        # The table and the ring depend on this instance's setup too: a re-attach with
+        # another setup (the state dict outlives instances) builds them again.
+        setup = (self.staged, self.flatten, self.bucket_bytes, self.staging)
+        if cache is None or fp is None or cache["fp"] != fp or cache["setup"] != setup:
             cache = st["cache"] = None  # the old table's storages are not held past this point
             notes = zx.prepare_sources(ctx, staged=self.staged, flatten=self.flatten)
             refs, more = zx.export(ctx)
             notes += more
             st["epoch"] = st.get("epoch", 0) + 1
             cache = st["cache"] = {"fp": zx.fingerprint(ctx.params, names), "refs": refs, "rank": None,
-                                   "holds": zx.holds(ctx, names)}
+                                   "holds": zx.holds(ctx, names), "setup": setup}
         _sync(dev, chan, deadline)  # the trainer's last writes must be visible before the rollout reads
         while True:
             try:
