@@ -28,10 +28,10 @@ shim after no change is ``refit`` and nothing else.
 A transport's setup is given one way: ``attach_transport(name, **setup)``, with the
 plan and groups the wiring methods built (docs/controller.md). The shims attach with
 the transport's defaults the first time, and keep the attached setup when they re-wire
-(new groups after a recovery, a new plan). The older spellings — ``transport_options=`` / ``reshard_options=``
-at construction, the ``reshard_options`` / ``zmq_options`` / ``sglang_options``
-properties and ``set_transport_options`` — still work (checked when given, used by
-the shims' next attach) and warn ``DeprecationWarning``.
+(new groups after a recovery, a new plan). The older spellings — ``transport_options=``
+/ ``reshard_options=`` at construction, the ``reshard_options`` / ``zmq_options`` /
+``sglang_options`` properties and ``set_transport_options`` — still work (checked when
+given, used by the shims' next attach) and warn ``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -186,6 +186,8 @@ class _Compat:
         if att is None or att.raw_setup != {k: v for k, v in setup.items() if k != "plan"} \
                 or att.plan != setup.get("plan"):
             await self._attach(name, setup)
+        elif "plan" in wiring:  # an equal plan: wire the attached object, so later calls stop at the check above
+            state["seed_plan"] = att.plan
         state.pop("seed_changed", None)
 
     @property
