@@ -56,7 +56,7 @@ class RefitSpec:
 
     @property
     def gen_par(self) -> Parallelism:
-        from policyworker.layout.fp8 import split_gen_layout
+        from policyworker.layout.formats import split_gen_layout
 
         return Parallelism.parse(split_gen_layout(self.gen)[0])  # "tp=2,fp8=block128" too
 

@@ -27,7 +27,7 @@ import msgspec
 
 from ..errors import ConfigError, PlanError, translate_comm_error
 from ..layout.boxes import Layout, LocalSpec, Piece
-from ..layout.fp8 import Fp8Target, fp8_layout
+from ..layout.formats.block_fp8 import Fp8Target, fp8_layout
 from ..layout.experts import expert_specs, split_expert_layout
 from ..layout.local import is_dtensor
 from ..layout.parallelism import Parallelism
@@ -177,7 +177,7 @@ def plan_for_vllm(source: Any, train_parallelism: Any, train_world_size: int, ne
     # Block-FP8 vLLM layers: those boxes are quantized by the trainers' pack step.
     src = fp8_layout(src, specs, fp8, tp=train.tp, side="train", retype=False)
     dst = fp8_layout(dst, specs, fp8, tp=max(sizes), side="gen", retype=True)
-    return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=False, fp8_block=fp8.block,
+    return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=False, dest_format=fp8.dest_format,
                              compress=False)
 
 

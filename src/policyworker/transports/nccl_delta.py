@@ -41,7 +41,6 @@ import torch
 
 from ..errors import ConfigError, PeerLost, PolicyWorkerError, ProtocolError, RefitAborted, TransportError
 from ..layout import delta as _delta
-from ..layout import fp8 as _fp8
 from ..layout.apply import _as_bytes, _region, copy_nbytes, pack, unpack
 from ..layout.plan import Copy, ReshardPlan, dtype_size
 from .base import RefitReport, TransportContext
@@ -117,8 +116,10 @@ class _State:
 
 
 def _make_stream(plan: ReshardPlan, copies: list[Copy]) -> _Stream:
-    if any(_fp8.is_fp8_copy(plan, c) for c in copies):
-        raise ConfigError("delta refits of fp8-quantized copies are not supported", transport="nccl_reshard")
+    fmt = plan.dest_format
+    if any(fmt.converts(plan, c) for c in copies):
+        raise ConfigError(f"delta refits of copies the {type(fmt).__name__} converts are not supported",
+                          transport="nccl_reshard")
     unit = min(dtype_size(plan.params[c.param].dtype) for c in copies)
     segments, at = [], 0
     for c in copies:

@@ -64,7 +64,6 @@ from ..errors import (
     TransportError,
     translate_comm_error,
 )
-from ..layout import fp8 as _fp8
 from ..layout.apply import pack, unpack
 from ..layout.plan import ReshardPlan
 from .base import RefitReport, Transport, TransportContext
@@ -321,11 +320,12 @@ class NcclReshardTransport(Transport):
                 pair = (m.key[1], m.key[2])
                 pair_bytes[pair] = pair_bytes.get(pair, 0) + m.nbytes
         ctx.state["pair_bytes"] = pair_bytes  # (src, dst) -> payload bytes; in every header
-        # fp8 hook (issue 16): a quantized copy cannot be cut below one block, which may
-        # exceed a tiny bucket_bytes, and it is always packed; the ring slots then grow
-        # to the largest such message.
+        # A copy the plan's format converts cannot be cut below the format's unit (a
+        # quantization block), which may exceed a tiny bucket_bytes, and it is always
+        # packed; the ring slots then grow to the largest such message.
+        fmt = bulk.dest_format
         biggest = max((m.nbytes for m in schedule if m.copies is not None
-                       and any(_fp8.is_fp8_copy(bulk, c) for c in m.copies)), default=0)
+                       and any(fmt.converts(bulk, c) for c in m.copies)), default=0)
         ring_bytes = max(self.bucket_bytes, biggest) + (8 if self.checksum else 0)
         ring = ctx.state.get("ring")
         if ring is None or len(ring) != self.staging or ring[0].numel() != ring_bytes or ring[0].device != device:
