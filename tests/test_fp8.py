@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from policyworker.errors import ConfigError, PlanError
 from policyworker.layout import apply_plan, bucket_copies, build_plan, dest_shards, empty_local_tensors
-from policyworker.layout import pack, plan_report, source_shards, unpack
+from policyworker.layout import ReshardPlan, pack, plan_report, source_shards, unpack
 from policyworker.layout.formats import BlockFp8Format, PlainFormat, split_gen_layout
 from policyworker.layout.formats.block_fp8 import FP8_DTYPE, Fp8Target
 from policyworker.layout.formats.block_fp8_pack import dequantize, quantize_into, quantize_reference
@@ -103,6 +104,27 @@ def test_fp8_plan_sizes_and_which_tensors_quantize():
     rep = plan_report("qwen3-8b", "tp=2", "tp=4,fp8=block128")
     assert rep["fp8"] == "block128" and rep["total_bytes"] == plan.total_bytes == rep["min_bytes"]
     assert sum(rep["recv_bytes_per_dst_rank"].values()) == plan.total_bytes
+
+
+def test_the_plan_carries_its_format_on_the_wire():
+    config = _config()
+    plan = build_plan(config, "tp=1", "tp=2,fp8=block128", 1, 2)
+    assert plan.to_dict()["dest_format"] == {"name": "block_fp8", "block": 128}
+    assert build_plan(config, "tp=1", "tp=2", 1, 2).to_dict()["dest_format"] == {"name": "plain"}
+    back = ReshardPlan.from_wire(plan.to_wire())
+    assert back.dest_format == BlockFp8Format(block=128) and back.hash == plan.hash
+    via_json = ReshardPlan.from_dict(msgspec.json.decode(msgspec.json.encode(plan.to_dict())))
+    assert via_json.hash == plan.hash and via_json.min_bytes == plan.min_bytes
+    # the same boxes with another block size are another plan
+    block64 = build_plan(config, "tp=1", "tp=2,fp8=block64", 1, 2)
+    assert block64.hash != plan.hash and block64.dest_format == BlockFp8Format(block=64)
+    bad = plan.to_dict()
+    bad["dest_format"] = {"name": "int4"}
+    with pytest.raises(PlanError, match="not a reshard plan"):
+        ReshardPlan.from_dict(bad)
+    bad["dest_format"] = {"name": "block_fp8", "block": 0}
+    with pytest.raises(PlanError, match="not a reshard plan"):
+        ReshardPlan.from_dict(bad)
 
 
 def test_a_split_block_is_a_plan_error_naming_param_and_tp():
