@@ -1,4 +1,4 @@
-"""FP8 targets in the plan: which generation tensors land as block-quantized float8.
+"""Block-FP8, a destination format: generation tensors that land as block-quantized float8.
 
 Format (that of published block-FP8 checkpoints, Qwen3-*-FP8 and DeepSeek-V3): a
 2-D weight ``W`` of shape ``[N, K]`` lands as ``float8_e4m3fn`` of the same shape
@@ -26,7 +26,7 @@ is a whole number of blocks and the sender holds every block it quantizes; a
 layout that would split a block is a PlanError naming the parameter and the tp
 size. A copy into an fp8 tensor carries, back to back, its box's fp8 bytes
 (row-major) and then its blocks' float32 scales (row-major): ``vol + 4 * blocks``
-bytes (:func:`copy_nbytes`).
+bytes (:func:`.block_fp8_grid.copy_nbytes`).
 
 This module is the planning side and the strategy (no torch): `Fp8Target`,
 `fp8_layout`, `BlockFp8Format`; :mod:`.block_fp8_grid` holds the block bookkeeping and
