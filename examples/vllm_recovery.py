@@ -54,7 +54,7 @@ async def trainer(rank, n_train, n_gen, model_dir, commands, replies):
         world = n_train + n_gen
         await w.init_collective(cmd["host"], cmd["update_port"], world, train_world_size=n_train)
         await w.init_nccl_reshard_comm_group([cmd["host"]], [cmd["stage_port"]], 1, 0, world, rank)
-        await prepare_vllm_refit(w, f"tp={n_train}", n_gen)  # reads vLLM's needs, publishes the plan
+        await prepare_vllm_refit(w, f"tp={n_train}", n_gen)  # reads vLLM's needs, publishes the plan, attaches
 
     loop = asyncio.get_running_loop()
     while (cmd := await loop.run_in_executor(None, commands.get)) != "stop":  # your RPC
@@ -63,7 +63,7 @@ async def trainer(rank, n_train, n_gen, model_dir, commands, replies):
                 await connect(cmd)
             elif cmd["cmd"] == "refit":
                 train_step(model, cmd["version"], cmd.get("die_after_waits"))
-                await w.nccl_reshard_refit(refit_timeout_s=60)  # sends w.refit_version + 1
+                await w.refit("nccl_reshard", refit_timeout_s=60)  # sends w.refit_version + 1
             replies.put({"rank": rank, "ok": True})
         except PolicyWorkerError as exc:
             replies.put({"rank": rank, "ok": False, "error": type(exc).__name__})

@@ -265,7 +265,7 @@ class PolicyworkerTrainerWeightTransferEngine(TrainerWeightTransferEngine[Policy
         bound = self.info.refit_timeout_s or self.info.timeout_s
 
         def refit() -> Any:
-            report = self._call(self.worker.nccl_reshard_refit(refit_timeout_s=self.info.refit_timeout_s), bound)
+            report = self._call(self.worker.refit("nccl_reshard", refit_timeout_s=self.info.refit_timeout_s), bound)
             if report.version != version:
                 raise ProtocolError(f"trainer rank {self.info.rank} sent version {report.version}, expected {version}",
                                     rank=self.info.rank)
