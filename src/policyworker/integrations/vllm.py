@@ -48,10 +48,8 @@ swap itself fail, the engine is *torn* on every rank: every later
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,11 +62,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..ledger import WeightLedger
-from ..errors import (ConfigError, PlanMismatch, PolicyWorkerError, ProtocolError, RefitTimeout, TornWeights,
+from ..errors import (ConfigError, PlanMismatch, PolicyWorkerError, ProtocolError, TornWeights,
                       translate_comm_error)
 from ..layout.plan import ReshardPlan
 from .vllm_errors import engine_error, mark, typed_errors
-from .vllm_join import Joined, join
+from .vllm_join import Joined, Loop as _Loop, join
 from .vllm_overlap import OverlappedReceive, StepCounter
 from .vllm_plan import NEEDS_KEY, PLAN_KEY, encode_needs
 from .vllm_rpc import Agreement, install_single_reply
@@ -182,28 +180,6 @@ def _marked(method: Any) -> Any:
             raise mark(exc)
 
     return wrapper
-
-
-class _Loop:
-    """A private asyncio loop on a daemon thread: vLLM's calls are synchronous, ours async."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="policyworker-vllm-loop", daemon=True)
-        self._thread.start()
-
-    def call(self, coro: Any, timeout_s: float) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout_s)
-        except TimeoutError:
-            if not future.cancel() and future.done():
-                return future.result()  # it finished just as the wait ran out
-            raise RefitTimeout(f"a policyworker call inside vLLM did not return within {timeout_s:g} s") from None
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5.0)
 
 
 class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo, PolicyworkerUpdateInfo]):

@@ -18,6 +18,8 @@ Both vLLM backends (:mod:`.vllm`, :mod:`.vllm_lora`) receive through one
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,11 +28,33 @@ import torch
 
 from .._aio import run_in_executor
 from ..comm import CommGroup, new_group
-from ..errors import ConfigError, translate_comm_error
+from ..errors import ConfigError, RefitTimeout, translate_comm_error
 
-__all__ = ["Joined", "join"]
+__all__ = ["Joined", "Loop", "join"]
 
 TRANSPORT = "nccl_reshard"
+
+
+class Loop:
+    """A private asyncio loop on a daemon thread: vLLM's calls are synchronous, ours async."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="policyworker-vllm-loop", daemon=True)
+        self._thread.start()
+
+    def call(self, coro: Any, timeout_s: float) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            if not future.cancel() and future.done():
+                return future.result()  # it finished just as the wait ran out
+            raise RefitTimeout(f"a policyworker call inside vLLM did not return within {timeout_s:g} s") from None
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5.0)
 
 
 @dataclass

@@ -48,8 +48,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from ..errors import ConfigError, PlanMismatch, ProtocolError, TornWeights, translate_comm_error
 from ..layout.plan import ReshardPlan
 from ..ledger import WeightLedger
-from .vllm import PolicyworkerInitInfo, PolicyworkerUpdateInfo, PolicyworkerWeightTransferEngine, _Loop, _marked
-from .vllm_join import Joined, join
+from .vllm import PolicyworkerInitInfo, PolicyworkerUpdateInfo, PolicyworkerWeightTransferEngine, _marked
+from .vllm_join import Joined, Loop, join
 from .vllm_lora_plan import ENGINE_KEY, PLAN_KEY, LoraEngineInfo, LoraPlanInfo, decode, encode
 
 __all__ = ["BACKEND_LORA", "LORA_ID", "LORA_NAME", "PolicyworkerLoraEngine", "checkpoint_hash", "lora_request"]
@@ -108,7 +108,7 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         self._vllm_remove_all = self.manager.remove_all_adapters
         self.manager.remove_all_adapters = self._remove_all_adapters
         self._base_hash: str | None = None
-        self._loop: _Loop | None = None
+        self._loop: Loop | None = None
         self._joined: Joined | None = None
         self._info: PolicyworkerInitInfo | None = None
         self._plan: ReshardPlan | None = None
@@ -133,7 +133,7 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         if self._base_hash is None:
             self._base_hash = checkpoint_hash(self.vllm_config.model_config.model)
         if self._loop is None:
-            self._loop = _Loop()
+            self._loop = Loop()
         self._close_worker()
         gen_world = init_info.gen_world_size or self.tp_size
         rank = init_info.rank_offset + self.tp_rank

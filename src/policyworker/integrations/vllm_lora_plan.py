@@ -114,14 +114,14 @@ def check_engines(engines: Sequence[LoraEngineInfo], base_hash: str, meta: LoraM
                               f"{e.max_lora_rank}", rank=e.rank)
 
 
-async def prepare_vllm_lora_refit(worker: Any, train_parallelism: Any, gen_world_size: int) -> dict:
+async def prepare_vllm_lora_refit(worker: Any, train_parallelism: Any, gen_world_size: int, **setup: Any) -> dict:
     """Trainer side (a ``LoraPolicyWorker``): plan this trainer's adapter refits into vLLM.
 
     Call on every trainer after ``init_collective`` and ``init_nccl_reshard_comm_group``
     (the vLLM workers of backend ``"policyworker-lora"`` join the same groups in
     ``init_weight_transfer_engine``). Checks every vLLM rank's base hash against this
     trainer's base, computes the plan, (rank 0) publishes it, and attaches
-    ``nccl_reshard`` with it. Then ``await worker.refit("nccl_reshard", ...)`` sends the
+    ``nccl_reshard`` with it and ``setup`` (as ``prepare_vllm_refit``). Then ``await worker.refit("nccl_reshard", ...)`` sends the
     adapter.
     """
     group = worker.model_update_group
@@ -145,5 +145,5 @@ async def prepare_vllm_lora_refit(worker: Any, train_parallelism: Any, gen_world
         return plan
 
     plan = await run_in_executor(None, build)
-    await attach_trainer(worker, plan)
+    await attach_trainer(worker, plan, setup)
     return plan.refit_info()

@@ -194,15 +194,16 @@ def read_needs(store: Any, gen_world_size: int, *, what: str = "vLLM needs") -> 
     return out
 
 
-async def prepare_vllm_refit(worker: Any, train_parallelism: Any, gen_world_size: int) -> dict:
+async def prepare_vllm_refit(worker: Any, train_parallelism: Any, gen_world_size: int, **setup: Any) -> dict:
     """Trainer side: plan this trainer's refits into vLLM and attach ``nccl_reshard`` with it.
 
     Call on every trainer after ``init_collective`` and ``init_nccl_reshard_comm_group``
     (the vLLM engines join the same groups in ``init_weight_transfer_engine``), instead
     of ``prepare_nccl_reshard_refit_info``. Reads every vLLM rank's needs from the update
     group's store, computes the plan from this trainer's refit source, (rank 0) publishes
-    it for the vLLM workers, and attaches ``nccl_reshard`` with it (this rank's tensors
-    are checked against the plan now: ``ConfigError``, not mid-refit). Then each update
+    it for the vLLM workers, and attaches ``nccl_reshard`` with it and ``setup`` (its
+    ``bucket_bytes``, ``checksum``, ...: equal to the engines' ``reshard_options``; this
+    rank's tensors are checked against the plan now: ``ConfigError``, not mid-refit). Then each update
     is ``await worker.refit("nccl_reshard", refit_timeout_s=...)``, which connects the
     first time, inside its deadline, as the engines' first refit does. Returns the
     plan's info dict.
@@ -223,7 +224,7 @@ async def prepare_vllm_refit(worker: Any, train_parallelism: Any, gen_world_size
         return plan
 
     plan = await run_in_executor(None, build)
-    await attach_trainer(worker, plan)
+    await attach_trainer(worker, plan, setup)
     return plan.refit_info()
 
 
@@ -235,8 +236,8 @@ def publish(store: Any, key: str, data: bytes, rank: int, what: str) -> None:
         raise translate_comm_error(exc, rank=rank, what=f"publishing {what}") from exc
 
 
-async def attach_trainer(worker: Any, plan: ReshardPlan) -> None:
-    """Attach ``nccl_reshard`` on a trainer: ``plan``, its stage group, its ``transport_options``.
+async def attach_trainer(worker: Any, plan: ReshardPlan, setup: Mapping[str, Any]) -> None:
+    """Attach ``nccl_reshard`` on a trainer: ``plan``, its stage group, ``setup``.
 
     The connect is left to the first refit (inside its deadline): the engines connect in
     theirs.
@@ -246,5 +247,8 @@ async def attach_trainer(worker: Any, plan: ReshardPlan) -> None:
     stage = next((s for s, ranks in enumerate(stage_members(plan)) if worker.rank in ranks), None)
     if stage is None:
         raise ConfigError(f"train rank {worker.rank} is in no stage of the plan", rank=worker.rank)
-    setup = {**worker.transport_options("nccl_reshard"), "group": worker.pp_comm_group, "stage": stage}
-    await worker.attach_transport("nccl_reshard", connect=False, plan=plan, **setup)
+    wired = {"group": worker.pp_comm_group, "stage": stage}
+    reserved = sorted(set(wired) & set(setup) | {"plan", "connect"} & set(setup))
+    if reserved:
+        raise ConfigError(f"setup may not set {reserved}: prepare sets them", rank=worker.rank)
+    await worker.attach_transport("nccl_reshard", connect=False, plan=plan, **setup, **wired)

@@ -177,8 +177,7 @@ class PolicyworkerTrainerWeightTransferEngine(TrainerWeightTransferEngine[Policy
         kwargs = {} if info.device is None else {"device": info.device}
 
         async def build() -> _SourceWorker:
-            return _SourceWorker(specs, rank=info.rank, world_size=info.world_size, timeout_s=info.timeout_s,
-                                 transport_options={"nccl_reshard": dict(info.reshard_options)}, **kwargs)
+            return _SourceWorker(specs, rank=info.rank, world_size=info.world_size, timeout_s=info.timeout_s, **kwargs)
 
         try:
             self.worker = self._call(build(), info.timeout_s)
@@ -234,7 +233,8 @@ class PolicyworkerTrainerWeightTransferEngine(TrainerWeightTransferEngine[Policy
             w.refit_version = info.version
             await w.init_collective(info.host, info.update_port, n, train_world_size=info.world_size)
             await w.init_nccl_reshard_comm_group([info.host], [info.stage_port], 1, 0, n, info.rank)
-            await prepare_vllm_refit(w, info.train or f"tp={info.world_size}", info.gen_world_size)
+            await prepare_vllm_refit(w, info.train or f"tp={info.world_size}", info.gen_world_size,
+                                     **info.reshard_options)
 
         if not self.is_sender:
             self._call(join(), 3 * info.timeout_s)

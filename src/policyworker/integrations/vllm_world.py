@@ -51,7 +51,7 @@ class WorldSpec:
         from ..torch_worker import TorchPolicyWorker
 
         return TorchPolicyWorker(hf_model(self, 0), rank=rank, world_size=self.n_train, device="cpu",
-                                 timeout_s=self.timeout_s, reshard_options=self.reshard_options)
+                                 timeout_s=self.timeout_s)
 
     def load(self, worker: Any, version: int) -> None:
         """The stand-in for a training step: the worker's model takes version ``version``'s weights."""
@@ -62,7 +62,7 @@ class WorldSpec:
     async def prepare(self, worker: Any, gen_world_size: int, train: str | None = None) -> dict:
         from .vllm_plan import prepare_vllm_refit
 
-        return await prepare_vllm_refit(worker, train or self.train, gen_world_size)
+        return await prepare_vllm_refit(worker, train or self.train, gen_world_size, **self.reshard_options)
 
 
 def hf_config(spec: WorldSpec) -> Any:
