@@ -109,6 +109,9 @@ async def join(init_info: Any, *, rank: int, gen_world_size: int, device: Any, k
     for n in init_info.trainers_per_stage:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"init_info.trainers_per_stage entries must be ints >= 1, got {n!r}")
+    reserved = sorted({"plan", "groups", "group", "stage", "connect"} & set(init_info.reshard_options))
+    if reserved:
+        raise ConfigError(f"init_info.reshard_options may not set {reserved}: the backend sets them")
     n_train = sum(init_info.trainers_per_stage)
     worker = RolloutWorker(rank=rank, gen_world_size=gen_world_size, device=device, timeout_s=init_info.timeout_s)
     joined = Joined(worker, {}, dict(init_info.reshard_options))
