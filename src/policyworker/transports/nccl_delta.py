@@ -264,13 +264,13 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
     shadow = sum(s.nbytes for s in streams.values()) if streams else 0
     return RefitReport(transport=transport.name, role=ctx.role, version=int(got_version), bytes=nbytes,
                        seconds=time.perf_counter() - t0, wire_bytes=wire, shadow_bytes=shadow,
-                       notes=(reason,))
+                       notes=(reason,), kv_scales=scales)
 
 
 def _report(r: RefitReport, *, notes, wire: int, shadow: int, seconds: float) -> RefitReport:
     return RefitReport(transport=r.transport, role=r.role, version=r.version, bytes=r.bytes, seconds=seconds,
                        buckets=r.buckets, peak_extra_bytes=r.peak_extra_bytes, notes=(*r.notes, *notes),
-                       wire_bytes=wire, shadow_bytes=shadow)
+                       wire_bytes=wire, shadow_bytes=shadow, kv_scales=r.kv_scales)
 
 
 def _handshake(group, row: list[int], deadline: float) -> list[list[int]]:

@@ -366,7 +366,7 @@ class NcclReshardTransport(Transport):
 
         Commits nothing itself: on success the worker commits ``report.version``;
         ``ctx.touched`` says whether live bytes were overwritten (for a torn mark on
-        failure) and ``ctx.state["kv_scales"]`` holds the received scales.
+        failure); the report's ``kv_scales`` are the scales received.
         """
         self._check(ctx)
         if self.delta is not None:
@@ -481,6 +481,7 @@ class NcclReshardTransport(Transport):
         ctx.touched = False
         ctx.state["kv_scales"] = None
         update_group = ctx.state.get("update_group")
+        scales = None
         self._check_fresh(ctx)
         self._active = self._attempt_groups(ctx)
         live = [g for g in self._active if not g.aborted]
@@ -525,7 +526,7 @@ class NcclReshardTransport(Transport):
         return RefitReport(
             transport=self.name, role=ctx.role, version=int(version), bytes=nbytes,
             seconds=time.perf_counter() - t0, buckets=nbuckets,
-            peak_extra_bytes=sum(b.numel() for b in ctx.state["ring"]),
+            peak_extra_bytes=sum(b.numel() for b in ctx.state["ring"]), kv_scales=scales,
         )
 
     def _post(self, batch: list, kind: str, pending: deque) -> None:

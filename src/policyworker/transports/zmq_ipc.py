@@ -385,7 +385,7 @@ class ZmqIpcTransport(Transport):
         st["kv_scales"] = offer.kv_scales
         return RefitReport(transport=self.name, role="receive", version=offer.version, bytes=nbytes,
                            seconds=time.perf_counter() - t0, buckets=offer.staged_buckets or 1,
-                           notes=tuple(notes + [f"copies {ncopies}"]))
+                           notes=tuple(notes + [f"copies {ncopies}"]), kv_scales=offer.kv_scales)
 
     def _report_failure(self, chan: Channel, version: int, exc: BaseException) -> None:
         try:
