@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from policyworker.cli.output import write_json  # noqa: E402
-from policyworker.layout.fp8_pack import quantize_bands  # noqa: E402
+from policyworker.layout.formats.block_fp8_pack import quantize_bands  # noqa: E402
 from policyworker.models import get_preset, param_specs  # noqa: E402
 from policyworker.ops import fp8_triton  # noqa: E402
 from policyworker.ops.fp8_persist import PersistVariant  # noqa: E402
@@ -180,7 +180,7 @@ def _overlap(prog, best: str, fused: list[str], jobs, ns, dev: torch.device) -> 
     kernel on its side stream (the fence), kernel first. Then, per fused variant, one
     program with those copies as copy tiles (copies + quantize in one launch; what it
     leaves to torch is in the timed call too), its copies checked bit for bit."""
-    from policyworker.layout.fp8 import Fp8Target
+    from policyworker.layout.formats import Fp8Target
     from policyworker.models import param_specs as specs
 
     _configure(prog, best)
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     t_start = time.perf_counter()
     dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    from policyworker.layout.fp8 import Fp8Target
+    from policyworker.layout.formats import Fp8Target
 
     target = Fp8Target()
     shapes = [s for n, (s, _) in param_specs(get_preset(ns.preset), torch.bfloat16).items() if target.targets(n)]

@@ -74,17 +74,18 @@ def _quantize_eager(src: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: 
 
 def _receiver_quant_jobs(fp8_plan, bf16_params, fp8_params):
     """(bf16 landed tensor region, fp8 region, scale region) per quantized copy."""
-    from policyworker.layout import fp8 as f
-    from policyworker.layout.fp8_pack import _region
+    from policyworker.layout.formats import block_fp8_grid as f
+    from policyworker.layout.formats.block_fp8 import is_fp8_copy
+    from policyworker.layout.formats.block_fp8_pack import _region
 
     names = fp8_plan.body.tensor_names
     jobs = []
     for t in fp8_plan.receives(0):
         for c in t.copies:
-            if not f.is_fp8_copy(fp8_plan, c):
+            if not is_fp8_copy(fp8_plan, c):
                 continue
             name = names[c.dst_tensor]
-            br, bc = f.blocks(c.start, c.stop, f.block_of(fp8_plan))
+            br, bc = f.blocks(c.start, c.stop, fp8_plan.dest_format.block)
             sr, sc = f.scale_at(fp8_plan, c)
             jobs.append((_region(bf16_params[name], c.dst_at, c.start, c.stop),
                          _region(fp8_params[name], c.dst_at, c.start, c.stop),
@@ -95,8 +96,9 @@ def _receiver_quant_jobs(fp8_plan, bf16_params, fp8_params):
 def _check(plan, params, version: int, dev: torch.device, only_fp8: bool = False) -> bool:
     """Every landed byte (and scale) equals the regenerated source (quantized in plain
     torch); ``only_fp8``: the quantized tensors alone (the receiver-side quantization)."""
-    from policyworker.layout import fp8 as f
-    from policyworker.layout.fp8_pack import _region, quantize_bands
+    from policyworker.layout.formats import block_fp8_grid as f
+    from policyworker.layout.formats.block_fp8 import is_fp8_copy
+    from policyworker.layout.formats.block_fp8_pack import _region, quantize_bands
 
     names = plan.body.tensor_names
     srcs = plan.local_tensors("src", 0)
@@ -105,12 +107,12 @@ def _check(plan, params, version: int, dev: torch.device, only_fp8: bool = False
             name = names[c.src_tensor]
             full = torch.empty(srcs[name].shape, dtype=getattr(torch, srcs[name].dtype), device=dev)
             _seeded_(full, name, version)
-            if only_fp8 and not f.is_fp8_copy(plan, c):
+            if only_fp8 and not is_fp8_copy(plan, c):
                 continue
             want = _region(full, c.src_at, c.start, c.stop)
             have = _region(params[names[c.dst_tensor]], c.dst_at, c.start, c.stop)
-            if f.is_fp8_copy(plan, c):
-                br, bc = f.blocks(c.start, c.stop, f.block_of(plan))
+            if is_fp8_copy(plan, c):
+                br, bc = f.blocks(c.start, c.stop, plan.dest_format.block)
                 q = torch.empty(want.shape, dtype=torch.float8_e4m3fn, device=dev)
                 s = torch.empty((br, bc), dtype=torch.float32, device=dev)
                 quantize_bands(want, q, s)
@@ -148,7 +150,7 @@ def _phases(t0: float, stamps: dict[str, float], t1: float) -> dict[str, float]:
 
 def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
     from policyworker.layout import build_plan
-    from policyworker.layout.fp8_pack import QuantJobs
+    from policyworker.layout.formats.block_fp8_pack import QuantJobs
     from policyworker.models import get_preset, param_specs
     from policyworker.layout.local import flat_local_tensors
 

@@ -47,14 +47,15 @@ async def trainer(rank, n_train, n_gen, model_dir, commands, replies):
     from policyworker.integrations.vllm_plan import prepare_vllm_refit
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    w = TorchPolicyWorker(model, rank=rank, world_size=n_train, timeout_s=60, reshard_options={"bucket_bytes": 64 << 10})
+    w = TorchPolicyWorker(model, rank=rank, world_size=n_train, timeout_s=60)
 
     async def connect(cmd):  # fresh ports every time: the old groups may still hold theirs
         w.refit_version = cmd["version"]  # a replacement trainer takes the survivors' version
         world = n_train + n_gen
         await w.init_collective(cmd["host"], cmd["update_port"], world, train_world_size=n_train)
         await w.init_nccl_reshard_comm_group([cmd["host"]], [cmd["stage_port"]], 1, 0, world, rank)
-        await prepare_vllm_refit(w, f"tp={n_train}", n_gen)  # reads vLLM's needs, publishes the plan
+        # reads vLLM's needs, publishes the plan, attaches nccl_reshard (setup = the engine's reshard_options)
+        await prepare_vllm_refit(w, f"tp={n_train}", n_gen, bucket_bytes=64 << 10)
 
     loop = asyncio.get_running_loop()
     while (cmd := await loop.run_in_executor(None, commands.get)) != "stop":  # your RPC
@@ -63,7 +64,7 @@ async def trainer(rank, n_train, n_gen, model_dir, commands, replies):
                 await connect(cmd)
             elif cmd["cmd"] == "refit":
                 train_step(model, cmd["version"], cmd.get("die_after_waits"))
-                await w.nccl_reshard_refit(refit_timeout_s=60)  # sends w.refit_version + 1
+                await w.refit("nccl_reshard", refit_timeout_s=60)  # sends w.refit_version + 1
             replies.put({"rank": rank, "ok": True})
         except PolicyWorkerError as exc:
             replies.put({"rank": rank, "ok": False, "error": type(exc).__name__})

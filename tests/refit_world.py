@@ -56,7 +56,7 @@ class RefitSpec:
 
     @property
     def gen_par(self) -> Parallelism:
-        from policyworker.layout.fp8 import split_gen_layout
+        from policyworker.layout.formats import split_gen_layout
 
         return Parallelism.parse(split_gen_layout(self.gen)[0])  # "tp=2,fp8=block128" too
 
@@ -203,7 +203,7 @@ def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
             exact = set(want) == set(have) and all(same_bits(have[k], want[k]) for k in want)
             out["outcomes"].append({"ok": True, "exact": exact, "version": rep.version, "bytes": rep.bytes,
                                     "seconds": time.perf_counter() - t0, "kv_scales": w.kv_scales,
-                                    "peak_extra_bytes": rep.peak_extra_bytes, "mid": mid})
+                                    "report_kv_scales": rep.kv_scales, "peak_extra_bytes": rep.peak_extra_bytes, "mid": mid})
         out["weight_version"] = w.weight_version
         out["staging_bytes"] = w.staging_bytes
         out["recv_expected"] = plan.recv_bytes_per_dst_rank()[g]

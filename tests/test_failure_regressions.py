@@ -444,7 +444,9 @@ def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int, mid_
             await w.init_nccl_reshard_comm_group(["127.0.0.1"], [stage], 1, 0, 2, 0)
             await w.prepare_nccl_reshard_refit_info(Parallelism.parse("tp=1"), "tp=1", 1, 1)
             try:
-                await w.nccl_reshard_refit(refit_timeout_s=60)
+                # The interrupted rollout's sockets close, but a send already handed to gloo
+                # learns nothing of it: the trainer ends at its deadline (RefitTimeout).
+                await w.nccl_reshard_refit(refit_timeout_s=15 if mid_transfer else 60)
             except PolicyWorkerError as exc:  # the rollout was interrupted: expected in that case
                 print("trainer", type(exc).__name__, flush=True)
         else:
@@ -482,11 +484,11 @@ def _spawn_exit_body(role: str, update: int, stage: int, vocab: int, hidden: int
 def test_sigint_mid_transfer_exits_as_a_keyboard_interrupt_not_an_abort():
     import signal
 
-    # 32768 x 1024 float32 embeddings and lm_head: ~270 MB in 16 MiB buckets; the signal lands
+    # 16384 x 1024 float32 embeddings and lm_head: ~135 MB in 16 MiB buckets; the signal lands
     # mid-transfer (the rollout never prints "committed") with receives still posted.
     update, stage = free_port(), free_port()
-    trainer = _spawn_exit_body("trainer", update, stage, 32768, 1024, True)
-    rollout = _spawn_exit_body("rollout", update, stage, 32768, 1024, True)
+    trainer = _spawn_exit_body("trainer", update, stage, 16384, 1024, True)
+    rollout = _spawn_exit_body("rollout", update, stage, 16384, 1024, True)
     try:
         assert rollout.stdout.readline().strip() == "bulk"
         rollout.send_signal(signal.SIGINT)

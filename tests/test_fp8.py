@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -12,9 +13,10 @@ from hypothesis import strategies as st
 
 from policyworker.errors import ConfigError, PlanError
 from policyworker.layout import apply_plan, bucket_copies, build_plan, dest_shards, empty_local_tensors
-from policyworker.layout import pack, plan_report, source_shards, unpack
-from policyworker.layout.fp8 import FP8_DTYPE, Fp8Target, split_gen_layout
-from policyworker.layout.fp8_pack import dequantize, quantize_into, quantize_reference
+from policyworker.layout import ReshardPlan, pack, plan_report, source_shards, unpack
+from policyworker.layout.formats import BlockFp8Format, PlainFormat, split_gen_layout
+from policyworker.layout.formats.block_fp8 import FP8_DTYPE, Fp8Target
+from policyworker.layout.formats.block_fp8_pack import dequantize, quantize_into, quantize_reference
 from policyworker.models import get_preset, seeded_state_dict
 
 from .helpers import same_bits
@@ -45,7 +47,7 @@ def test_fused_quantizer_equals_the_oracle_and_the_e4m3_bound_holds(shape, seed,
     fs = torch.full(s.shape, float("nan"))
     quantize_into(w, fq, fs)
     assert same_bits(fq, q) and same_bits(fs, s)
-    # The bound, per element of each block with scale s (module docstring of fp8_pack):
+    # The bound, per element of each block with scale s (module docstring of block_fp8_pack):
     # |w - q*s| <= 2^-4 |w| + 2^-10 s, plus 2^-22 |w| of float32 rounding in x / s.
     x = w.to(torch.float64)
     sf = s.to(torch.float64).repeat_interleave(B, 0).repeat_interleave(B, 1)[:n, :k]
@@ -86,7 +88,7 @@ def test_fp8_plan_sizes_and_which_tensors_quantize():
     bf16 = build_plan(config, "tp=2", "tp=4", 2, 4)
     plan = build_plan(config, "tp=2", "tp=4,fp8=block128", 2, 4)
     plan.validate()
-    assert plan.body.gen_fp8_block == 128 and bf16.body.gen_fp8_block == 0
+    assert plan.dest_format == BlockFp8Format(block=128) and bf16.dest_format == PlainFormat()
     kinds = {plan.tensor_name(t.name): t.dtype for t in plan.body.dests if t.rank == 0}
     assert kinds["model.embed_tokens.weight"] == "bfloat16" and kinds["lm_head.weight"] == "bfloat16"
     assert kinds["model.norm.weight"] == "bfloat16"
@@ -102,6 +104,27 @@ def test_fp8_plan_sizes_and_which_tensors_quantize():
     rep = plan_report("qwen3-8b", "tp=2", "tp=4,fp8=block128")
     assert rep["fp8"] == "block128" and rep["total_bytes"] == plan.total_bytes == rep["min_bytes"]
     assert sum(rep["recv_bytes_per_dst_rank"].values()) == plan.total_bytes
+
+
+def test_the_plan_carries_its_format_on_the_wire():
+    config = _config()
+    plan = build_plan(config, "tp=1", "tp=2,fp8=block128", 1, 2)
+    assert plan.to_dict()["dest_format"] == {"name": "block_fp8", "block": 128}
+    assert build_plan(config, "tp=1", "tp=2", 1, 2).to_dict()["dest_format"] == {"name": "plain"}
+    back = ReshardPlan.from_wire(plan.to_wire())
+    assert back.dest_format == BlockFp8Format(block=128) and back.hash == plan.hash
+    via_json = ReshardPlan.from_dict(msgspec.json.decode(msgspec.json.encode(plan.to_dict())))
+    assert via_json.hash == plan.hash and via_json.min_bytes == plan.min_bytes
+    # the same boxes with another block size are another plan
+    block64 = build_plan(config, "tp=1", "tp=2,fp8=block64", 1, 2)
+    assert block64.hash != plan.hash and block64.dest_format == BlockFp8Format(block=64)
+    bad = plan.to_dict()
+    bad["dest_format"] = {"name": "int4"}
+    with pytest.raises(PlanError, match="not a reshard plan"):
+        ReshardPlan.from_dict(bad)
+    bad["dest_format"] = {"name": "block_fp8", "block": 0}
+    with pytest.raises(PlanError, match="not a reshard plan"):
+        ReshardPlan.from_dict(bad)
 
 
 def test_a_split_block_is_a_plan_error_naming_param_and_tp():
@@ -124,12 +147,12 @@ def test_layout_option_and_per_parameter_rule():
     with pytest.raises(ConfigError):
         Fp8Target(block=0)
     only_mlp = Fp8Target(match=r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj\.weight")
-    plan = build_plan(_config(), "tp=1", "tp=1", 1, 1, fp8=only_mlp)
+    plan = build_plan(_config(), "tp=1", "tp=1", 1, 1, gen_format=only_mlp)
     kinds = {plan.tensor_name(t.name): t.dtype for t in plan.body.dests}
     assert kinds["model.layers.0.mlp.gate_up_proj.weight"] == FP8_DTYPE
     assert kinds["model.layers.0.self_attn.qkv_proj.weight"] == "bfloat16"
     with pytest.raises(PlanError, match="mixes fp8"):
-        build_plan(_config(), "tp=1", "tp=1", 1, 1, fp8=Fp8Target(match=r".*\.q_proj\.weight"))
+        build_plan(_config(), "tp=1", "tp=1", 1, 1, gen_format=Fp8Target(match=r".*\.q_proj\.weight"))
 
 
 def _specs(n: int, k: int):

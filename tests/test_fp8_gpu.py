@@ -28,7 +28,7 @@ def _case(n, k, seed, dtype, dev):
 
 @pytest.mark.parametrize("fast_div", [False, True], ids=["div_rn", "reciprocal+corrections"])
 def test_triton_kernel_equals_the_oracle_in_one_launch(fast_div):
-    from policyworker.layout.fp8_pack import quantize_reference
+    from policyworker.layout.formats.block_fp8_pack import quantize_reference
     from policyworker.ops.fp8_triton import QuantProgram
 
     dev = torch.device("cuda:0")

@@ -67,6 +67,25 @@ async def test_a_transport_by_name_refits_bit_exact_and_versions_advance():
         await rollout.shutdown()
 
 
+async def test_attach_without_connect_connects_inside_the_first_refit():
+    model, trainer, rollout = _pair()
+    hub = MemoryHub()
+    try:
+        with pytest.raises(ConfigError, match="connect must be a bool"):
+            await rollout.attach_transport("memory", connect="later", hub=hub)
+        await rollout.attach_transport("memory", connect=False, hub=hub)
+        assert rollout.attachment("memory").connected is False  # nothing collective yet
+        await trainer.attach_transport("memory", connect=False, hub=hub)
+        _perturb(model, 1)
+        sent, got = await asyncio.gather(trainer.refit("memory"), rollout.refit("memory"))
+        assert (sent.version, got.version, rollout.attachment("memory").connected) == (1, 1, True)
+        for name, p in model.named_parameters():
+            assert torch.equal(rollout.weights()[name], p.detach())
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
 async def test_an_instance_is_accepted_and_detach_closes_it():
     model, trainer, rollout = _pair()
     hub = MemoryHub()

@@ -35,6 +35,7 @@ def _run_ok(preset, train, gen, **kw):
         assert r["weight_version"] == spec.refits
         assert all(o["bytes"] == r["recv_expected"] for o in outs)  # exactly its shard's bytes
         assert [o["kv_scales"] for o in outs] == [kv_scales(spec, v) for v in range(1, spec.refits + 1)]
+        assert [o["report_kv_scales"] for o in outs] == [o["kv_scales"] for o in outs]  # the report carries them
     return results
 
 

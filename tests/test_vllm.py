@@ -34,9 +34,14 @@ def test_three_refits_into_vllm_generate_like_hf(world):
     assert all(r["ok"] for r in replies), replies
     assert len({r["hash"] for r in replies}) == 1
     for version in (1, 2, 3):
-        error, replies = world.refit(version)
+        # FP8 kv-cache scales ride with refit 2 only: each refit's report says what it carried.
+        scales = {"model.layers.0.self_attn.attn.k_scale": 0.25 * version, "model.layers.1.self_attn.attn.v_scale": 3.0} \
+            if version == 2 else None
+        error, replies = world.refit(version, kv_scales=scales)
         assert error is None
         assert [r["version"] for r in replies] == [version, version], replies
+        assert [r["kv_scales"] for r in replies] == [scales, scales], replies
+        assert world.llm.collective_rpc(lambda worker: worker.weight_transfer_engine.kv_scales) == [scales]
         got = world.tokens()
         assert got == world.oracle(version)
         assert got != world.history[version - 1]

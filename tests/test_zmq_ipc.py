@@ -37,6 +37,7 @@ def _run(spec: ZmqSpec) -> list[dict]:
         assert [o["weight_version"] for o in outs] == list(range(1, spec.refits + 1))
         assert all(o["bytes"] == r["expected_bytes"] for o in outs)
         assert [o["kv_scales"] for o in outs] == [{"k": 0.5 * v} for v in range(1, spec.refits + 1)]
+        assert [o["report_kv_scales"] for o in outs] == [o["kv_scales"] for o in outs]  # the report carries them
     return results
 
 

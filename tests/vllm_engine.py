@@ -64,16 +64,18 @@ class VllmWorld:
         self.llm.init_weight_transfer_engine({"init_info": info})
         return self.pool.replies(self.spec.timeout_s)
 
-    def refit(self, version: int, *, die: dict[int, int] | None = None) -> tuple[Exception | None, list]:
+    def refit(self, version: int, *, die: dict[int, int] | None = None,
+              kv_scales: dict[str, float] | None = None) -> tuple[Exception | None, list]:
         """Trainers send ``version`` while the controller drives vLLM's four calls.
 
         ``die``: {trainer rank: k} makes that trainer SIGKILL itself after its k-th
-        wait of this refit. Returns (the engine-side error, as its policyworker class, or
-        None; trainer replies of the trainers still alive).
+        wait of this refit; ``kv_scales``: what the trainers send with it. Returns (the
+        engine-side error, as its policyworker class, or None; trainer replies of the
+        trainers still alive).
         """
         die = die or {}
         for rank in range(self.spec.n_train):
-            cmd = {"cmd": "refit", "version": version}
+            cmd = {"cmd": "refit", "version": version, "kv_scales": kv_scales}
             if rank in die:
                 cmd["die_after_waits"] = die[rank]
             self.pool.send(cmd, [rank])

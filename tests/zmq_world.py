@@ -111,7 +111,7 @@ def zmq_rank(rank: int, spec: ZmqSpec) -> dict[str, Any]:
                                        seeded_state_dict(config, seed=version, dtype=torch.float32))
                     have = w.weights()
                     row["exact"] = set(want) == set(have) and all(same_bits(have[k].cpu(), want[k]) for k in want)
-                    row["kv_scales"] = w.kv_scales
+                    row["kv_scales"], row["report_kv_scales"] = w.kv_scales, rep.kv_scales
                     row["weight_version"] = w.weight_version
                 row.update(ok=True, bytes=rep.bytes, notes=list(rep.notes), buckets=rep.buckets,
                            peak_extra=rep.peak_extra_bytes, report_version=rep.version)

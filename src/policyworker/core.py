@@ -264,7 +264,7 @@ class WorkerCore(DeviceQueries):
             update_group=self.model_update_group, world_size=getattr(self, "world_size", 1),
         )
 
-    async def attach_transport(self, name: str | Transport, /, **setup: Any) -> None:
+    async def attach_transport(self, name: str | Transport, /, *, connect: bool = True, **setup: Any) -> None:
         """Attach transport ``name`` (a registered name, or an instance) and connect it.
 
         ``setup`` is checked against the transport's ``Setup`` (unknown keys and bad
@@ -272,10 +272,15 @@ class WorkerCore(DeviceQueries):
         refit-info dict) is the worker's: required by transports that reshard.
         Attaching the same name again reconnects (recovery): the instance is kept when
         the setup is unchanged, replaced (old one closed) otherwise. ``connect`` is
-        collective with the peers: every side attaches at the same time.
+        collective with the peers: every side attaches at the same time. With
+        ``connect=False`` the connect is left to the next ``refit`` (inside its
+        deadline), for a side whose peers connect when their refit starts.
         """
+        if not isinstance(connect, bool):
+            raise ConfigError(f"connect must be a bool, got {connect!r}")
         att = await self._attach(name, setup)
-        await self._connect(att, None)
+        if connect:
+            await self._connect(att, None)
 
     async def _attach(self, name: str | Transport, setup: Mapping[str, Any]) -> Attachment:
         """Attach without connecting (the NeMo-named shims connect inside the refit's deadline)."""

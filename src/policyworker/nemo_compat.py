@@ -21,7 +21,7 @@ seed methods (trainer / rollout)                      on the road
 
 The wiring methods record what they built (groups, plans, sockets) in the transport's
 state dict under ``seed_*`` keys and mark it changed; the next refit shim attaches the
-transport with it (the road's attach, no connect: the connect then runs inside the
+transport with it (``attach_transport(name, connect=False, ...)``: the connect then runs inside the
 refit's deadline, so a peer that never comes is bounded like any other wait). A refit
 shim after no change is ``refit`` and nothing else.
 
@@ -185,7 +185,7 @@ class _Compat:
         setup = {**self._base_setup(name), **wiring}
         if att is None or att.raw_setup != {k: v for k, v in setup.items() if k != "plan"} \
                 or att.plan != setup.get("plan"):
-            await self._attach(name, setup)
+            await self.attach_transport(name, connect=False, **setup)
         elif "plan" in wiring:  # an equal plan: wire the attached object, so later calls stop at the check above
             state["seed_plan"] = att.plan
         state.pop("seed_changed", None)

@@ -185,7 +185,7 @@ class RolloutWorker(RolloutCompat, WorkerCore):
         return att.plan.recv_bytes_per_dst_rank().get(self.rank, 0)
 
     def _after_refit(self, att: Attachment, ctx: TransportContext, report: RefitReport) -> None:
-        self.kv_scales = ctx.state.get("kv_scales")
+        self.kv_scales = report.kv_scales
         self.last_report = report
         self._ready = ctx.ready
 

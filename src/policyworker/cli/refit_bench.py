@@ -33,6 +33,7 @@ import torch
 
 from ..errors import ConfigError, PlanError
 from ..layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
+from ..layout.formats import BlockFp8Format, split_gen_layout
 from .output import ratio_spread
 from ..procs import free_port, start_world
 
@@ -65,8 +66,6 @@ class RefitBenchSpec:
 
     @property
     def gen_par(self) -> Parallelism:
-        from ..layout.fp8 import split_gen_layout
-
         return Parallelism.parse(split_gen_layout(self.gen)[0])  # gen may carry fp8=block128
 
     def validate(self) -> None:
@@ -284,7 +283,7 @@ def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
         "preset": spec.preset,
         "dtype": spec.dtype,
         "layouts": {"train": str(train), "gen": str(gen)},
-        "fp8": plan.body.gen_fp8_block or None,
+        "fp8": plan.dest_format.block if isinstance(plan.dest_format, BlockFp8Format) else None,
         "processes": n,
         "bucket_bytes": spec.bucket_bytes,
         "in_flight": spec.in_flight,

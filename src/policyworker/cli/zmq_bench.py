@@ -219,12 +219,12 @@ def _flat_copy(src: torch.Tensor, dst: torch.Tensor, dev: torch.device) -> float
 def _own_runs(w) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """The rollout's compiled copy runs (trainer storage → its own tensors), once the
     first refit built them, when the refit is nothing but those runs (no staged buckets,
-    no fp8 jobs); else None."""
+    no format launch); else None."""
     program = w._refit_transport_state("zmq").get("program")  # a zmq_program.CopyProgram
     if program is None:
         return None
     runs = program.runs
-    return list(runs) if runs and not program.buckets and not len(program.quant) else None
+    return list(runs) if runs and not program.buckets and not len(program.launch) else None
 
 
 def _runs_copy(runs: list[tuple[torch.Tensor, torch.Tensor]], dev: torch.device) -> float:

@@ -14,16 +14,18 @@ worker (one per tp rank) and is driven by vLLM's four calls:
     on the update group's store. Blocks until the trainers joined the same groups.
 ``start_weight_update()``
     Fetches the trainers' plan from the store the first time (bounded by the group
-    timeout), checks that it delivers exactly this rank's needs, and allocates the
-    staging once (:class:`~.vllm_stage.VllmStage`: two sets of vLLM's parameters in the
-    shape its loaders fill, checked once against those loaders; vLLM's live weights
-    are untouched until commit).
+    timeout), checks that it delivers exactly this rank's needs, and attaches
+    ``nccl_reshard`` with it, once per plan (:mod:`.vllm_join`), into the staging
+    allocated once (:class:`~.vllm_stage.VllmStage`: two sets of vLLM's parameters in
+    the shape its loaders fill, checked once against those loaders; vLLM's live
+    weights are untouched until commit).
 ``update_weights({"version": v})``
-    Refuses a ``v`` not newer than the served version before a byte moves. Receives
-    one ``nccl_reshard`` refit point to point — each vLLM rank only its own boxes,
-    straight into the staging set nothing live references — and waits for every
+    Refuses a ``v`` not newer than the served version before a byte moves. One
+    ``worker.refit("nccl_reshard")`` point to point — each vLLM rank only its own boxes,
+    straight into the staging set nothing live references — which waits for every
     rank's verdict (the update group's star). The trainers' announced version must be
-    ``v``. Any failure raises here, and vLLM keeps serving the previous weights.
+    ``v``; the report's kv-cache scales are kept (``kv_scales``). Any failure raises
+    here, and vLLM keeps serving the previous weights.
 ``finish_weight_update(weight_version)``
     Commits: runs each layer's own post-processing (``process_weights_after_loading``:
     on CPU the linear layers prepack their weights and drop the parameter, so bytes
@@ -46,10 +48,8 @@ swap itself fail, the engine is *torn* on every rank: every later
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,10 +62,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ..ledger import WeightLedger
-from ..errors import (ConfigError, PlanMismatch, PolicyWorkerError, ProtocolError, RefitTimeout, TornWeights,
+from ..errors import (ConfigError, PlanMismatch, PolicyWorkerError, ProtocolError, TornWeights,
                       translate_comm_error)
 from ..layout.plan import ReshardPlan
 from .vllm_errors import engine_error, mark, typed_errors
+from .vllm_join import Joined, Loop as _Loop, join
 from .vllm_overlap import OverlappedReceive, StepCounter
 from .vllm_plan import NEEDS_KEY, PLAN_KEY, encode_needs
 from .vllm_rpc import Agreement, install_single_reply
@@ -181,28 +182,6 @@ def _marked(method: Any) -> Any:
     return wrapper
 
 
-class _Loop:
-    """A private asyncio loop on a daemon thread: vLLM's calls are synchronous, ours async."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="policyworker-vllm-loop", daemon=True)
-        self._thread.start()
-
-    def call(self, coro: Any, timeout_s: float) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout_s)
-        except TimeoutError:
-            if not future.cancel() and future.done():
-                return future.result()  # it finished just as the wait ran out
-            raise RefitTimeout(f"a policyworker call inside vLLM did not return within {timeout_s:g} s") from None
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5.0)
-
-
 class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo, PolicyworkerUpdateInfo]):
     """See the module docstring."""
 
@@ -224,13 +203,13 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self._stage: VllmStage | None = None
         self._prepared_for: int | None = None
         self._loop: _Loop | None = None
-        self._worker: Any = None
+        self._joined: Joined | None = None
         self._info: PolicyworkerInitInfo | None = None
-        self._plan_loaded = False
-        self._plan: ReshardPlan | None = None
         self._received: int | None = None
         #: The last refit's report on this rank (its notes say whether it was a delta).
         self.last_report: Any = None
+        #: The FP8 kv-cache scales the trainers sent with the last refit received (None: none).
+        self.kv_scales: dict[str, float] | None = None
         #: The version of the last refit this engine committed into vLLM (None: none yet).
         # vLLM's live weights go through the one commit path too: the staging RolloutWorker
         # has its own ledger (bytes landed), this one says what vLLM serves.
@@ -297,31 +276,13 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
                      on_failure=self._close_worker)
 
     def _init(self, init_info: PolicyworkerInitInfo, bound: float) -> None:
-        from ..rollout import RolloutWorker
-
         if self._loop is None:
             self._loop = _Loop()
         self._close_worker()
-        n_train = sum(init_info.trainers_per_stage)
         gen_world = init_info.gen_world_size or self.tp_size
         rank = init_info.rank_offset + self.tp_rank
         device = "cpu" if self.device.type == "cpu" else self.device
         self.needs = msgspec.structs.replace(self.needs, rank=rank)
-
-        async def build() -> Any:
-            worker = RolloutWorker(rank=rank, gen_world_size=gen_world, device=device, timeout_s=init_info.timeout_s,
-                                   reshard_options=init_info.reshard_options)
-            try:
-                await worker.init_collective(init_info.host, init_info.update_port, n_train + gen_world,
-                                             train_world_size=n_train)
-                hosts = init_info.stage_hosts or [init_info.host] * len(init_info.stage_ports)
-                await worker.init_nccl_reshard_comm_groups(hosts, init_info.stage_ports, init_info.trainers_per_stage)
-                await worker._run(worker.model_update_group.store.set, NEEDS_KEY.format(rank=rank),
-                                  encode_needs(self.needs))
-            except BaseException:
-                await worker.shutdown()
-                raise
-            return worker
 
         if self._stage is None:
             # Once per engine, before joining: both staging sets, checked against
@@ -332,9 +293,9 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             self._stage = stage
         self._stage.copy_into_live = self._copy_into_live(init_info.commit)
         self._stage.cpu_linear = init_info.cpu_linear
-        self._worker = self._call(build(), bound)
+        self._joined = self._call(join(init_info, rank=rank, gen_world_size=gen_world, device=device,
+                                       key=NEEDS_KEY.format(rank=rank), note=encode_needs(self.needs)), bound)
         self._info = init_info
-        self._plan_loaded = False
         self._received = None
 
     def _copy_into_live(self, mode: str) -> bool:
@@ -346,7 +307,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         return self.device.type != "cpu" or self.vllm_config.compilation_config.mode != CompilationMode.NONE
 
     def _load_plan(self) -> None:
-        worker = self._worker
+        joined = self._joined
+        worker = joined.worker
         try:
             data = worker.model_update_group.store.get(PLAN_KEY)
         except Exception as exc:  # the store raises DistStoreError/RuntimeError on timeouts
@@ -367,22 +329,21 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
                 wire[plan.params[p.param].name] = local.dtype
         if self._stage.wire_dtypes != wire:
             self._stage.set_wire_dtypes(wire)
-        worker.load_refit_plan(plan, params=self._stage.receive_views())
-        self._plan = plan
-        self._plan_loaded = True
+        # Once per plan: the worker checks the staging views against it here, not per update.
+        self._call(joined.attach(plan, self._stage.receive_views()), self._info.timeout_s)
 
     # -- one update -------------------------------------------------------------------
     def _require_worker(self) -> Any:
-        if self._worker is None:
+        if self._joined is None:
             raise ConfigError("call init_weight_transfer_engine before a weight update")
-        return self._worker
+        return self._joined.worker
 
     def start_weight_update(self) -> None:
         self._agreed("start_weight_update", self._info.timeout_s if self._info else 0.0, self._start)
 
     def _start(self) -> None:
         self._require_worker()
-        if not self._plan_loaded:
+        if self._joined.plan is None:
             self._load_plan()
         self._received = None
 
@@ -419,7 +380,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             raise ConfigError(f"vLLM rank {worker.rank}: the last overlapped update failed in finish_weight_update; "
                               f"this update_weights only closes that session (nothing received): call "
                               f"start_weight_update again", rank=worker.rank)
-        if not self._plan_loaded:
+        joined = self._joined
+        if joined.plan is None:
             raise ConfigError("call start_weight_update before update_weights")
         self._received = None
         served = self.ledger.version
@@ -432,21 +394,22 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         if self._info.reshard_options.get("delta"):
             # A delta applies to what the receive buffers hold: the newest version received.
             self._stage.catch_up()
-        # Into the staging set that nothing live references (it alternates per commit).
-        worker.load_refit_plan(self._plan, params=self._stage.receive_views())
+        # Into the staging set that nothing live references (it alternates per commit; both
+        # sets are twins of the one checked at attach).
+        joined.land_in(self._stage.receive_views())
         bound = timeout if timeout is not None else self._info.timeout_s
         if self._info.overlap:
             self._pending = OverlappedReceive.start(
-                self._loop, worker.receive_nccl_reshard_refit(refit_timeout_s=timeout), worker=worker,
+                self._loop, joined.refit(timeout), worker=worker,
                 version=update_info.version, step=self.steps.count, timeout_s=bound)
             return
         try:
-            report = self._call(worker.receive_nccl_reshard_refit(refit_timeout_s=timeout), bound)
+            report = self._call(joined.refit(timeout), bound)
         except BaseException:
             self._stage.received(False)
             raise
         self._stage.received(True)
-        self.last_report = report
+        self.last_report, self.kv_scales = report, report.kv_scales
         if report.version != update_info.version:
             raise ProtocolError(f"the trainers sent version {report.version}, update_info says "
                                 f"{update_info.version}; nothing committed", rank=worker.rank)
@@ -472,6 +435,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
                 self._open_session = True
                 raise
             self._stage.received(True)
+            self.last_report, self.kv_scales = pending.report, pending.report.kv_scales
         version = self._received
         prepared = self._agreed("finish_weight_update", bound, self._prepare)
         self._agreed("finish_weight_update (swap)", bound, lambda: self._swap(version, prepared),
@@ -510,12 +474,15 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
 
     # -- teardown ---------------------------------------------------------------------
     def _close_worker(self) -> None:
-        worker, self._worker = self._worker, None
-        if worker is not None and self._loop is not None:
+        joined, self._joined = self._joined, None
+        if joined is not None and self._loop is not None:
             try:
-                self._call(worker.shutdown(), worker.timeout_s)
+                self._call(joined.worker.shutdown(), joined.worker.timeout_s)
             except PolicyWorkerError as exc:
                 logger.warning("policyworker: closing the old groups failed: %s", exc)
+            else:
+                if joined.worker.shutdown_clean:  # else the executor may still be inside one: leave them
+                    joined.close()
 
     def shutdown(self) -> None:
         if self._stage is not None:

@@ -8,9 +8,9 @@ weight rows, members stacked in the same order, one column per ``B`` input colum
 
 The refit keeps the trainer in BF16 and quantizes where the bytes leave: a vLLM rank
 publishes its weight boxes as usual plus which of them land as FP8 (:func:`fp8_fields`);
-the trainers' plan then carries those boxes as block-FP8 targets (:mod:`..layout.fp8`:
-each copy is the box's fp8 bytes and its block scales, quantized by the trainer's pack
-step), so each rank receives ~half the bytes of BF16. The scales are not trainer
+the trainers' plan then carries those boxes as block-FP8 targets
+(:mod:`..layout.formats.block_fp8`: each copy is the box's fp8 bytes and its block
+scales, quantized by the trainer's pack step), so each rank receives ~half the bytes of BF16. The scales are not trainer
 parameters: each ``weight_scale_inv`` member is a *derived* target (:func:`fp8_targets`),
 the block rows of its weight box, placed where vLLM's own scale loader puts them (checked
 at init like every other box). The commit is vLLM's own ``process_weights_after_loading``
@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigError
-from ..layout.fp8 import SCALE_SUFFIX, Fp8Target
+from ..layout.formats.block_fp8 import SCALE_SUFFIX, Fp8Target
 from .vllm_plan import Need
 
 __all__ = ["block_fp8_size", "fp8_fields", "fp8_quant_config", "fp8_targets", "save_fp8_checkpoint"]
@@ -108,7 +108,7 @@ def save_fp8_checkpoint(model: Any, path: str, *, target: Fp8Target | None = Non
 
     Tensors ``target`` matches (default: the linear projections) are stored as
     ``float8_e4m3fn`` plus ``<name>_scale_inv`` by the reference quantizer (the rule the
-    refit quantizes by, :mod:`..layout.fp8_pack`); ``config.json`` gets the
+    refit quantizes by, :mod:`..layout.formats.block_fp8_pack`); ``config.json`` gets the
     ``quantization_config`` vLLM reads. Returns the quantized names.
     """
     import json
@@ -116,7 +116,7 @@ def save_fp8_checkpoint(model: Any, path: str, *, target: Fp8Target | None = Non
 
     from safetensors.torch import load_file, save_file
 
-    from ..layout.fp8_pack import quantize_reference
+    from ..layout.formats.block_fp8_pack import quantize_reference
 
     target = target or Fp8Target()
     model.save_pretrained(path, safe_serialization=True)

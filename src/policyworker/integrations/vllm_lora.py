@@ -48,7 +48,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from ..errors import ConfigError, PlanMismatch, ProtocolError, TornWeights, translate_comm_error
 from ..layout.plan import ReshardPlan
 from ..ledger import WeightLedger
-from .vllm import PolicyworkerInitInfo, PolicyworkerUpdateInfo, PolicyworkerWeightTransferEngine, _Loop, _marked
+from .vllm import PolicyworkerInitInfo, PolicyworkerUpdateInfo, PolicyworkerWeightTransferEngine, _marked
+from .vllm_join import Joined, Loop, join
 from .vllm_lora_plan import ENGINE_KEY, PLAN_KEY, LoraEngineInfo, LoraPlanInfo, decode, encode
 
 __all__ = ["BACKEND_LORA", "LORA_ID", "LORA_NAME", "PolicyworkerLoraEngine", "checkpoint_hash", "lora_request"]
@@ -107,8 +108,8 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         self._vllm_remove_all = self.manager.remove_all_adapters
         self.manager.remove_all_adapters = self._remove_all_adapters
         self._base_hash: str | None = None
-        self._loop: _Loop | None = None
-        self._worker: Any = None
+        self._loop: Loop | None = None
+        self._joined: Joined | None = None
         self._info: PolicyworkerInitInfo | None = None
         self._plan: ReshardPlan | None = None
         self._helper: Any = None
@@ -117,6 +118,8 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         #: Seconds of the last commit (LoRAModel built + installed), apart from the wire.
         self.last_install_s: float | None = None
         self.ledger = WeightLedger(rank=self.tp_rank, what="vLLM LoRA adapter")
+        #: The kv-cache scales the trainers sent with the last refit received (None: none).
+        self.kv_scales: dict[str, float] | None = None
 
     parse_init_info = PolicyworkerWeightTransferEngine.parse_init_info
     parse_update_info = PolicyworkerWeightTransferEngine.parse_update_info
@@ -127,35 +130,19 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
     # -- init -------------------------------------------------------------------------
     @_marked
     def init_transfer_engine(self, init_info: PolicyworkerInitInfo) -> None:
-        from ..rollout import RolloutWorker
-
         if self._base_hash is None:
             self._base_hash = checkpoint_hash(self.vllm_config.model_config.model)
         if self._loop is None:
-            self._loop = _Loop()
+            self._loop = Loop()
         self._close_worker()
-        n_train = sum(init_info.trainers_per_stage)
         gen_world = init_info.gen_world_size or self.tp_size
         rank = init_info.rank_offset + self.tp_rank
         me = LoraEngineInfo(rank=rank, tp_size=self.tp_size, base_hash=self._base_hash,
                             max_lora_rank=int(self.lora_config.max_lora_rank))
         device = "cpu" if self.device.type == "cpu" else self.device
-
-        async def build() -> Any:
-            worker = RolloutWorker(rank=rank, gen_world_size=gen_world, device=device, timeout_s=init_info.timeout_s,
-                                   reshard_options=init_info.reshard_options)
-            try:
-                await worker.init_collective(init_info.host, init_info.update_port, n_train + gen_world,
-                                             train_world_size=n_train)
-                hosts = init_info.stage_hosts or [init_info.host] * len(init_info.stage_ports)
-                await worker.init_nccl_reshard_comm_groups(hosts, init_info.stage_ports, init_info.trainers_per_stage)
-                await worker._run(worker.model_update_group.store.set, ENGINE_KEY.format(rank=rank), encode(me))
-            except BaseException:
-                await worker.shutdown()
-                raise
-            return worker
-
-        self._worker = self._call(build(), 2 * init_info.timeout_s)
+        self._joined = self._call(join(init_info, rank=rank, gen_world_size=gen_world, device=device,
+                                       key=ENGINE_KEY.format(rank=rank), note=encode(me)),
+                                  (1 + len(init_info.stage_ports)) * init_info.timeout_s)
         self._info = init_info
         self._plan = None
         self._received = None
@@ -167,7 +154,7 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
     def _load_plan(self) -> None:
         from vllm.lora.peft_helper import PEFTHelper
 
-        worker = self._worker
+        worker = self._joined.worker
         try:
             data = worker.model_update_group.store.get(PLAN_KEY)
         except Exception as exc:  # the store raises DistStoreError/RuntimeError on timeouts
@@ -197,14 +184,14 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
             raise ConfigError(f"vLLM refuses the adapter's config: {exc}", rank=worker.rank) from exc
         self._staging = {name: torch.empty(local.shape, dtype=getattr(torch, local.dtype), device=self.device)
                          for name, local in mine.items()}
-        worker.load_refit_plan(plan, params=self._staging)
+        self._call(self._joined.attach(plan, self._staging), self._info.timeout_s)  # checked once, here
         self._plan, self._helper = plan, helper
 
     # -- one update -------------------------------------------------------------------
     def _require_worker(self) -> Any:
-        if self._worker is None:
+        if self._joined is None:
             raise ConfigError("call init_weight_transfer_engine before a weight update")
-        return self._worker
+        return self._joined.worker
 
     @_marked
     def start_weight_update(self) -> None:
@@ -229,8 +216,8 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
             raise ConfigError(f"update_info.version {update_info.version} is not newer than the adapter version vLLM "
                               f"rank {worker.rank} serves ({served}); nothing received", rank=worker.rank)
         timeout = update_info.refit_timeout_s or self._info.refit_timeout_s
-        report = self._call(worker.receive_nccl_reshard_refit(refit_timeout_s=timeout),
-                            timeout if timeout is not None else self._info.timeout_s)
+        report = self._call(self._joined.refit(timeout), timeout if timeout is not None else self._info.timeout_s)
+        self.kv_scales = report.kv_scales
         if report.version != update_info.version:
             raise ProtocolError(f"the trainers sent version {report.version}, update_info says "
                                 f"{update_info.version}; nothing committed", rank=worker.rank)
@@ -308,12 +295,15 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
     def _close_worker(self) -> None:
         from ..errors import PolicyWorkerError
 
-        worker, self._worker = self._worker, None
-        if worker is not None and self._loop is not None:
+        joined, self._joined = self._joined, None
+        if joined is not None and self._loop is not None:
             try:
-                self._call(worker.shutdown(), worker.timeout_s)
+                self._call(joined.worker.shutdown(), joined.worker.timeout_s)
             except PolicyWorkerError as exc:
                 logger.warning("policyworker-lora: closing the old groups failed: %s", exc)
+            else:
+                if joined.worker.shutdown_clean:  # else the executor may still be inside one: leave them
+                    joined.close()
 
     def shutdown(self) -> None:
         self._close_worker()

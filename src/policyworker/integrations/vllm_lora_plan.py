@@ -21,12 +21,14 @@ from typing import Any
 
 import msgspec
 
+from .._aio import run_in_executor
 from ..errors import ConfigError, PlanError, PlanMismatch, translate_comm_error
 from ..layout.boxes import Layout, LocalSpec, Piece
 from ..layout.plan import ReshardPlan
 from ..layout.planner import as_parallelism, plan_from_layouts
 from ..layout.rules import dtype_name, rule_layout
 from .peft import LoraMeta
+from .vllm_plan import attach_trainer, publish
 
 __all__ = ["ENGINE_KEY", "PLAN_KEY", "LoraEngineInfo", "LoraPlanInfo", "plan_for_vllm_lora",
            "prepare_vllm_lora_refit", "whole_layout"]
@@ -112,14 +114,15 @@ def check_engines(engines: Sequence[LoraEngineInfo], base_hash: str, meta: LoraM
                               f"{e.max_lora_rank}", rank=e.rank)
 
 
-async def prepare_vllm_lora_refit(worker: Any, train_parallelism: Any, gen_world_size: int) -> dict:
+async def prepare_vllm_lora_refit(worker: Any, train_parallelism: Any, gen_world_size: int, **setup: Any) -> dict:
     """Trainer side (a ``LoraPolicyWorker``): plan this trainer's adapter refits into vLLM.
 
     Call on every trainer after ``init_collective`` and ``init_nccl_reshard_comm_group``
     (the vLLM workers of backend ``"policyworker-lora"`` join the same groups in
     ``init_weight_transfer_engine``). Checks every vLLM rank's base hash against this
-    trainer's base, computes the plan, and (rank 0) publishes it. Then
-    ``nccl_reshard_refit`` sends the adapter.
+    trainer's base, computes the plan, (rank 0) publishes it, and attaches
+    ``nccl_reshard`` with it and ``setup`` (as ``prepare_vllm_refit``). Then ``await worker.refit("nccl_reshard", ...)`` sends the
+    adapter.
     """
     group = worker.model_update_group
     if group is None or worker.pp_comm_group is None:
@@ -127,23 +130,20 @@ async def prepare_vllm_lora_refit(worker: Any, train_parallelism: Any, gen_world
     if isinstance(gen_world_size, bool) or not isinstance(gen_world_size, int) or gen_world_size < 1:
         raise ConfigError(f"gen_world_size must be an int >= 1, got {gen_world_size!r}")
     train_world_size = worker.train_world_size if worker.train_world_size is not None else worker.world_size
+    source, config = worker._refit_model_source(), worker._refit_gen_config()
 
     def build() -> ReshardPlan:
         base = worker.base_hash()
         engines = read_engines(group.store, gen_world_size)
-        plan = plan_for_vllm_lora(worker._refit_model_source(), worker._refit_gen_config(), train_parallelism,
-                                  train_world_size, gen_world_size)
+        plan = plan_for_vllm_lora(source, config, train_parallelism, train_world_size, gen_world_size)
         if worker.rank == 0:
             # Published before the checks: the vLLM workers check it too and fail at
             # once, instead of waiting out the store's timeout for a plan never sent.
-            try:
-                group.store.set(PLAN_KEY, encode(LoraPlanInfo(meta=worker.meta, base_hash=base, plan=plan.to_wire())))
-            except Exception as exc:  # the store raises DistStoreError/RuntimeError when its host is gone
-                raise translate_comm_error(exc, rank=worker.rank, what="publishing the vLLM LoRA plan") from exc
+            publish(group.store, PLAN_KEY, encode(LoraPlanInfo(meta=worker.meta, base_hash=base, plan=plan.to_wire())),
+                    worker.rank, "the vLLM LoRA plan")
         check_engines(engines, base, worker.meta)
         return plan
 
-    plan = await worker._run(build)
-    plan = worker._adopt_plan("nccl_reshard", plan)
-    worker._refit_transport_state("nccl_reshard")["seed_plan"] = plan
+    plan = await run_in_executor(None, build)
+    await attach_trainer(worker, plan, setup)
     return plan.refit_info()

@@ -49,7 +49,7 @@ class LoraWorldSpec(WorldSpec):
     async def prepare(self, worker: Any, gen_world_size: int, train: str | None = None) -> dict:
         from .vllm_lora_plan import prepare_vllm_lora_refit
 
-        return await prepare_vllm_lora_refit(worker, self.train, gen_world_size)
+        return await prepare_vllm_lora_refit(worker, self.train, gen_world_size, **self.reshard_options)
 
 
 def adapter_weights(spec: LoraWorldSpec, version: int, model: Any) -> dict[str, Any]:

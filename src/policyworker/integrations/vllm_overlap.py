@@ -48,6 +48,8 @@ class OverlappedReceive:
         self.version = version
         self.started_step = step
         self.timeout_s = timeout_s
+        #: The receive's ``RefitReport`` once :meth:`wait` returned.
+        self.report: Any = None
 
     @classmethod
     def start(cls, loop: Any, coro: Any, *, worker: Any, version: int, step: int, timeout_s: float,
@@ -78,4 +80,5 @@ class OverlappedReceive:
         if report.version != self.version:
             raise ProtocolError(f"the trainers sent version {report.version}, update_info says {self.version}; "
                                 f"nothing committed", rank=rank)
+        self.report = report
         return report.version

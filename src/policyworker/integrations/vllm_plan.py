@@ -25,9 +25,10 @@ from typing import Any
 
 import msgspec
 
+from .._aio import run_in_executor
 from ..errors import ConfigError, PlanError, translate_comm_error
 from ..layout.boxes import Layout, LocalSpec, Piece
-from ..layout.fp8 import Fp8Target, fp8_layout
+from ..layout.formats.block_fp8 import Fp8Target, fp8_layout
 from ..layout.experts import expert_specs, split_expert_layout
 from ..layout.local import is_dtensor
 from ..layout.parallelism import Parallelism
@@ -35,8 +36,8 @@ from ..layout.plan import ReshardPlan
 from ..layout.planner import as_parallelism, plan_from_layouts
 from ..layout.rules import dtype_name, rule_layout
 
-__all__ = ["NEEDS_KEY", "PLAN_KEY", "Need", "Needs", "fp8_target", "needs_layout", "plan_for_vllm",
-           "prepare_vllm_refit", "read_needs", "source_layout"]
+__all__ = ["NEEDS_KEY", "PLAN_KEY", "Need", "Needs", "attach_trainer", "fp8_target", "needs_layout", "plan_for_vllm",
+           "prepare_vllm_refit", "publish", "read_needs", "source_layout"]
 
 NEEDS_KEY = "vllm/needs/{rank}"
 PLAN_KEY = "vllm/plan"
@@ -177,7 +178,7 @@ def plan_for_vllm(source: Any, train_parallelism: Any, train_world_size: int, ne
     # Block-FP8 vLLM layers: those boxes are quantized by the trainers' pack step.
     src = fp8_layout(src, specs, fp8, tp=train.tp, side="train", retype=False)
     dst = fp8_layout(dst, specs, fp8, tp=max(sizes), side="gen", retype=True)
-    return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=False, fp8_block=fp8.block,
+    return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=False, dest_format=fp8.dest_format,
                              compress=False)
 
 
@@ -193,14 +194,19 @@ def read_needs(store: Any, gen_world_size: int, *, what: str = "vLLM needs") -> 
     return out
 
 
-async def prepare_vllm_refit(worker: Any, train_parallelism: Any, gen_world_size: int) -> dict:
-    """Trainer side: plan this trainer's refits into vLLM; returns the plan's info dict.
+async def prepare_vllm_refit(worker: Any, train_parallelism: Any, gen_world_size: int, **setup: Any) -> dict:
+    """Trainer side: plan this trainer's refits into vLLM and attach ``nccl_reshard`` with it.
 
     Call on every trainer after ``init_collective`` and ``init_nccl_reshard_comm_group``
     (the vLLM engines join the same groups in ``init_weight_transfer_engine``), instead
     of ``prepare_nccl_reshard_refit_info``. Reads every vLLM rank's needs from the update
-    group's store, computes the plan from this trainer's refit source, and (rank 0)
-    publishes it for the vLLM workers. Then ``nccl_reshard_refit`` sends into vLLM.
+    group's store, computes the plan from this trainer's refit source, (rank 0) publishes
+    it for the vLLM workers, and attaches ``nccl_reshard`` with it and ``setup`` (its
+    ``bucket_bytes``, ``checksum``, ...: equal to the engines' ``reshard_options``; this
+    rank's tensors are checked against the plan now: ``ConfigError``, not mid-refit). Then each update
+    is ``await worker.refit("nccl_reshard", refit_timeout_s=...)``, which connects the
+    first time, inside its deadline, as the engines' first refit does. Returns the
+    plan's info dict.
     """
     group = worker.model_update_group
     if group is None or worker.pp_comm_group is None:
@@ -208,21 +214,41 @@ async def prepare_vllm_refit(worker: Any, train_parallelism: Any, gen_world_size
     if isinstance(gen_world_size, bool) or not isinstance(gen_world_size, int) or gen_world_size < 1:
         raise ConfigError(f"gen_world_size must be an int >= 1, got {gen_world_size!r}")
     train_world_size = worker.train_world_size if worker.train_world_size is not None else worker.world_size
+    source, dtype = worker._refit_model_source(), worker._refit_dtype()
 
     def build() -> ReshardPlan:
         needs = read_needs(group.store, gen_world_size)
-        plan = plan_for_vllm(worker._refit_model_source(), train_parallelism, train_world_size, needs,
-                             dtype=worker._refit_dtype())
+        plan = plan_for_vllm(source, train_parallelism, train_world_size, needs, dtype=dtype)
         if worker.rank == 0:
-            try:
-                group.store.set(PLAN_KEY, plan.to_wire())
-            except Exception as exc:  # the store raises DistStoreError/RuntimeError when its host is gone
-                raise translate_comm_error(exc, rank=worker.rank, what="publishing the vLLM plan") from exc
+            publish(group.store, PLAN_KEY, plan.to_wire(), worker.rank, "the vLLM plan")
         return plan
 
-    plan = await worker._run(build)
-    # As prepare_nccl_reshard_refit_info does: check this rank's tensors against the plan
-    # (ConfigError now, not mid-refit) and make it the plan of nccl_reshard_refit.
-    plan = worker._adopt_plan("nccl_reshard", plan)
-    worker._refit_transport_state("nccl_reshard")["seed_plan"] = plan
+    plan = await run_in_executor(None, build)
+    await attach_trainer(worker, plan, setup)
     return plan.refit_info()
+
+
+def publish(store: Any, key: str, data: bytes, rank: int, what: str) -> None:
+    """``store.set(key, data)``, its errors typed."""
+    try:
+        store.set(key, data)
+    except Exception as exc:  # the store raises DistStoreError/RuntimeError when its host is gone
+        raise translate_comm_error(exc, rank=rank, what=f"publishing {what}") from exc
+
+
+async def attach_trainer(worker: Any, plan: ReshardPlan, setup: Mapping[str, Any]) -> None:
+    """Attach ``nccl_reshard`` on a trainer: ``plan``, its stage group, ``setup``.
+
+    The connect is left to the first refit (inside its deadline): the engines connect in
+    theirs.
+    """
+    from ..transports.nccl_reshard import stage_members
+
+    stage = next((s for s, ranks in enumerate(stage_members(plan)) if worker.rank in ranks), None)
+    if stage is None:
+        raise ConfigError(f"train rank {worker.rank} is in no stage of the plan", rank=worker.rank)
+    wired = {"group": worker.pp_comm_group, "stage": stage}
+    reserved = sorted(set(wired) & set(setup) | {"plan", "connect"} & set(setup))
+    if reserved:
+        raise ConfigError(f"setup may not set {reserved}: prepare sets them", rank=worker.rank)
+    await worker.attach_transport("nccl_reshard", connect=False, plan=plan, **setup, **wired)

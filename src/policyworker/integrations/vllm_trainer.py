@@ -177,8 +177,7 @@ class PolicyworkerTrainerWeightTransferEngine(TrainerWeightTransferEngine[Policy
         kwargs = {} if info.device is None else {"device": info.device}
 
         async def build() -> _SourceWorker:
-            return _SourceWorker(specs, rank=info.rank, world_size=info.world_size, timeout_s=info.timeout_s,
-                                 transport_options={"nccl_reshard": dict(info.reshard_options)}, **kwargs)
+            return _SourceWorker(specs, rank=info.rank, world_size=info.world_size, timeout_s=info.timeout_s, **kwargs)
 
         try:
             self.worker = self._call(build(), info.timeout_s)
@@ -234,7 +233,8 @@ class PolicyworkerTrainerWeightTransferEngine(TrainerWeightTransferEngine[Policy
             w.refit_version = info.version
             await w.init_collective(info.host, info.update_port, n, train_world_size=info.world_size)
             await w.init_nccl_reshard_comm_group([info.host], [info.stage_port], 1, 0, n, info.rank)
-            await prepare_vllm_refit(w, info.train or f"tp={info.world_size}", info.gen_world_size)
+            await prepare_vllm_refit(w, info.train or f"tp={info.world_size}", info.gen_world_size,
+                                     **info.reshard_options)
 
         if not self.is_sender:
             self._call(join(), 3 * info.timeout_s)
@@ -265,7 +265,7 @@ class PolicyworkerTrainerWeightTransferEngine(TrainerWeightTransferEngine[Policy
         bound = self.info.refit_timeout_s or self.info.timeout_s
 
         def refit() -> Any:
-            report = self._call(self.worker.nccl_reshard_refit(refit_timeout_s=self.info.refit_timeout_s), bound)
+            report = self._call(self.worker.refit("nccl_reshard", refit_timeout_s=self.info.refit_timeout_s), bound)
             if report.version != version:
                 raise ProtocolError(f"trainer rank {self.info.rank} sent version {report.version}, expected {version}",
                                     rank=self.info.rank)

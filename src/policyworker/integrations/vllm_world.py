@@ -12,6 +12,7 @@ control, as in :mod:`policyworker.procs`); every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing as mp
 import os
 import queue as _queue
@@ -50,7 +51,7 @@ class WorldSpec:
         from ..torch_worker import TorchPolicyWorker
 
         return TorchPolicyWorker(hf_model(self, 0), rank=rank, world_size=self.n_train, device="cpu",
-                                 timeout_s=self.timeout_s, reshard_options=self.reshard_options)
+                                 timeout_s=self.timeout_s)
 
     def load(self, worker: Any, version: int) -> None:
         """The stand-in for a training step: the worker's model takes version ``version``'s weights."""
@@ -61,7 +62,7 @@ class WorldSpec:
     async def prepare(self, worker: Any, gen_world_size: int, train: str | None = None) -> dict:
         from .vllm_plan import prepare_vllm_refit
 
-        return await prepare_vllm_refit(worker, train or self.train, gen_world_size)
+        return await prepare_vllm_refit(worker, train or self.train, gen_world_size, **self.reshard_options)
 
 
 def hf_config(spec: WorldSpec) -> Any:
@@ -130,15 +131,16 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                 await w.init_nccl_reshard_comm_group(["127.0.0.1"], [cmd["stage_port"]], 1, 0,
                                                      spec.n_train + cmd["gen_world_size"], rank)
                 info = await spec.prepare(w, cmd["gen_world_size"], cmd.get("train"))
-                plan = w._refit_transport_state("nccl_reshard")["seed_plan"]
+                plan = w.attachment("nccl_reshard").plan
                 replies.put({"ok": True, "hash": info["hash"], "total_bytes": plan.total_bytes,
                              "send_bytes": {t.dst: t.nbytes for t in plan.sends(rank)}})
             elif kind == "ceiling":
-                seconds = await w._run(_ceiling_sends, w, rank, cmd)
+                seconds = await loop.run_in_executor(None, _ceiling_sends, w, rank, cmd)
                 replies.put({"ok": True, "seconds": seconds})
             elif kind == "save":
                 t0 = time.perf_counter()
-                await w._run(model.save_pretrained, cmd["path"], safe_serialization=True)
+                await loop.run_in_executor(None, functools.partial(model.save_pretrained, cmd["path"],
+                                                                   safe_serialization=True))
                 replies.put({"ok": True, "seconds": time.perf_counter() - t0})
             elif kind == "load":  # the stand-in for a training step: version v's weights
                 spec.load(w, cmd["version"])
@@ -149,10 +151,11 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                 if cmd.get("die_after_waits"):
                     die_after_waits(cmd["die_after_waits"])
                 t0 = time.perf_counter()
-                rep = await w.nccl_reshard_refit(refit_timeout_s=spec.refit_timeout_s)
+                rep = await w.refit("nccl_reshard", refit_timeout_s=spec.refit_timeout_s,
+                                    kv_scales=cmd.get("kv_scales"))
                 replies.put({"ok": True, "version": rep.version, "bytes": rep.bytes, "seconds": rep.seconds,
                              "wall": time.perf_counter() - t0, "notes": list(rep.notes),
-                             "wire_bytes": rep.wire_bytes})
+                             "wire_bytes": rep.wire_bytes, "kv_scales": rep.kv_scales})
             else:
                 replies.put({"ok": False, "error": "ValueError", "message": f"unknown command {kind!r}"})
         except PolicyWorkerError as exc:
@@ -171,7 +174,7 @@ def _ceiling_sends(w: Any, rank: int, cmd: dict[str, Any]) -> list[float]:
 
     from ..comm import new_group
 
-    plan = w._refit_transport_state("nccl_reshard")["seed_plan"]
+    plan = w.attachment("nccl_reshard").plan
     sends = [(t.dst, torch.ones(t.nbytes, dtype=torch.uint8)) for t in plan.sends(rank)]
     group = new_group(host="127.0.0.1", port=cmd["port"], rank=rank, world_size=cmd["world_size"],
                       name="ceiling", timeout_s=w.timeout_s)

@@ -8,8 +8,9 @@
 * :mod:`.runs` — families of alike parameters (a layer's experts) written once per pair.
 * :mod:`.fabric` — a fabric model: bytes per link and lower-bound refit times.
 * :mod:`.apply` — `pack` / `unpack` and expected shards for tests.
-* :mod:`.fp8`, :mod:`.fp8_pack` — block-FP8 generation targets (``fp8=block128``),
-  the reference quantizer, quantize-while-pack.
+* :mod:`.formats` — destination formats, the one strategy a plan carries for how
+  bytes land: plain, block-FP8 (``fp8=block128``: the reference quantizer,
+  quantize-while-pack).
 """
 
 from policyworker.layout.apply import (
@@ -31,7 +32,7 @@ from policyworker.layout.dtensor import (
     shard_pieces,
 )
 from policyworker.layout.fabric import Fabric, fabric_report, load_fabric
-from policyworker.layout.fp8 import Fp8Target
+from policyworker.layout.formats import Fp8Target
 from policyworker.layout.parallelism import Parallelism, RankCoords
 from policyworker.layout.plan import (
     Copy,

@@ -5,6 +5,10 @@ Pure functions over torch tensors; the transports call `pack` on the sender and
 process. A transfer's message is its copies back to back (plan order, no padding),
 each copy's box in row-major order — `pack` and `unpack` are each other's inverse.
 
+Copies the plan's destination format converts (:mod:`.formats`) are its business: it
+packs, unpacks and cuts them, and gives a rank its extra tensors; everything else is
+moved here as raw bytes.
+
 Views: a copy's region of a local tensor is ``narrow(d, at[d], stop[d] - start[d])``
 per dim — one strided view, one ``copy_``, however many rows it spans. Messages are
 raw bytes (``torch.uint8``) so mixed dtypes share a buffer without alignment rules.
@@ -19,8 +23,6 @@ import torch
 
 from policyworker.config import torch_dtype
 from policyworker.errors import PlanError
-from policyworker.layout import fp8 as _fp8
-from policyworker.layout import fp8_pack as _fp8_pack
 from policyworker.layout.plan import Copy, ReshardPlan, Transfer, dtype_size
 
 __all__ = [
@@ -53,9 +55,11 @@ def _as_bytes(view: torch.Tensor) -> torch.Tensor:
 
 
 def copy_nbytes(plan: ReshardPlan, copy: Copy) -> int:
-    if _fp8.is_fp8_copy(plan, copy):  # fp8 hook (issue 16): fp8 bytes + scales
-        return _fp8.copy_nbytes(copy.start, copy.stop, plan.body.gen_fp8_block)
+    """Wire bytes of ``copy`` (the format's count for a copy it converts)."""
     p = plan.params[copy.param]
+    fmt = plan.dest_format
+    if fmt.converts(plan, copy):
+        return fmt.box_nbytes(copy.start, copy.stop, p.dtype)
     return prod(b - a for a, b in zip(copy.start, copy.stop)) * dtype_size(p.dtype)
 
 
@@ -78,10 +82,10 @@ def pack(plan: ReshardPlan, copies: Sequence[Copy], local_tensors: Mapping[str, 
          out: torch.Tensor, offset: int = 0) -> int:
     """Sender side: write each copy's source region into ``out`` (flat uint8) from
     byte ``offset`` on, back to back. Returns the offset after the last byte."""
-    names, params = plan.body.tensor_names, plan.params
+    names, params, fmt = plan.body.tensor_names, plan.params, plan.dest_format
     for c in copies:
-        if _fp8.is_fp8_copy(plan, c):  # fp8 hook (issue 16): quantize while packing
-            offset = _fp8_pack.pack_copy(plan, c, local_tensors, out, offset)
+        if fmt.converts(plan, c):
+            offset = fmt.pack_copy(plan, c, local_tensors, out, offset)
             continue
         src = _region(_lookup(local_tensors, names[c.src_tensor], "sender"),
                       c.src_at, c.start, c.stop)
@@ -96,10 +100,10 @@ def unpack(plan: ReshardPlan, copies: Sequence[Copy], buf: torch.Tensor,
            local_tensors: MutableMapping[str, torch.Tensor], offset: int = 0) -> int:
     """Receiver side: the inverse of `pack`, writing into views of ``local_tensors``
     (which must be contiguous in their last dim). Returns the offset after the last byte."""
-    names, params = plan.body.tensor_names, plan.params
+    names, params, fmt = plan.body.tensor_names, plan.params, plan.dest_format
     for c in copies:
-        if _fp8.is_fp8_copy(plan, c):  # fp8 hook (issue 16): fp8 bytes, then scales
-            offset = _fp8_pack.unpack_copy(plan, c, buf, local_tensors, offset)
+        if fmt.converts(plan, c):
+            offset = fmt.unpack_copy(plan, c, buf, local_tensors, offset)
             continue
         dst = _region(_lookup(local_tensors, names[c.dst_tensor], "receiver"),
                       c.dst_at, c.start, c.stop)
@@ -120,7 +124,8 @@ def bucket_copies(plan: ReshardPlan, copies: Sequence[Copy], max_bytes: int) -> 
 
     A copy larger than ``max_bytes`` is cut along its first dim longer than one into
     row blocks that fit (a single row larger than ``max_bytes`` becomes its own
-    bucket). Deterministic, so sender and receiver compute the same buckets.
+    bucket); a converted copy is cut where its format allows. Deterministic, so
+    sender and receiver compute the same buckets.
     """
     if max_bytes < 1:
         raise PlanError(f"max_bytes must be positive, got {max_bytes}")
@@ -141,8 +146,8 @@ def bucket_copies(plan: ReshardPlan, copies: Sequence[Copy], max_bytes: int) -> 
 
 
 def _split(plan: ReshardPlan, c: Copy, max_bytes: int) -> list[Copy]:
-    if _fp8.is_fp8_copy(plan, c):  # fp8 hook (issue 16): cut on block boundaries only
-        return _fp8.split_copy(c, max_bytes, plan.body.gen_fp8_block)
+    if plan.dest_format.converts(plan, c):
+        return plan.dest_format.split_copy(plan, c, max_bytes)
     n = copy_nbytes(plan, c)
     if n <= max_bytes:
         return [c]
@@ -175,11 +180,11 @@ def empty_local_tensors(plan: ReshardPlan, side: str, rank: int,
     transfer tend to be adjacent in memory, and a transport can move them as one span.
     """
     specs = plan.local_tensors(side, rank)
-    # fp8 hook (issue 16): a generation rank's fp8 tensors come with their scales.
-    scales = _fp8_pack.scale_tensors(plan, rank, device) if side == "dst" else {}
+    # a generation rank's tensors come with its format's extra ones (block scales, say)
+    extra = plan.dest_format.extra_tensors(plan, rank, device) if side == "dst" else {}
     if not flat:
         return {**{name: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device)
-                   for name, t in specs.items()}, **scales}
+                   for name, t in specs.items()}, **extra}
     order: dict[str, None] = {}
     names = plan.body.tensor_names
     for t in (plan.sends(rank) if side == "src" else plan.receives(rank)):
@@ -194,16 +199,16 @@ def empty_local_tensors(plan: ReshardPlan, side: str, rank: int,
         total += -(-sizes[n] // 64) * 64
     buf = torch.empty(total, dtype=torch.uint8, device=device)
     return {**{n: buf.narrow(0, offsets[n], sizes[n]).view(torch_dtype(specs[n].dtype)).view(specs[n].shape)
-               for n in order}, **scales}
+               for n in order}, **extra}
 
 
 def _shards(plan: ReshardPlan, side: str, rank: int,
             full_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    params = plan.params
+    params, fmt = plan.params, plan.dest_format
     out = {}
     for name, t in plan.local_tensors(side, rank).items():
-        quantized = t.dtype == _fp8.FP8_DTYPE and plan.body.gen_fp8_block  # fp8 hook (issue 16)
-        dtype = params[t.pieces[0].param].dtype if quantized and t.pieces else t.dtype
+        converted = fmt.converts_tensor(plan, t)
+        dtype = params[t.pieces[0].param].dtype if converted and t.pieces else t.dtype
         local = torch.empty(t.shape, dtype=torch_dtype(dtype))
         for p in t.pieces:
             pname = params[p.param].name
@@ -213,8 +218,8 @@ def _shards(plan: ReshardPlan, side: str, rank: int,
                                 f"the plan expects {params[p.param].shape} {local.dtype}",
                                 param=pname)
             _region(local, p.at, p.start, p.stop).copy_(_region(full, p.start, p.start, p.stop))
-        if quantized:  # the oracle's fp8 bytes and scales, member by member
-            out.update(_fp8_pack.reference_local(plan, rank, name, local))
+        if converted:  # the format's oracle from the unconverted contents
+            out.update(fmt.reference_local(plan, rank, name, local))
         else:
             out[name] = local
     return out

@@ -179,7 +179,5 @@ def flat_local_tensors(plan: ReshardPlan, rank: int, device: torch.device) -> di
         item = torch.empty((), dtype=dtype).element_size()
         out[name] = torch.empty(0, dtype=dtype, device=device).set_(
             flat.untyped_storage(), offsets[name] // item, spec.shape)
-    from .fp8_pack import scale_tensors
-
-    out.update(scale_tensors(plan, rank, device))  # fp8 hook (issue 16): fp8 tensors' scales
+    out.update(plan.dest_format.extra_tensors(plan, rank, device))  # the format's extra tensors (scales)
     return out

@@ -13,6 +13,10 @@ them from the plan alone):
   is the copy's view on either side;
 * a transfer's message is its copies' bytes, in order, back to back, no padding:
   ``bytes_for(stage, src, dst)`` of them.
+
+The plan carries its destination format (``dest_format``, :mod:`.formats`): how a
+copy's bytes land. The plain format moves them as they are; another one converts the
+copies into the tensors it fills and says how many bytes each takes.
 """
 
 from __future__ import annotations
@@ -26,23 +30,18 @@ from typing import Any
 import msgspec
 
 from policyworker.errors import PlanError
-from policyworker.layout import fp8 as _fp8
 from policyworker.layout.boxes import Layout, LocalSpec, Piece
+from policyworker.layout.formats import PLAIN, AnyFormat
 from policyworker.layout.parallelism import Parallelism
 
 __all__ = ["Copy", "CopyRun", "LocalTensor", "ParamInfo", "PlanBody", "ReshardPlan", "Transfer",
            "WirePiece", "dtype_size"]
 
-PLAN_FORMAT = 2  # 2: Transfer.runs
+PLAN_FORMAT = 3  # 2: Transfer.runs; 3: PlanBody.dest_format
 
 _DTYPE_SIZES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8,
                 "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
                 "float8_e4m3fn": 1, "float8_e5m2": 1}
-
-
-def _fp8_dtype(have: str, param_dtype: str) -> str:
-    # fp8 hook (issue 16): an fp8 destination may hold a float parameter.
-    return have if have == _fp8.FP8_DTYPE and param_dtype in ("bfloat16", "float16", "float32") else param_dtype
 
 
 def dtype_size(dtype: str) -> int:
@@ -166,9 +165,8 @@ class PlanBody(msgspec.Struct, frozen=True, kw_only=True):
     sources: list[LocalTensor]
     dests: list[LocalTensor]
     transfers: list[Transfer]
-    # fp8 hook (issue 16): block size of the fp8 destination tensors (0: none). A copy
-    # into a float8_e4m3fn destination of a wider parameter is quantized while packed.
-    gen_fp8_block: int = 0
+    #: How copies land in the destination tensors (tagged by name, with its parameters).
+    dest_format: AnyFormat = PLAIN
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -238,6 +236,11 @@ class ReshardPlan:
                 f"hash={self.hash[:12]})")
 
     # -- lookups -------------------------------------------------------------------
+    @property
+    def dest_format(self) -> AnyFormat:
+        """The destination format (:mod:`.formats`): the generic code asks it about each copy."""
+        return self.body.dest_format
+
     @property
     def params(self) -> list[ParamInfo]:
         return self.body.params
@@ -334,6 +337,7 @@ class ReshardPlan:
             stage_of = [par.coords(r).pp_stage for r in range(par.world_size)]
         src_locals, dst_locals = self._src_locals, self._dst_locals
         names = self.body.tensor_names
+        fmt = self.body.dest_format
         received: dict[tuple[int, int], int] = {}
         for t in self.body.transfers:
             if stage_of is not None and stage_of[t.src] != t.stage:
@@ -351,16 +355,15 @@ class ReshardPlan:
                         ("source", t.src, c.src_tensor, c.src_at, src_locals),
                         ("destination", t.dst, c.dst_tensor, c.dst_at, dst_locals)):
                     lt = local.get(rank, {}).get(names[tensor])
-                    want = p.dtype if side == "source" or lt is None or not self.body.gen_fp8_block \
-                        else _fp8_dtype(lt.dtype, p.dtype)  # fp8 hook (issue 16)
+                    want = p.dtype if side == "source" or lt is None else fmt.dest_dtype(lt.dtype, p.dtype)
                     if lt is None or lt.dtype != want or any(
                             a < 0 or a + e > s for a, e, s in zip(at, ext, lt.shape)):
                         raise PlanError(f"copy of {p.name!r} does not fit {side} tensor "
                                         f"{names[tensor]!r} of rank {rank}", rank=rank,
                                         param=p.name)
                 vol = prod(ext)
-                if self.body.gen_fp8_block and _fp8.is_fp8_copy(self, c):  # fp8 hook (issue 16)
-                    total += _fp8.copy_nbytes(c.start, c.stop, self.body.gen_fp8_block)
+                if fmt.converts(self, c):
+                    total += fmt.box_nbytes(c.start, c.stop, p.dtype)
                 else:
                     total += vol * dtype_size(p.dtype)
                 key = (t.dst, c.dst_tensor)
@@ -383,9 +386,10 @@ class ReshardPlan:
 
     @cached_property
     def min_bytes(self) -> int:
-        """Bytes of all destination local tensors (fp8 scales included): the least any
-        plan can move."""
-        return sum(prod(t.shape) * dtype_size(t.dtype) for t in self.body.dests) + _fp8.scale_bytes(self)
+        """Bytes of all destination local tensors (the format's extra tensors, such as
+        block scales, included): the least any plan can move."""
+        return (sum(prod(t.shape) * dtype_size(t.dtype) for t in self.body.dests)
+                + self.body.dest_format.extra_bytes(self))
 
     @property
     def messages(self) -> int:

@@ -25,9 +25,9 @@ from math import prod
 from typing import Any
 
 from policyworker.errors import ConfigError, PlanError
-from policyworker.layout import fp8 as _fp8
 from policyworker.layout.boxes import Layout, Piece, box_volume
 from policyworker.layout.experts import expert_specs
+from policyworker.layout.formats import PLAIN, AnyFormat, FormatTarget, split_gen_layout
 from policyworker.layout.parallelism import Parallelism
 from policyworker.layout.plan import (
     Copy,
@@ -177,16 +177,17 @@ def plan_from_layouts(
     gen: Parallelism | None = None,
     gen_fused: bool = False,
     compress: bool = True,
-    fp8_block: int = 0,
+    dest_format: AnyFormat = PLAIN,
 ) -> ReshardPlan:
     """The plan moving ``specs``' parameters from layout ``src`` to layout ``dst``.
 
     Every parameter must be fully held by ``src``; parameters absent from ``dst``
     are not moved. Names in either layout that ``specs`` lacks are a PlanError.
     ``compress=False`` writes every copy as a `Copy` (no `CopyRun`s): the same copies,
-    for tests and for readers that want them flat.
-    ``fp8_block``: destination tensors typed float8_e4m3fn are block-quantized
-    targets (see :mod:`.fp8`; :func:`.fp8.fp8_layout` makes such layouts).
+    for tests and for readers that want them flat (a format that is not
+    ``compressible`` gets them flat too).
+    ``dest_format`` (:mod:`.formats`): how copies land; the tensors it converts are
+    those its target retyped in ``dst`` (``FormatTarget.shape_layouts`` makes such layouts).
     """
     params = [ParamInfo(n, tuple(s), dtype_name(d)) for n, (s, d) in specs.items()]
     pindex = {p.name: i for i, p in enumerate(params)}
@@ -203,11 +204,11 @@ def plan_from_layouts(
     # plan order. A run (a layer's experts, see .runs) is planned on its first block
     # and stands for `count` copies per job: cost grows with pairs, not experts.
     runs = find_runs([p.name for p in params], [p.shape for p in params], src, dst,
-                     tindex) if compress else []
+                     tindex) if compress and dest_format.compressible else []
     run_at = {r.first: ri for ri, r in enumerate(runs)}
     jobs: list[tuple[int, Piece, list[Piece], tuple[int, ...], tuple[int, ...], int, int, int]] = []
     cache: dict[tuple[Any, ...], list[Any]] = {}
-    fp8_dst = _fp8.fp8_tensor_keys(dst) if fp8_block else frozenset()  # fp8 hook (issue 16)
+    converted = dest_format.converted_tensors(dst)
 
     def plan_param(pi: int, count: int, run: int, member: int) -> None:
         p = params[pi]
@@ -227,10 +228,10 @@ def plan_from_layouts(
         if template is None:
             template = cache[key] = _template(p.name, p.shape, ckeys, dkeys)
         isz = dtype_size(p.dtype) * count
-        if fp8_dst and (dpieces[0].rank, dpieces[0].tensor) in fp8_dst:  # fp8 hook (issue 16)
+        if converted and (dpieces[0].rank, dpieces[0].tensor) in converted:
             for di, ci, start, stop, _ in template:
                 jobs.append((pi, dpieces[di], classes[ckeys[ci]], start, stop,
-                             _fp8.copy_nbytes(start, stop, fp8_block) * count, run, member))
+                             dest_format.box_nbytes(start, stop, p.dtype) * count, run, member))
             return
         for di, ci, start, stop, vol in template:
             jobs.append((pi, dpieces[di], classes[ckeys[ci]], start, stop, vol * isz, run, member))
@@ -301,7 +302,7 @@ def plan_from_layouts(
         train_world_size=src.world_size, gen_world_size=dst.world_size,
         gen_fused=gen_fused, params=params,
         tensor_names=sorted(tindex, key=tindex.__getitem__),
-        sources=sources, dests=dests, transfers=transfers, gen_fp8_block=fp8_block,
+        sources=sources, dests=dests, transfers=transfers, dest_format=dest_format,
     )
     return ReshardPlan(body)
 
@@ -315,12 +316,13 @@ def build_plan(
     *,
     gen_fused: bool = True,
     dtype: Any = "bfloat16",
-    fp8: _fp8.Fp8Target | None = None,
+    gen_format: FormatTarget | None = None,
 ) -> ReshardPlan:
     """The plan for a model under training and generation layouts given by the rules.
 
-    FP8 targets (:mod:`.fp8`): the generation layout may carry ``fp8=block128``
-    (``"tp=2,fp8=block128"``), or ``fp8`` gives an `Fp8Target` (a per-parameter rule).
+    Destination formats (:mod:`.formats`): the generation layout may carry a format
+    option (``"tp=2,<option>=<value>"``, the registry's ``LAYOUT_OPTIONS``), or
+    ``gen_format`` gives a `FormatTarget` (which may carry a per-parameter rule).
 
     ``config_or_param_specs``: a `ModelConfig` (parameters in ``dtype``) or
     ``{name: (shape, dtype)}``; with bare specs attention is split by rows, not heads,
@@ -330,7 +332,8 @@ def build_plan(
     """
     with _no_gc():
         return _build_plan(config_or_param_specs, train_parallelism, gen_parallelism,
-                           train_world_size, gen_world_size, gen_fused=gen_fused, dtype=dtype, fp8=fp8)
+                           train_world_size, gen_world_size, gen_fused=gen_fused, dtype=dtype,
+                           gen_format=gen_format)
 
 
 @contextmanager
@@ -355,10 +358,10 @@ def _build_plan(
     *,
     gen_fused: bool,
     dtype: Any,
-    fp8: _fp8.Fp8Target | None = None,
+    gen_format: FormatTarget | None = None,
 ) -> ReshardPlan:
-    gen_parallelism, from_layout = _fp8.split_gen_layout(gen_parallelism)  # fp8 hook (issue 16)
-    fp8 = fp8 or from_layout
+    gen_parallelism, from_layout = split_gen_layout(gen_parallelism)
+    target = gen_format or from_layout
     train = as_parallelism(train_parallelism, "train")
     gen = as_parallelism(gen_parallelism, "gen")
     train.check_world_size(train_world_size, side="train")
@@ -375,10 +378,8 @@ def _build_plan(
                           f"got {type(config_or_param_specs).__name__}")
     src = rule_layout(specs, train, config=config, fused=False)
     dst = rule_layout(specs, gen, config=config, fused=gen_fused)
-    if fp8 is not None:  # fp8 hook (issue 16)
-        src = _fp8.fp8_layout(src, specs, fp8, tp=train.tp, side="train", retype=False)
-        dst = _fp8.fp8_layout(dst, specs, fp8, tp=gen.tp, side="gen", retype=True)
-    # fp8 plans list every copy flat (no CopyRuns): the quantizing pack/unpack and the
-    # transports' fp8 paths walk `Transfer.copies`.
+    if target is None:
+        return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=gen_fused)
+    src, dst = target.shape_layouts(specs, src, dst, train_tp=train.tp, gen_tp=gen.tp)
     return plan_from_layouts(specs, src, dst, train=train, gen=gen, gen_fused=gen_fused,
-                             fp8_block=0 if fp8 is None else fp8.block, compress=fp8 is None)
+                             dest_format=target.dest_format)

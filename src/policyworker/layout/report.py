@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from policyworker.layout.fabric import Fabric, fabric_report, format_fabric_report
-from policyworker.layout.fp8 import split_gen_layout
+from policyworker.layout.formats import LAYOUT_OPTIONS, layout_fields, split_gen_layout
 from policyworker.layout.parallelism import Parallelism
 from policyworker.layout.planner import as_parallelism, build_plan
 from policyworker.models.config import ModelConfig, get_preset
@@ -20,10 +20,11 @@ def plan_report(preset: str | ModelConfig, train: Parallelism | str, gen: Parall
     """Plan ``preset`` (a preset's name or a `ModelConfig`) from layout ``train`` to ``gen``
     and summarise it (JSON-safe).
 
-    ``gen`` may carry ``fp8=block128``; byte counts are then the fp8 sizes (fp8
-    bytes + float32 scales for quantized tensors).
+    ``gen`` may carry a destination-format option (:mod:`.formats`); byte counts are
+    then the format's sizes (its converted bytes and extra tensors).
 
-    Keys: preset, train, gen, train_world_size, gen_world_size, fp8, params, hash,
+    Keys: preset, train, gen, train_world_size, gen_world_size, gen_fused, one per
+    format option (its value or None), params, hash,
     total_bytes, min_bytes, recv_bytes_per_dst_rank, send_bytes_per_src_rank,
     messages, copies, wire_bytes, seconds_to_plan. Per-rank dicts are keyed by
     the rank as a string (JSON object keys). With a `Fabric`, also ``fabric_model``:
@@ -31,10 +32,10 @@ def plan_report(preset: str | ModelConfig, train: Parallelism | str, gen: Parall
     """
     config = get_preset(preset) if isinstance(preset, str) else preset
     preset = config.name if not isinstance(preset, str) else preset
-    gen, fp8 = split_gen_layout(gen)  # fp8 hook (issue 16): "tp=4,fp8=block128"
+    gen, target = split_gen_layout(gen)
     t, g = as_parallelism(train, "train"), as_parallelism(gen, "gen")
     began = time.perf_counter()
-    plan = build_plan(config, t, g, t.world_size, g.world_size, gen_fused=gen_fused, fp8=fp8)
+    plan = build_plan(config, t, g, t.world_size, g.world_size, gen_fused=gen_fused, gen_format=target)
     seconds = time.perf_counter() - began
     out = {
         "preset": preset,
@@ -43,7 +44,7 @@ def plan_report(preset: str | ModelConfig, train: Parallelism | str, gen: Parall
         "train_world_size": t.world_size,
         "gen_world_size": g.world_size,
         "gen_fused": gen_fused,
-        "fp8": f"block{fp8.block}" if fp8 is not None else None,
+        **layout_fields(target),
         "params": len(plan.params),
         "hash": plan.hash,
         "total_bytes": plan.total_bytes,
@@ -87,7 +88,7 @@ def format_plan_report(d: dict[str, Any]) -> str:
         f"plan for {d['preset']}: train {lay(d['train'])} ({d['train_world_size']} ranks)"
         f" -> gen {lay(d['gen'])} ({d['gen_world_size']} ranks)"
         f"{' [fused]' if d.get('gen_fused') else ''}"
-        f"{' [fp8=' + d['fp8'] + ']' if d.get('fp8') else ''}",
+        + "".join(f" [{key}={d[key]}]" for key in LAYOUT_OPTIONS if d.get(key)),
         f"  hash            {d['hash'][:16]}",
         f"  params          {d['params']}",
         f"  total bytes     {_size(d['total_bytes'])} ({d['total_bytes']})",

@@ -3,7 +3,7 @@
 ``python -m policyworker.ops.fp8_check`` (with ``TRITON_INTERPRET=1`` on a machine
 without a GPU; it must be set before Triton is imported, hence a module of its own
 run in a fresh process) prints one JSON object: per variant (``variants``), whether
-every fp8 byte and scale equals :func:`policyworker.layout.fp8_pack.quantize_reference`
+every fp8 byte and scale equals :func:`policyworker.layout.formats.block_fp8_pack.quantize_reference`
 and every plain copy of the same program landed bit for bit with nothing written
 around it; per variant (``copies``), how many copy bytes its launch made and how
 many copies it left to torch.
@@ -146,7 +146,7 @@ def check(device: str = "cpu", block: int = 32, specials: bool = True,
     ``fast_div`` variants in an interpreter whose fma rounds twice (Triton 3.6's).
     ``coverage`` (if given) gets, per variant, the copy bytes its launch made and the
     number of copies it left."""
-    from policyworker.layout.fp8_pack import quantize_reference
+    from policyworker.layout.formats.block_fp8_pack import quantize_reference
     from policyworker.ops import fp8_triton
 
     dev = torch.device(device)

@@ -13,7 +13,7 @@ tile and which also makes the refit's plain copies (:mod:`.fp8_fused`); partial 
 (N or K not a multiple of 128) and unaligned views go through a small masked launch,
 one tile per program.
 
-Arithmetic: that of :func:`policyworker.layout.fp8_pack.quantize_reference`:
+Arithmetic: that of :func:`policyworker.layout.formats.block_fp8_pack.quantize_reference`:
 ``amax = max |x|`` with NaN propagating (a block holding a NaN gets ``s = 1``, as
 the oracle's ``amax > 0`` test gives), ``s = amax / 448`` (IEEE division),
 ``s = 1`` unless ``amax > 0``, then ``RN_e4m3(RN_f32(x / s))``. ``x / s`` is either

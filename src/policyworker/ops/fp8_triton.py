@@ -6,10 +6,10 @@ or float32), takes ``amax``, and writes the tile's fp8 values and its one scale.
 All jobs of a refit go in one launch (two when some views are not 16-byte aligned):
 a job table (offsets, row strides, sizes) and a tile table (job, block row, block
 column) built once per program and kept (:class:`QuantProgram`), so a refit of
-hundreds of tensors costs one launch, not hundreds. The arithmetic is that of :func:`policyworker.layout.fp8_pack.
-quantize_reference`, bit for bit: IEEE division (``div_rn``, not Triton's default
-approximate fp32 division), ``s = 1`` for an all-zero block, clamp to ±448, then
-round-to-nearest-even to e4m3. Not covered: blocks whose float32 scale would be
+hundreds of tensors costs one launch, not hundreds. The arithmetic is that of
+:func:`policyworker.layout.formats.block_fp8_pack.quantize_reference`, bit for bit:
+IEEE division (``div_rn``, not Triton's default approximate fp32 division), ``s = 1``
+for an all-zero block, clamp to ±448, then round-to-nearest-even to e4m3. Not covered: blocks whose float32 scale would be
 subnormal (``amax < 448 * 2**-126``, about 5e-36), where Triton's libdevice division
 may flush to zero; no weight block is that small, and the GPU test does not go there.
 

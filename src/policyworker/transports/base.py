@@ -142,7 +142,9 @@ class RefitReport(msgspec.Struct, frozen=True, kw_only=True):
 
     ``wire_bytes``: what crossed the wire when it differs from ``bytes`` (a delta refit
     lands and verifies ``bytes`` but moves only the changed elements); ``shadow_bytes``:
-    memory the sender keeps across refits to know what changed.
+    memory the sender keeps across refits to know what changed. ``kv_scales``: the
+    FP8 kv-cache scales (name → float) trainer rank 0 sent with this refit, as every
+    rank of it received them (None: none were sent).
     """
 
     transport: str
@@ -155,6 +157,7 @@ class RefitReport(msgspec.Struct, frozen=True, kw_only=True):
     notes: tuple[str, ...] = ()
     wire_bytes: int | None = None
     shadow_bytes: int = 0
+    kv_scales: dict[str, float] | None = None
 
     @property
     def gbps(self) -> float:

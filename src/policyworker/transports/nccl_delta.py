@@ -41,7 +41,6 @@ import torch
 
 from ..errors import ConfigError, PeerLost, PolicyWorkerError, ProtocolError, RefitAborted, TransportError
 from ..layout import delta as _delta
-from ..layout import fp8 as _fp8
 from ..layout.apply import _as_bytes, _region, copy_nbytes, pack, unpack
 from ..layout.plan import Copy, ReshardPlan, dtype_size
 from .base import RefitReport, TransportContext
@@ -117,8 +116,10 @@ class _State:
 
 
 def _make_stream(plan: ReshardPlan, copies: list[Copy]) -> _Stream:
-    if any(_fp8.is_fp8_copy(plan, c) for c in copies):
-        raise ConfigError("delta refits of fp8-quantized copies are not supported", transport="nccl_reshard")
+    fmt = plan.dest_format
+    if any(fmt.converts(plan, c) for c in copies):
+        raise ConfigError(f"delta refits of copies the {type(fmt).__name__} converts are not supported",
+                          transport="nccl_reshard")
     unit = min(dtype_size(plan.params[c.param].dtype) for c in copies)
     segments, at = [], 0
     for c in copies:
@@ -230,7 +231,6 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
                        seconds=time.perf_counter() - t0)
     groups = [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
     transport._active = [*groups, update_group]
-    ctx.state["kv_scales"] = None
     try:
         if ctx.role == "send":
             wire, nbytes, failure = _send(ctx, st, streams, int(version), deadline)
@@ -241,7 +241,6 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
             update_group, is_source=ctx.role == "send" and update_group.rank == 0,
             kv_scales=ctx.option("kv_scales"), deadline=deadline, version=announced,
             ok=failure is None, lost=isinstance(failure, PeerLost))
-        ctx.state["kv_scales"] = scales
     except RefitAborted:
         if ctx.deadline is not None:
             ctx.deadline.check()
@@ -263,13 +262,13 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
     shadow = sum(s.nbytes for s in streams.values()) if streams else 0
     return RefitReport(transport=transport.name, role=ctx.role, version=int(got_version), bytes=nbytes,
                        seconds=time.perf_counter() - t0, wire_bytes=wire, shadow_bytes=shadow,
-                       notes=(reason,))
+                       notes=(reason,), kv_scales=scales)
 
 
 def _report(r: RefitReport, *, notes, wire: int, shadow: int, seconds: float) -> RefitReport:
     return RefitReport(transport=r.transport, role=r.role, version=r.version, bytes=r.bytes, seconds=seconds,
                        buckets=r.buckets, peak_extra_bytes=r.peak_extra_bytes, notes=(*r.notes, *notes),
-                       wire_bytes=wire, shadow_bytes=shadow)
+                       wire_bytes=wire, shadow_bytes=shadow, kv_scales=r.kv_scales)
 
 
 def _handshake(group, row: list[int], deadline: float) -> list[list[int]]:

@@ -98,7 +98,7 @@ def _first_hop_plan(plan: ReshardPlan, routes: RelayRoutes, src_side: dict, dst_
     body = PlanBody(format=b.format, train=b.train, gen=b.gen, train_world_size=b.train_world_size,
                     gen_world_size=b.gen_world_size, gen_fused=b.gen_fused, params=b.params,
                     tensor_names=b.tensor_names, sources=b.sources, dests=b.dests, transfers=transfers,
-                    gen_fp8_block=b.gen_fp8_block)
+                    dest_format=b.dest_format)
     return ReshardPlan(body)
 
 
@@ -135,8 +135,8 @@ def _fanouts(plan: ReshardPlan, routes: RelayRoutes, dst_side: dict, bucket_byte
 def relay_setup(plan: ReshardPlan, train_nodes: Sequence[int], gen_nodes: Sequence[int],
                 bucket_bytes: int) -> tuple[ReshardPlan, list[Fanout]] | None:
     """The first-hop plan and the fan-out messages, or None when nothing would be relayed."""
-    if plan.body.gen_fp8_block:
-        return None  # fp8 destinations are quantized per block by the sender: no relays
+    if not plan.dest_format.passthrough:
+        return None  # the sender converts copies (quantizes them, say): no bytes to forward as they are
     routes = relay_routes(plan, list(train_nodes), list(gen_nodes))
     if not routes.relayed_bytes:
         return None

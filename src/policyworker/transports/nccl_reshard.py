@@ -64,7 +64,6 @@ from ..errors import (
     TransportError,
     translate_comm_error,
 )
-from ..layout import fp8 as _fp8
 from ..layout.apply import pack, unpack
 from ..layout.plan import ReshardPlan
 from .base import RefitReport, Transport, TransportContext
@@ -321,11 +320,12 @@ class NcclReshardTransport(Transport):
                 pair = (m.key[1], m.key[2])
                 pair_bytes[pair] = pair_bytes.get(pair, 0) + m.nbytes
         ctx.state["pair_bytes"] = pair_bytes  # (src, dst) -> payload bytes; in every header
-        # fp8 hook (issue 16): a quantized copy cannot be cut below one block, which may
-        # exceed a tiny bucket_bytes, and it is always packed; the ring slots then grow
-        # to the largest such message.
+        # A copy the plan's format converts cannot be cut below the format's unit (a
+        # quantization block), which may exceed a tiny bucket_bytes, and it is always
+        # packed; the ring slots then grow to the largest such message.
+        fmt = bulk.dest_format
         biggest = max((m.nbytes for m in schedule if m.copies is not None
-                       and any(_fp8.is_fp8_copy(bulk, c) for c in m.copies)), default=0)
+                       and any(fmt.converts(bulk, c) for c in m.copies)), default=0)
         ring_bytes = max(self.bucket_bytes, biggest) + (8 if self.checksum else 0)
         ring = ctx.state.get("ring")
         if ring is None or len(ring) != self.staging or ring[0].numel() != ring_bytes or ring[0].device != device:
@@ -366,7 +366,7 @@ class NcclReshardTransport(Transport):
 
         Commits nothing itself: on success the worker commits ``report.version``;
         ``ctx.touched`` says whether live bytes were overwritten (for a torn mark on
-        failure) and ``ctx.state["kv_scales"]`` holds the received scales.
+        failure); the report's ``kv_scales`` are the scales received.
         """
         self._check(ctx)
         if self.delta is not None:
@@ -478,8 +478,8 @@ class NcclReshardTransport(Transport):
     def _refit_body(self, ctx: TransportContext, version: int | None) -> RefitReport:
         t0 = time.perf_counter()
         ctx.touched = False
-        ctx.state["kv_scales"] = None
         update_group = ctx.state.get("update_group")
+        scales = None
         self._check_fresh(ctx)
         self._active = self._attempt_groups(ctx)
         live = [g for g in self._active if not g.aborted]
@@ -500,7 +500,6 @@ class NcclReshardTransport(Transport):
                     ok=failure is None,
                     lost=isinstance(failure, PeerLost),
                 )
-                ctx.state["kv_scales"] = scales
             else:
                 failures, lost = int(failure is not None), int(isinstance(failure, PeerLost))
         except BaseException as exc:  # cut short: messages of this attempt may still be posted
@@ -524,7 +523,7 @@ class NcclReshardTransport(Transport):
         return RefitReport(
             transport=self.name, role=ctx.role, version=int(version), bytes=nbytes,
             seconds=time.perf_counter() - t0, buckets=nbuckets,
-            peak_extra_bytes=sum(b.numel() for b in ctx.state["ring"]),
+            peak_extra_bytes=sum(b.numel() for b in ctx.state["ring"]), kv_scales=scales,
         )
 
     def _post(self, batch: list, kind: str, pending: deque) -> None:

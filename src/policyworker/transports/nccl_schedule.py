@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from ..layout import fp8 as _fp8
 from ..layout.apply import _region, bucket_copies, copy_nbytes
 from ..layout.parallelism import Parallelism
 from ..layout.plan import Copy, ReshardPlan
@@ -112,8 +111,8 @@ def _direct_view(plan: ReshardPlan, copies: list[Copy], tensors: Mapping[str, to
     of a flat buffer (the rollout allocates its tensors that way, in plan order).
     Then the message goes straight from / into the tensors: no staging copy.
     """
-    if any(_fp8.is_fp8_copy(plan, c) for c in copies):
-        return None  # fp8 hook (issue 16): quantized copies are packed (sender) / unpacked (receiver)
+    if any(plan.dest_format.converts(plan, c) for c in copies):
+        return None  # converted copies are packed (sender) / unpacked (receiver) by their format
     names = plan.body.tensor_names
     storage = None
     start = end = 0

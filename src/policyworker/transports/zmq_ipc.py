@@ -23,17 +23,17 @@ copy. Sources that cannot be mapped (on another device, e.g. offloaded, or
 ``staged=True``) travel through a ring of ``staging`` buffers of ``bucket_bytes``
 that lives across refits, with up to ``staging`` buckets in flight.
 
-FP8 targets (issue 16): a copy into an fp8 tensor is quantized on the way — for a
-mapped source, by the rollout's pull itself (one fused read of the trainer's bf16
-storage, fp8 + scales written in place; one Triton launch on a GPU, which also
-makes the refit's small plain copies, after torch's copies of the big ones; a CUDA
-graph replayed on the pull's stream from the second refit on); for a staged source, by
-the trainer while packing the ring bucket. ``state["timing"]`` holds the last pull's
-phase stamps (``time.perf_counter``) for benchmarks.
+Copies the plan's destination format converts (:mod:`..layout.formats`; block
+quantization, say) are converted on the way — for a mapped source, by the rollout's
+pull itself (the format's one launch, which reads the trainer's storage once, writes
+the converted bytes in place, and may also make the refit's small plain copies after
+torch's copies of the big ones); for a staged source, by the trainer while packing the
+ring bucket. ``state["timing"]`` holds the last pull's phase stamps
+(``time.perf_counter``) for benchmarks.
 
 This module is the protocol: the trainer's side of the sources (flatten, export,
 fingerprint, ring) is :mod:`.zmq_export`, the rollout's copy program (views, coalesced
-copies, the fp8 launch, the GPU wait) is :mod:`.zmq_program`.
+copies, the format's launch, the GPU wait) is :mod:`.zmq_program`.
 
 Threads: every socket operation and copy runs on the worker's refit executor
 (``ctx.blocking``); :meth:`ZmqIpcTransport.abort` may be called from any thread.
@@ -348,7 +348,7 @@ class ZmqIpcTransport(Transport):
         """Pull the next refit into ``ctx.params``; its version comes from the Offer.
 
         Commits nothing itself (the caller does, on success). ``ctx.touched``
-        says whether live bytes were overwritten; ``ctx.state["kv_scales"]`` holds the
+        says whether live bytes were overwritten; the report's ``kv_scales`` are the
         scales that rode along.
         """
         self._check_connected(ctx)
@@ -360,7 +360,6 @@ class ZmqIpcTransport(Transport):
         chan, deadline = self._begin(ctx)
         st = ctx.state
         ctx.touched = False
-        st["kv_scales"] = None
         # perf_counter stamps of this pull's phases (benchmarks read them; nothing else does)
         times = st["timing"] = {"begin": t0}
         chan.send(w.Ready(session=st["session"], committed=int(st.get("committed", 0))), "Ready")
@@ -384,10 +383,9 @@ class ZmqIpcTransport(Transport):
         if expect_version is not None and offer.version != expect_version:
             notes.append(f"trainer sent version {offer.version} (asked for {expect_version})")
         st["committed"] = offer.version
-        st["kv_scales"] = offer.kv_scales
         return RefitReport(transport=self.name, role="receive", version=offer.version, bytes=nbytes,
                            seconds=time.perf_counter() - t0, buckets=offer.staged_buckets or 1,
-                           notes=tuple(notes + [f"copies {ncopies}"]))
+                           notes=tuple(notes + [f"copies {ncopies}"]), kv_scales=offer.kv_scales)
 
     def _report_failure(self, chan: Channel, version: int, exc: BaseException) -> None:
         try:
@@ -422,8 +420,9 @@ class ZmqIpcTransport(Transport):
             program = compile_program(plan, ctx.rank, dev, ctx.params, offer, st["sources"][1], opened)
             program.dst_key = dst_key
             notes.append("copy program rebuilt")
-            if len(program.quant):
-                notes.append(f"fp8 launch copies {program.quant.copy_bytes} bytes, torch copies {len(program.runs)}")
+            note = program.launch.note(len(program.runs))
+            if note is not None:
+                notes.append(note)
         st["program"] = program
         buckets, ring = program.buckets, program.ring
         times["program"] = time.perf_counter()
@@ -439,7 +438,7 @@ class ZmqIpcTransport(Transport):
             nbytes += unpack(plan, bucket, ring[msg.slot], ctx.params)
             _sync(dev, chan, deadline)  # the slot is reused once acked: finish reading it first
             chan.send(w.BucketDone(version=offer.version, seq=seq), "BucketDone")
-        program.join()  # the fp8 side stream (if the launch ran there) joins ours: the wait covers it
+        program.join()  # the launch's side stream (if it ran there) joins ours: the wait covers it
         times["buckets_done"] = time.perf_counter()
         _sync(dev, chan, deadline)
         times["device_done"] = time.perf_counter()

@@ -2,11 +2,11 @@
 
 A program is built once per epoch (the trainer's exported sources, the staging ring,
 the bucket size) and run on every refit of it: views of the trainer's mapped storages,
-the plan's copies out of them coalesced into few runs, the fp8 launch for quantized
-targets (issue 16), the staged buckets' copies, and the ring's views.
-:meth:`CopyProgram.issue` issues its copies and its launch on the current stream (or
-the launch on its side stream, until it is a captured graph); the transport
-(:mod:`.zmq_ipc`) does the messages around it.
+the plan's copies out of them coalesced into few runs, the destination format's launch
+for the copies it converts (:mod:`..layout.formats`: a `PullLaunch`), the staged
+buckets' copies, and the ring's views. :meth:`CopyProgram.issue` issues its copies and
+its launch on the current stream (or the launch on its side stream, until it is a
+captured graph); the transport (:mod:`.zmq_ipc`) does the messages around it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from typing import Any
 import torch
 
 from ..errors import ProtocolError
-from ..layout import fp8 as _fp8
-from ..layout import fp8_pack as _fp8_pack
 from ..layout.apply import _region, bucket_copies
 from ..layout.plan import ReshardPlan
 from . import zmq_wire as w
@@ -114,53 +112,51 @@ Pair = tuple[torch.Tensor, torch.Tensor]
 @dataclass(slots=True)
 class CopyProgram:
     """One epoch's copies on the rollout (see the module docstring); ``runs``: what torch
-    copies (the coalesced plain copies the fp8 launch does not take)."""
+    copies (the coalesced plain copies the format's launch does not take)."""
 
     signature: tuple
     runs: list[Pair]
     buckets: list
     ring: list[torch.Tensor]
-    quant: Any  # layout.fp8_pack.QuantJobs
+    launch: Any  # layout.formats.PullLaunch
     device: torch.device
-    _side: bool = False  # the last issue launched on the fp8 side stream
+    _side: bool = False  # the last issue launched on the format's side stream
     dst_key: tuple = ()  # which destination tensors it writes (a double-buffered rollout alternates two)
 
     @property
     def ncopies(self) -> int:
-        return len(self.runs) + len(self.buckets) + len(self.quant)
+        return len(self.runs) + len(self.buckets) + len(self.launch)
 
     def issue(self, times: dict[str, float]) -> int:
-        """Issue torch's copies and the fp8 launch; the bytes they write (the buckets'
+        """Issue torch's copies and the format's launch; the bytes they write (the buckets'
         come later, with their messages). ``times`` gets the ``copies_issued`` and
         ``launch_issued`` stamps."""
         nbytes = 0
-        quant = self.quant
-        # fp8 hook (issue 16): one fused read of each quantized source, the plain copies
-        # it takes as its copy tiles (`runs`: what is left, for torch). Until the launch
+        launch = self.launch
+        # The launch (block quantization's: one fused read of each quantized source) takes
+        # the plain copies it can as its copy tiles (`runs`: what is left, for torch). Until it
         # is a captured graph it runs on its own side stream, fenced after our stream's
         # earlier work, with torch's copies issued first (a kernel that keeps every SM
         # busy to its end would otherwise leave them queued behind it). From its second
         # refit on the graph is replayed on our own stream right after torch's copies
         # (the big ones: the launch keeps every SM busy, so nothing overlapped anyway):
         # no fence, no stream switch, no join (~0.1 ms of host per refit).
-        self._side = not quant.replays
+        self._side = not launch.replays
         if self._side:
-            quant.fence()
+            launch.fence()
         for src, dst in self.runs:
             dst.copy_(src, non_blocking=True)
             nbytes += dst.numel() * dst.element_size()
         times["copies_issued"] = time.perf_counter()
-        nbytes += quant.run(join=False, fenced=True) if self._side else quant.run_inline()
+        nbytes += launch.run(join=False, fenced=True) if self._side else launch.run_inline()
         times["launch_issued"] = time.perf_counter()
         return nbytes
 
     def join(self) -> None:
-        """Order our stream after the fp8 side stream, if the last issue used it (an
+        """Order our stream after the launch's side stream, if the last issue used it (an
         event, no device-wide sync: a wait on our stream then covers the launch)."""
-        if self._side and len(self.quant) and self.device.type == "cuda":
-            from ..ops.fp8_triton import _side_stream
-
-            torch.cuda.current_stream(self.device).wait_stream(_side_stream(self.device))
+        if self._side:
+            self.launch.join(self.device)
 
 
 def compile_program(plan: ReshardPlan, rank: int, device: torch.device, params: Mapping[str, torch.Tensor],
@@ -185,14 +181,15 @@ def compile_program(plan: ReshardPlan, rank: int, device: torch.device, params: 
                                 transport="zmq")
         else:
             views[name] = source_view(opened[ref.handle], ref, device)
-    pairs, quant = [], []
+    fmt = plan.dest_format
+    pairs, jobs = [], []
     for t in plan.receives(rank):
         for c in t.all_copies():
             src_name = names[c.src_tensor]
             if src_name in staged:
                 continue
-            if _fp8.is_fp8_copy(plan, c):  # fp8 hook (issue 16): quantized as it is pulled
-                quant.append(_fp8_pack.quant_job(plan, c, views[src_name], params))
+            if fmt.converts(plan, c):  # converted as it is pulled, by the format's launch
+                jobs.append(fmt.pull_job(plan, c, views[src_name], params))
                 continue
             dst = _region(params[names[c.dst_tensor]], c.dst_at, c.start, c.stop)
             pairs.append((_region(views[src_name], c.src_at, c.start, c.stop), dst))
@@ -203,8 +200,8 @@ def compile_program(plan: ReshardPlan, rank: int, device: torch.device, params: 
             raise ProtocolError(f"ring handle {hid} was never sent", rank=rank, transport="zmq")
         s = opened[hid]
         ring.append(_u8(s, 0, s.nbytes(), device))
-    # fp8 hook (issue 16): the plain copies ride in the quantizing launch (copy tiles of
+    # The plain copies may ride in the format's launch (block quantization on CUDA: copy tiles of
     # one persistent kernel, no launch per copy); torch copies what it leaves (all of
-    # them when nothing is quantized, or on CPU).
-    jobs = _fp8_pack.QuantJobs(quant, max(1, plan.body.gen_fp8_block), copies=coalesce(pairs))
-    return CopyProgram(signature(offer), jobs.copies_left, buckets, ring, jobs, device)
+    # them when nothing is converted, or on CPU).
+    launch = fmt.pull_launch(plan, jobs, coalesce(pairs))
+    return CopyProgram(signature(offer), launch.copies_left, buckets, ring, launch, device)

@@ -31,8 +31,9 @@ from collections.abc import Mapping, MutableMapping, Sequence
 import torch
 
 from policyworker.errors import PlanError
-from policyworker.layout import fp8
-from policyworker.layout.fp8 import FP8_MAX
+from policyworker.layout.formats import block_fp8_grid as fp8
+from policyworker.layout.formats.base import PullLaunch
+from policyworker.layout.formats.block_fp8_grid import FP8_MAX
 
 __all__ = ["QuantJobs", "dequantize", "pack_copy", "quant_job", "quantize_bands", "quantize_into",
            "quantize_reference", "reference_local", "scale_tensors", "unpack_copy"]
@@ -121,7 +122,7 @@ def _region(t: torch.Tensor, at: Sequence[int], start: Sequence[int], stop: Sequ
 def pack_copy(plan, c, local_tensors: Mapping[str, torch.Tensor], out: torch.Tensor, offset: int) -> int:
     """Sender: quantize copy ``c``'s source box into ``out`` at ``offset`` (fp8, then
     scales); returns the offset after its last byte."""
-    block = fp8.block_of(plan)
+    block = plan.body.dest_format.block
     name = plan.body.tensor_names[c.src_tensor]
     try:
         local = local_tensors[name]
@@ -151,7 +152,7 @@ def _fp8_names(plan, c, tensors: Mapping[str, torch.Tensor]) -> tuple[str, str]:
 def unpack_copy(plan, c, buf: torch.Tensor, local_tensors: MutableMapping[str, torch.Tensor], offset: int) -> int:
     """Receiver: land a quantized copy's fp8 bytes in its tensor and its scales in the
     tensor's ``_scale_inv``; returns the offset after its last byte."""
-    block = fp8.block_of(plan)
+    block = plan.body.dest_format.block
     name, sname = _fp8_names(plan, c, local_tensors)
     dst = _region(local_tensors[name], c.dst_at, c.start, c.stop)
     r, k = dst.shape
@@ -173,7 +174,7 @@ def reference_local(plan, rank: int, name: str, high: torch.Tensor) -> dict[str,
     """What fp8 tensor ``name`` of generation rank ``rank`` must hold, from its
     unquantized contents ``high``: ``{name: q, name_scale_inv: s}`` by the oracle,
     member by member (fused tensors quantize per source block)."""
-    block = fp8.block_of(plan)
+    block = plan.body.dest_format.block
     tensor = plan.local_tensors("dst", rank)[name]
     q = torch.empty(tuple(high.shape), dtype=F8)
     s = torch.empty(fp8.scale_shapes(plan, rank)[fp8.scale_name(name)], dtype=torch.float32)
@@ -187,7 +188,7 @@ def reference_local(plan, rank: int, name: str, high: torch.Tensor) -> dict[str,
     return {name: q, fp8.scale_name(name): s}
 
 
-class QuantJobs:
+class QuantJobs(PullLaunch):
     """A fixed list of ``(src, q, s)`` quantizations, run together (the colocated
     pull: source views straight into the rollout's fp8 tensors and scales). On CUDA
     one Triton launch whose tables are built once; on CPU the band loop per job.
@@ -245,11 +246,24 @@ class QuantJobs:
                 quantize_into(src, q, s, self.block)
         return self.nbytes
 
+    def join(self, device: torch.device) -> None:
+        """CUDA: order the current stream after the side stream a `run` used (an event,
+        no device-wide sync)."""
+        if self.jobs and device.type == "cuda":
+            from policyworker.ops.fp8_triton import _side_stream
+
+            torch.cuda.current_stream(device).wait_stream(_side_stream(device))
+
+    def note(self, torch_copies: int) -> str | None:
+        if not self.jobs:
+            return None
+        return f"fp8 launch copies {self.copy_bytes} bytes, torch copies {torch_copies}"
+
 
 def quant_job(plan, c, src_local: torch.Tensor, dst_tensors: Mapping[str, torch.Tensor]):
     """``(src, q, s)`` views of quantized copy ``c``: its source box in ``src_local``
     and its destination box and scale blocks in the receiver's tensors."""
-    block = fp8.block_of(plan)
+    block = plan.body.dest_format.block
     name, sname = _fp8_names(plan, c, dst_tensors)
     br, bc = fp8.blocks(c.start, c.stop, block)
     sr, sc = fp8.scale_at(plan, c)
