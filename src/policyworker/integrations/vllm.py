@@ -451,13 +451,10 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         return self._stage.prepare()
 
     def _swap(self, version: int, prepared: Any) -> None:
-        self.ledger.begin(version)
-        try:
+        # A swap that fails part way leaves some layers on the new version: touched.
+        with self.ledger.transaction(version, touched=True) as tx:
             self._stage.commit(prepared)
-        except BaseException:
-            self.ledger.fail(True)  # some layers may already hold the new version
-            raise
-        self.ledger.commit(version)
+            tx.commit()
         self.commits.append((version, self.steps.count))
 
     def _torn_everywhere(self) -> None:

@@ -242,13 +242,13 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
                                            dtype=self.lora_config.lora_dtype,
                                            model_vocab_size=self.vllm_config.model_config.get_vocab_size())
         previous = self.manager.get_adapter(LORA_ID)
-        self.ledger.begin(version)
-        try:
-            self._install(lora)
-        except BaseException:
-            self.ledger.fail(not self._restore(previous))
-            raise
-        self.ledger.commit(version)
+        with self.ledger.transaction(version) as tx:
+            try:
+                self._install(lora)
+            except BaseException:
+                tx.touched = not self._restore(previous)  # torn unless the previous adapter is back
+                raise
+            tx.commit()
         self._committed = lora
         self.last_install_s = time.perf_counter() - t0
 
