@@ -28,7 +28,7 @@ from policyworker.integrations.vllm_trainer import (  # noqa: E402
 )
 from policyworker.integrations.vllm_world import WorldSpec, greedy_tokens, hf_model, save_hf_model  # noqa: E402
 
-from .vllm_engine import MAX_TOKENS, PROMPTS, TINY_QWEN3  # noqa: E402
+from .vllm_engine import MAX_TOKENS, PROMPTS, TINY_QWEN3, omp_bind  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -73,7 +73,7 @@ def llm(tmp_path_factory):
     save_hf_model(SPEC, 0, path)
     with pytest.MonkeyPatch.context() as monkey:
         monkey.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        monkey.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+        monkey.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_bind(1))
         from vllm import LLM
 
         engine = LLM(path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=128,

@@ -27,6 +27,15 @@ TINY_QWEN3 = dict(vocab_size=500, hidden_size=128, intermediate_size=256, num_hi
                   num_attention_heads=4, head_dim=64, max_position_embeddings=256, initializer_range=0.2)
 
 
+def omp_bind(tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a tp-rank engine: rank i on core (xdist worker + i),
+    so the suite's two parallel workers' tp=1 engines run on different cores."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+    cpus = os.cpu_count() or 1
+    return "|".join(str((index + i) % cpus) for i in range(tp))
+
+
 @dataclass
 class VllmWorld:
     llm: Any
@@ -108,7 +117,7 @@ def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_opt
         # Failure tests inject a fault inside the real workers with a function sent through
         # llm.collective_rpc, which vLLM only serializes with this set.
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_bind(tp))
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             # Trainers import torch + transformers while the engine starts.
             pool_future = ex.submit(TrainerPool, spec)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ProcessFailed
+from .errors import ConfigError, ProcessFailed
 
 #: After one rank failed, how long :meth:`World.collect` still waits for the others.
 FAIL_GRACE_S = 10.0
@@ -41,10 +41,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     OS never hands ports to outgoing connections: a port the OS picked (``bind(0)``)
     comes from that range and can be taken by any client socket (a store client, a
     gloo pair) before our server binds it — seen once on the H200 as "port ... is
-    already in use". Falls back to the OS's pick if no port there is free."""
+    already in use". Falls back to the OS's pick if no port there is free.
+
+    ``POLICYWORKER_PORTS=lo:hi`` narrows the draw to ``[lo, hi)``: runs side by side
+    (the test suite's parallel workers) each draw from their own slice, so one never
+    takes a port another drew and has not bound yet."""
+    lo, hi = _port_range()
     rng = random.SystemRandom()
     for _ in range(64):
-        port = rng.randrange(20000, 32768)
+        port = rng.randrange(lo, hi)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
@@ -54,6 +59,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _port_range() -> tuple[int, int]:
+    text = os.environ.get("POLICYWORKER_PORTS")
+    if not text:
+        return 20000, 32768
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        lo = hi = -1
+    if not 1024 <= lo < hi <= 65536:
+        raise ConfigError(f"POLICYWORKER_PORTS={text!r}: expected lo:hi with 1024 <= lo < hi <= 65536")
+    return lo, hi
 
 
 def _child(target: Callable[..., Any], rank: int, args: tuple, results, env: dict[str, str]) -> None:
