@@ -102,3 +102,20 @@ def test_import_graph_has_no_cycles():
     # Package __init__ re-exports are edges into the package; a module importing its own
     # package's __init__ would be a cycle too, so they stay in the graph.
     assert _cycles(import_graph()) == []
+
+
+def test_no_integration_calls_a_private_worker_method():
+    """Integrations and engine adapters use the workers' public surface (the generic road:
+    attach_transport / refit, plus refit_source / ensure_open); a private method is the
+    worker's own business. Found by AST: any ``<name>._x`` attribute where ``<name>``
+    names a worker (worker, rollout, trainer, w)."""
+    import ast as _ast
+
+    found = []
+    files = [*sorted((ROOT / "integrations").rglob("*.py")), ROOT / "sglang_engine.py"]
+    for path in files:
+        for node in _ast.walk(_ast.parse(path.read_text())):
+            if isinstance(node, _ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and isinstance(node.value, _ast.Name) and node.value.id in ("worker", "rollout", "trainer", "w"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert not found, found

@@ -202,6 +202,11 @@ class WorkerCore(DeviceQueries):
         if self._closed:
             raise WorkerClosed(f"{self.role} rank {self.rank} was shut down", rank=self.rank)
 
+    def ensure_open(self) -> None:
+        """Raise ``WorkerClosed`` if this worker was shut down (engine adapters check it
+        before they touch the worker's tensors)."""
+        self._ensure_open()
+
     async def _run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """Run a blocking body on the refit executor thread."""
         self._ensure_open()

@@ -243,7 +243,7 @@ class InProcessSglangEngine:
 
     def _plan(self, i: int, handle: BufferHandle, request: UpdateWeightsFromTensorRequest) -> _BucketPlan:
         worker = self.workers[i]
-        worker._ensure_open()
+        worker.ensure_open()
         key = (i, handle, request.bucket)
         plan = self._plans.get(key)
         if plan is not None and (plan.metadata is request.metadata or plan.metadata == request.metadata):

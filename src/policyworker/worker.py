@@ -27,6 +27,7 @@ generation ranks; the caller passes this rank's index in it.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,6 +53,15 @@ def _check_int(value: Any, name: str, *, minimum: int = 0) -> int:
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+@dataclass(frozen=True, slots=True)
+class RefitSource:
+    """What plans are built from (:meth:`AbstractPolicyWorker.refit_source`)."""
+
+    model: Any  # a ModelConfig, {name: (shape, dtype)} or DTensors
+    gen_config: Any  # a ModelConfig placing a DTensor source's generation side by heads, or None
+    dtype: Any  # dtype of a ModelConfig's parameters in the plan
 
 
 class AbstractPolicyWorker(TrainerCompat, WorkerCore, abc.ABC):
@@ -91,6 +101,12 @@ class AbstractPolicyWorker(TrainerCompat, WorkerCore, abc.ABC):
     def _refit_dtype(self) -> Any:
         """dtype of a ModelConfig's parameters in the plan (default bf16)."""
         return torch.bfloat16
+
+    def refit_source(self) -> RefitSource:
+        """What a plan for this worker is built from (integrations that plan themselves,
+        e.g. the vLLM backends, read it here): the model source, the generation-side
+        config (or None) and the dtype of a ModelConfig's parameters."""
+        return RefitSource(self._refit_model_source(), self._refit_gen_config(), self._refit_dtype())
 
     def _plan_tensors(self, plan: ReshardPlan) -> Mapping[str, torch.Tensor]:
         """This rank's shards in ``plan``'s training layout: views of the named tensors, or

@@ -130,7 +130,8 @@ async def prepare_vllm_lora_refit(worker: Any, train_parallelism: Any, gen_world
     if isinstance(gen_world_size, bool) or not isinstance(gen_world_size, int) or gen_world_size < 1:
         raise ConfigError(f"gen_world_size must be an int >= 1, got {gen_world_size!r}")
     train_world_size = worker.train_world_size if worker.train_world_size is not None else worker.world_size
-    source, config = worker._refit_model_source(), worker._refit_gen_config()
+    src = worker.refit_source()
+    source, config = src.model, src.gen_config
 
     def build() -> ReshardPlan:
         base = worker.base_hash()

@@ -214,7 +214,8 @@ async def prepare_vllm_refit(worker: Any, train_parallelism: Any, gen_world_size
     if isinstance(gen_world_size, bool) or not isinstance(gen_world_size, int) or gen_world_size < 1:
         raise ConfigError(f"gen_world_size must be an int >= 1, got {gen_world_size!r}")
     train_world_size = worker.train_world_size if worker.train_world_size is not None else worker.world_size
-    source, dtype = worker._refit_model_source(), worker._refit_dtype()
+    src = worker.refit_source()
+    source, dtype = src.model, src.dtype
 
     def build() -> ReshardPlan:
         needs = read_needs(group.store, gen_world_size)
