@@ -136,7 +136,7 @@ class PolicyworkerInitInfo(WeightTransferInitInfo):
     #: unquantized layers read the parameter as is anyway.
     cpu_linear: str = "prepack"
     #: ``update_weights`` starts the receive and returns; vLLM keeps generating on the
-    #: committed version until ``finish_weight_update`` (integrations/vllm_overlap.py).
+    #: committed version until ``finish_weight_update`` (integrations/vllm/overlap.py).
     overlap: bool = False
 
     def __post_init__(self) -> None:
