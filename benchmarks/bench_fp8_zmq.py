@@ -274,7 +274,7 @@ def run(preset: str, device: str, refits: int, timeout_s: float, kernel: str = "
     import multiprocessing as mp
 
     from policyworker.cli.output import ratio_spread
-    from policyworker.procs import start_world
+    from policyworker.runtime.procs import start_world
 
     args = dict(preset=preset, device="cuda:0" if device == "cuda" else device, refits=refits, timeout_s=timeout_s,
                 kernel=kernel, rounds=rounds)

@@ -43,8 +43,8 @@ import torch
 def _rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
     from policyworker import RolloutWorker, TorchPolicyWorker
     from policyworker.models import get_preset, seeded_state_dict
-    from policyworker.testing.toy_model import build_model
-    from policyworker.sglang_engine import InProcessSglangEngine
+    from policyworker.models.toy_model import build_model
+    from policyworker.integrations.sglang.engine import InProcessSglangEngine
 
     torch.set_num_threads(1)
     Trainer = TorchPolicyWorker  # AbstractPolicyWorker carries SglangIpcMixin
@@ -106,7 +106,7 @@ def _fill_(params: dict[str, torch.Tensor], version: int) -> None:
 def _gpu_rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
     from policyworker import RolloutWorker, TorchPolicyWorker
     from policyworker.models import get_preset, param_specs
-    from policyworker.sglang_engine import InProcessSglangEngine
+    from policyworker.integrations.sglang.engine import InProcessSglangEngine
 
     class ParamsTrainer(TorchPolicyWorker):
         """A trainer that is only its parameters; SGLang loads them (the documented hook)."""
@@ -195,7 +195,7 @@ def _median_spans(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
 def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5,
                    buffers: int = 2, device: str = "cuda", flat_rollout: bool = False,
                    answer_queued: bool = True) -> dict[str, Any]:
-    from policyworker.procs import free_port, run_world
+    from policyworker.runtime.procs import free_port, run_world
 
     a = dict(preset=preset, dtype=dtype, refits=refits, bucket_bytes=bucket_bytes, port=free_port(),
              ceiling_rounds=ceiling_rounds, buffers=buffers, device=device, flat_rollout=flat_rollout,
@@ -221,7 +221,7 @@ def run_sglang_gpu(preset: str, dtype: str, refits: int, bucket_bytes: int, ceil
 
 def run_sglang(preset: str, dtype: str, refits: int, bucket_bytes: int, ceiling_rounds: int = 5,
                buffers: int = 2) -> dict[str, Any]:
-    from policyworker.procs import free_port, run_world
+    from policyworker.runtime.procs import free_port, run_world
 
     a = dict(preset=preset, dtype=dtype, refits=refits, bucket_bytes=bucket_bytes, port=free_port(),
              ceiling_rounds=ceiling_rounds, buffers=buffers)

@@ -17,7 +17,7 @@ import json, statistics, sys, time
 
 import torch
 
-from policyworker.transports import zmq_program as z
+from policyworker.transports.zmq import program as z
 
 dev = torch.device("cuda", 0)
 torch.cuda.set_device(dev)

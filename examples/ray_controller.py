@@ -46,7 +46,7 @@ from policyworker.integrations.ray import RefitWiring, join_rollout, join_traine
 from policyworker.layout import Parallelism, dest_shards
 from policyworker.layout.local import as_plan
 from policyworker.models import get_preset
-from policyworker.testing.toy_model import build_model
+from policyworker.models.toy_model import build_model
 
 TRANSPORT = "nccl_reshard"
 # Default setup of nccl_reshard here: small buckets, many messages per refit, so that
@@ -180,7 +180,7 @@ def _hold_after_waits(k: int, held: threading.Event, release: threading.Event, b
 
     The refit's executor thread stops mid-transfer; the actor's loop keeps answering.
     """
-    from policyworker.comm import CommGroup
+    from policyworker.runtime.comm import CommGroup
     from policyworker.testing.faults import after_calls
 
     def hold() -> None:

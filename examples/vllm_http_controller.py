@@ -21,8 +21,8 @@ import tempfile
 import time
 import urllib.request
 
-from policyworker.integrations.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
-from policyworker.procs import free_port
+from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
+from policyworker.runtime.procs import free_port
 
 CONFIG = dict(vocab_size=500, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=256, initializer_range=0.2)

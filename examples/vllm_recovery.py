@@ -44,7 +44,7 @@ async def trainer(rank, n_train, n_gen, model_dir, commands, replies):
     from transformers import AutoModelForCausalLM
     from policyworker import TorchPolicyWorker
     from policyworker.errors import PolicyWorkerError
-    from policyworker.integrations.vllm_plan import prepare_vllm_refit
+    from policyworker.integrations.vllm.plan import prepare_vllm_refit
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     w = TorchPolicyWorker(model, rank=rank, world_size=n_train, timeout_s=60)
@@ -128,7 +128,7 @@ def free_port():
 
 def connect(llm, trainers, version):
     """Every trainer and the engine join fresh groups: the first init and every recovery."""
-    from policyworker.integrations.vllm import typed_errors
+    from policyworker.integrations.vllm.backend import typed_errors
 
     ports = {"update_port": free_port(), "stage_port": free_port()}
     trainers.tell({"cmd": "connect", "version": version, "host": HOST, **ports})
@@ -143,7 +143,7 @@ def connect(llm, trainers, version):
 
 def refit(llm, trainers, version, die=None):
     """Trainers send ``version`` while vLLM receives it; raises policyworker's error types."""
-    from policyworker.integrations.vllm import typed_errors
+    from policyworker.integrations.vllm.backend import typed_errors
 
     for rank in trainers.procs:
         extra = {"die_after_waits": 3} if rank == die else {}
@@ -178,7 +178,7 @@ def run(llm, trainers, refits, kill_at):
 def check(llm, version):
     from vllm import SamplingParams
 
-    from policyworker.integrations.vllm_world import greedy_tokens
+    from policyworker.testing.vllm_world import greedy_tokens
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     got = [list(o.outputs[0].token_ids)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from policyworker import PolicyWorkerError, RolloutWorker
-from policyworker.comm import CommGroup
+from policyworker.runtime.comm import CommGroup
 from policyworker.testing import faults
 from policyworker.layout import Parallelism, build_plan, dest_shards, source_shards
 from policyworker.models import get_preset, seeded_state_dict

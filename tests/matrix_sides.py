@@ -17,7 +17,7 @@ import torch
 from policyworker import RolloutWorker, TorchPolicyWorker
 from policyworker.layout import build_plan, dest_shards
 from policyworker.models import get_preset, seeded_state_dict
-from policyworker.testing.toy_model import build_model
+from policyworker.models.toy_model import build_model
 
 from .matrix_cells import OWN_BOUND_S, ZMQ_TIMEOUT_S
 
@@ -129,7 +129,7 @@ class NcclSide(Side):
         return await self.w.receive_nccl_reshard_refit(refit_timeout_s=timeout)
 
     def hook(self):
-        from policyworker.comm import CommGroup
+        from policyworker.runtime.comm import CommGroup
 
         return CommGroup, "wait"
 
@@ -191,7 +191,7 @@ class ZmqSide(Side):
         return await self.w.refit("zmq", refit_timeout_s=timeout)
 
     def hook(self):
-        from policyworker.transports.zmq_channel import Channel
+        from policyworker.transports.zmq.channel import Channel
 
         return Channel, "expect"
 
@@ -304,7 +304,7 @@ class SglangSide(Side):
     SIGINT_HOLD_S = 2.0
 
     async def open(self, epoch: int) -> None:
-        from policyworker.sglang_engine import InProcessSglangEngine
+        from policyworker.integrations.sglang.engine import InProcessSglangEngine
 
         self.epoch = epoch
         self.rank = 0 if self.name == "rollout" else 1
@@ -336,10 +336,10 @@ class SglangSide(Side):
 
     def hook(self):
         if self.rank == 0:
-            from policyworker.sglang_engine import InProcessSglangEngine
+            from policyworker.integrations.sglang.engine import InProcessSglangEngine
 
             return InProcessSglangEngine, "update_weights_from_tensor"
-        from policyworker.comm import CommGroup
+        from policyworker.runtime.comm import CommGroup
 
         return CommGroup, "wait"
 

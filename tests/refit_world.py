@@ -239,7 +239,7 @@ def _die_in_fanout(version_box: list[int], version: int) -> None:
     phase of refit ``version``, after its first fan-out message was posted."""
     import os
 
-    from policyworker.transports import nccl_relay
+    from policyworker.transports.nccl_reshard import relay as nccl_relay
 
     real = nccl_relay.run_fanout
 
@@ -256,7 +256,7 @@ def refit_rank(rank: int, spec: RefitSpec) -> dict[str, Any]:
     if spec.nodes is not None:
         import os
 
-        from policyworker.transports.nccl_relay import NODE_ENV
+        from policyworker.transports.nccl_reshard.relay import NODE_ENV
 
         os.environ[NODE_ENV] = spec.nodes[rank]
     dtype = getattr(torch, spec.dtype)

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from policyworker import PolicyWorkerError, RolloutWorker, TorchPolicyWorker
-from policyworker.comm import new_group
+from policyworker.runtime.comm import new_group
 from policyworker.models import get_preset, seeded_state_dict
-from policyworker.testing.toy_model import build_model
-from policyworker.sglang_client import EngineResult, SglangHttpEngine
-from policyworker.sglang_engine import InProcessSglangEngine
+from policyworker.models.toy_model import build_model
+from policyworker.transports.sglang_ipc.client import EngineResult, SglangHttpEngine
+from policyworker.integrations.sglang.engine import InProcessSglangEngine
 
 # AbstractPolicyWorker carries SglangIpcMixin, so every trainer worker can refit SGLang.
 SglangTrainer = TorchPolicyWorker

@@ -17,10 +17,10 @@ from policyworker import ConfigError, PlanError, PlanMismatch, PolicyWorkerError
 from policyworker.registry import TransportRegistry
 from policyworker.layout import ReshardPlan, build_plan
 from policyworker.models import get_preset
-from policyworker.testing.toy_model import build_model
-from policyworker.transports.nccl_reshard import NcclReshardTransport
-from policyworker.transports.nccl_schedule import _buckets
-from policyworker.watchdog import RefitWatchdog
+from policyworker.models.toy_model import build_model
+from policyworker.transports.nccl_reshard.transport import NcclReshardTransport
+from policyworker.transports.nccl_reshard.schedule import _buckets
+from policyworker.runtime.watchdog import RefitWatchdog
 from policyworker.wire import Decoder, Message
 
 pytestmark = pytest.mark.anyio
@@ -298,7 +298,7 @@ def test_shm_space_check_passes_when_it_fits():
 
 
 def test_ipc_socket_path_over_the_platform_limit_is_refused_at_maybe_init_zmq(tmp_path):
-    from policyworker.transports.zmq_channel import IPC_PATH_MAX
+    from policyworker.transports.zmq.channel import IPC_PATH_MAX
 
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True, mode=0o700)
@@ -317,11 +317,11 @@ def test_store_connect_timeout_names_the_address_and_prints_no_cpp_frames():
     import subprocess
     import sys
 
-    from policyworker.procs import free_port
+    from policyworker.runtime.procs import free_port
 
     port = free_port()
     code = (
-        "from policyworker.comm import new_group\n"
+        "from policyworker.runtime.comm import new_group\n"
         "from policyworker.errors import RefitTimeout, PeerLost\n"
         f"try:\n    new_group(host='127.0.0.1', port={port}, rank=1, world_size=2, name='model_update', timeout_s=1)\n"
         "except (RefitTimeout, PeerLost) as e:\n    print('TYPED', type(e).__name__, e)\n"

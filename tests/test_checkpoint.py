@@ -8,10 +8,10 @@ import anyio
 import pytest
 import torch
 
-from policyworker import checkpoint
-from policyworker.checkpoint import TEMP_MARK, read_checkpoint, write_checkpoint
+from policyworker.workers import checkpoint
+from policyworker.workers.checkpoint import TEMP_MARK, read_checkpoint, write_checkpoint
 from policyworker.errors import CheckpointError, ConfigError, WorkerClosed
-from policyworker.torch_worker import TorchPolicyWorker
+from policyworker.workers.torch_trainer import TorchPolicyWorker
 
 from .test_torch_worker import TinyLM, perturb_, snapshot
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from policyworker import ConfigError, RefitAborted, RolloutWorker
-from policyworker.comm import new_group
+from policyworker.runtime.comm import new_group
 from policyworker.errors import PeerLost, RefitTimeout, TransportError
-from policyworker.procs import ProcessFailed, free_port, run_world
-from policyworker.watchdog import RefitWatchdog
+from policyworker.runtime.procs import ProcessFailed, free_port, run_world
+from policyworker.runtime.watchdog import RefitWatchdog
 
 from .helpers import BareWorker
 
@@ -154,7 +154,7 @@ def _dying_rank(rank: int, port: int) -> dict:
 
 
 def test_a_dead_peer_is_peer_lost_promptly():
-    from policyworker.procs import start_world
+    from policyworker.runtime.procs import start_world
 
     world = start_world(_dying_rank, 2, (free_port(),))
     out = world.collect(60, allow_dead=[1])

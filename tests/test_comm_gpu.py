@@ -25,8 +25,8 @@ pytestmark = [
 
 
 def _group(port_name: str = "g", **kw):
-    from policyworker.procs import free_port
-    from policyworker.comm import new_group
+    from policyworker.runtime.procs import free_port
+    from policyworker.runtime.comm import new_group
 
     return new_group(host="127.0.0.1", port=free_port(), rank=0, world_size=1, name=port_name, backend="nccl",
                      timeout_s=30, **kw)
@@ -106,7 +106,7 @@ def test_timeout_aborts_the_communicator_and_raises_refit_timeout():
 
 _CHILD = r"""
 import json, sys, torch
-from policyworker.comm import nccl_device
+from policyworker.runtime.comm import nccl_device
 from policyworker.errors import ConfigError
 out = {"count": torch.cuda.device_count(), "default": str(nccl_device(None)), "last": str(nccl_device(torch.cuda.device_count() - 1))}
 try:
@@ -143,7 +143,7 @@ def test_device_selection_under_visible_device_settings(visible):
 @pytest.mark.timeout(60)
 def test_zmq_gpu_wait_is_an_event_on_the_current_stream_and_abortable():
     from policyworker.errors import RefitAborted
-    from policyworker.transports.zmq_program import _sync
+    from policyworker.transports.zmq.program import _sync
 
     dev = torch.device("cuda", 0)
     a = torch.randn(2048, 2048, device=dev)

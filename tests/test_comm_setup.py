@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from policyworker.procs import ProcessFailed, start_world
-from policyworker.comm_setup import _quiet_cpp_stderr
+from policyworker.runtime.procs import ProcessFailed, start_world
+from policyworker.runtime.comm_setup import _quiet_cpp_stderr
 
 
 def test_overlapping_quiet_stderr_from_two_threads_restores_the_real_stderr(capfd, monkeypatch):
@@ -79,7 +79,7 @@ def _one_fails_one_waits(rank: int, ready) -> None:
 def test_a_failed_rank_ends_the_wait_for_the_others_after_the_grace(monkeypatch):
     import multiprocessing as mp
 
-    from policyworker import procs
+    from policyworker.runtime import procs
 
     monkeypatch.setattr(procs, "FAIL_GRACE_S", 1.0)
     ready = mp.get_context("spawn").Event()

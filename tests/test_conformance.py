@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from policyworker import RolloutWorker, TorchPolicyWorker
-from policyworker.procs import free_port
-from policyworker.comm import new_group
+from policyworker.runtime.procs import free_port
+from policyworker.runtime.comm import new_group
 from policyworker.errors import ConfigError, RefitAborted
 from policyworker.layout import build_plan, dest_shards
 from policyworker.models import get_preset
@@ -32,7 +32,7 @@ from policyworker.testing import (
     memory_pair_factory,
     plain_pair,
 )
-from policyworker.testing.toy_model import build_model
+from policyworker.models.toy_model import build_model
 
 pytestmark = pytest.mark.anyio
 

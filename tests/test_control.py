@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from policyworker.control import ControlClient
+from policyworker.runtime.control import ControlClient
 from policyworker.errors import AccessDenied, ConfigError, RefitTimeout
-from policyworker.procs import free_port
-from policyworker.watchdog import process_watchdog
+from policyworker.runtime.procs import free_port
+from policyworker.runtime.watchdog import process_watchdog
 
 from .helpers import BareWorker
 

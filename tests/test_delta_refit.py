@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policyworker.procs import free_port, run_world
+from policyworker.runtime.procs import free_port, run_world
 
 from .delta_world import DeltaSpec, delta_rank
 

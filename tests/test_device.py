@@ -6,7 +6,7 @@ import socket
 import pytest
 import torch
 
-from policyworker import device
+from policyworker.runtime import device
 
 
 def test_cpu_facts_are_stable_and_documented():
@@ -79,7 +79,7 @@ def test_import_without_gpu_works_in_a_fresh_interpreter():
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-c", "import policyworker, policyworker.device as d; print(d.device_facts().device_id)"],
+        [sys.executable, "-c", "import policyworker, policyworker.runtime.device as d; print(d.device_facts().device_id)"],
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 0, out.stderr

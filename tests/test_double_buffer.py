@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from policyworker.procs import free_port, run_world
+from policyworker.runtime.procs import free_port, run_world
 
 from .refit_world import RefitSpec, refit_rank
 

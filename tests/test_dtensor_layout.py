@@ -15,7 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from policyworker.procs import free_port
+from policyworker.runtime.procs import free_port
 from policyworker.errors import PlanError
 from policyworker.layout import (
     Parallelism,

@@ -36,7 +36,7 @@ import time
 
 import pytest
 
-from policyworker.procs import free_port
+from policyworker.runtime.procs import free_port
 
 from .matrix_cells import (CANCEL_BOUND_S, DIRECT_RECEIVE, KILLED_EXIT, SIGINT_EXIT, SLACK_S, TRANSPORTS, Cell,
                            cells, exclusions)

@@ -21,7 +21,7 @@ import torch
 from policyworker import ConfigError, PolicyWorkerError, RolloutWorker
 from policyworker.errors import RefitAborted, TornWeights, TransportError
 from policyworker.transports.base import RefitReport, Transport, TransportContext
-from policyworker.procs import free_port, start_world
+from policyworker.runtime.procs import free_port, start_world
 from policyworker.layout import Parallelism, build_plan, dest_shards, source_shards
 from policyworker.models import get_preset, seeded_state_dict
 
@@ -362,7 +362,7 @@ async def test_a_cancel_scope_aborts_a_refit_on_every_backend(anyio_backend, tou
 @pytest.mark.parametrize("anyio_backend", _ANYIO_BACKENDS)
 async def test_files_refit_is_cancelled_by_a_scope_then_the_next_commits(anyio_backend, tmp_path):
     from policyworker import TorchPolicyWorker
-    from policyworker.testing.toy_model import build_model
+    from policyworker.models.toy_model import build_model
 
     config = get_preset(PRESET)
     trainer = TorchPolicyWorker(build_model(config, seed=0), device="cpu", timeout_s=30.0)
@@ -413,7 +413,7 @@ def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int, mid_
     import dataclasses
     import sys
 
-    from policyworker.comm import CommGroup
+    from policyworker.runtime.comm import CommGroup
 
     torch.set_num_threads(1)
     config = dataclasses.replace(get_preset(PRESET), vocab_size=vocab, hidden_size=hidden)

@@ -96,7 +96,7 @@ def test_quantize_while_pack_on_the_gpu_lands_oracle_bits():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("options", [{"flatten": True}, {"staged": True, "bucket_bytes": 8192}])
 def test_zmq_fp8_refit_over_cuda_ipc(options):
-    from policyworker.procs import run_world
+    from policyworker.runtime.procs import run_world
 
     from .zmq_world import ZmqSpec, zmq_rank
 
@@ -116,7 +116,7 @@ def test_zmq_fp8_refit_with_big_copies_through_torch_then_the_replayed_launch():
     # The small preset's embedding and lm_head (32 MB each here) are at least
     # torch_min_mib: torch copies them on the pull's stream, then the captured launch
     # (quantize tiles + the small copies) is replayed on that same stream; each refit exact.
-    from policyworker.procs import run_world
+    from policyworker.runtime.procs import run_world
 
     from .zmq_world import ZmqSpec, zmq_rank
 
@@ -132,7 +132,7 @@ def test_zmq_fp8_refit_with_big_copies_through_torch_then_the_replayed_launch():
 def test_every_kernel_variant_equals_the_oracle_on_the_gpu():
     """The interpreter check of test_fp8_kernels.py, here with the GPU's own fp8
     conversion, 128-blocks, NaN and inf blocks (NaN bytes compare as NaN)."""
-    from policyworker.ops.fp8_check import check
+    from policyworker.testing.fp8_check import check
 
     res = check("cuda:0", 128, specials=True)
     assert len(res) >= 6 and all(res.values()), res

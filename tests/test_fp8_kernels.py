@@ -21,7 +21,7 @@ def test_every_kernel_variant_equals_the_oracle_in_the_interpreter():
     # A fresh process: TRITON_INTERPRET is read when the kernels are defined.
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
                CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-m", "policyworker.ops.fp8_check", "--device", "cpu", "--block", "32"],
+    out = subprocess.run([sys.executable, "-m", "policyworker.testing.fp8_check", "--device", "cpu", "--block", "32"],
                          env=env, capture_output=True, text=True, timeout=200)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert lines, out.stdout[-2000:] + out.stderr[-4000:]

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 import torch
 
-from policyworker.procs import free_port, run_world
+from policyworker.runtime.procs import free_port, run_world
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -23,7 +23,7 @@ def _rank(rank: int, ports: dict, tmp: str) -> dict:
     from policyworker import RolloutWorker, TorchPolicyWorker
     from policyworker.layout import dest_shards, placement_layout, plan_from_layouts, rule_layout
     from policyworker.models import get_preset, param_specs, seeded_state_dict
-    from policyworker.testing.toy_model import build_model
+    from policyworker.models.toy_model import build_model
 
     torch.set_num_threads(1)
     config = get_preset("tiny")

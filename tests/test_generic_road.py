@@ -27,10 +27,10 @@ from policyworker import (
     TransportError,
 )
 from policyworker.models import get_preset
-from policyworker.testing.toy_model import build_model
+from policyworker.models.toy_model import build_model
 from policyworker.testing import InMemoryTransport, MemoryHub
 from policyworker.transports.base import RefitReport
-from policyworker.watchdog import process_watchdog
+from policyworker.runtime.watchdog import process_watchdog
 
 pytestmark = pytest.mark.anyio
 

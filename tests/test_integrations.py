@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from policyworker import ConfigError, PlanError, TorchPolicyWorker
-from policyworker.integrations.vllm_plan import Need, Needs, needs_layout, plan_for_vllm
+from policyworker.integrations.vllm.plan import Need, Needs, needs_layout, plan_for_vllm
 from policyworker.layout import apply_plan, build_plan, source_shards
 from policyworker.models import ModelConfig, param_specs
 

@@ -17,13 +17,13 @@ import torch
 pytest.importorskip("peft")
 
 from policyworker import PolicyWorkerError, RolloutWorker  # noqa: E402
-from policyworker.procs import free_port, run_world  # noqa: E402
+from policyworker.runtime.procs import free_port, run_world  # noqa: E402
 from policyworker.errors import ConfigError, PlanMismatch  # noqa: E402
 from policyworker.integrations.peft import (  # noqa: E402
     LoraMerger, LoraPolicyWorker, adapter_tensors, base_hash, base_tensors, lora_meta, lora_plan, merge_lora,
     tensor_hash)
-from policyworker.integrations.vllm_lora_plan import LoraEngineInfo, check_engines, plan_for_vllm_lora  # noqa: E402
-from policyworker.integrations.vllm_lora_world import LoraWorldSpec, adapter_weights, peft_model  # noqa: E402
+from policyworker.integrations.vllm.lora_plan import LoraEngineInfo, check_engines, plan_for_vllm_lora  # noqa: E402
+from policyworker.testing.vllm_lora_world import LoraWorldSpec, adapter_weights, peft_model  # noqa: E402
 from policyworker.layout import dest_shards  # noqa: E402
 from policyworker.layout.rules import match_rule  # noqa: E402
 from policyworker.models import ModelConfig  # noqa: E402
@@ -135,7 +135,7 @@ def test_vllm_plan_moves_the_adapter_once_and_the_base_hash_is_the_checkpoints(t
         assert plan.total_bytes == n_gen * adapter
         assert sum(t.nbytes for t in plan.sends(0)) == sum(t.nbytes for t in plan.sends(1))
     # The base PEFT wraps hashes like the checkpoint it came from (base_layer names mapped).
-    from policyworker.integrations.vllm_world import hf_model
+    from policyworker.testing.vllm_world import hf_model
 
     hf_model(spec, 0).save_pretrained(tmp_path, safe_serialization=True)
     from safetensors.torch import load_file

@@ -10,7 +10,7 @@ import torch
 
 from policyworker.errors import ConfigError
 from policyworker.models import PRESETS, ModelConfig, get_preset, param_specs, seeded_state_dict
-from policyworker.testing.toy_model import build_model
+from policyworker.models.toy_model import build_model
 
 
 def _count(config: ModelConfig, skip_embed: bool = False) -> int:

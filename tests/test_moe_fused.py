@@ -13,7 +13,7 @@ import asyncio
 import pytest
 import torch
 
-from policyworker.procs import free_port, run_world
+from policyworker.runtime.procs import free_port, run_world
 
 pytest.importorskip("transformers")
 

@@ -39,8 +39,8 @@ _LONG = int(2e9)
 
 
 def _group(name: str = "g", **kw):
-    from policyworker.procs import free_port
-    from policyworker.comm import new_group
+    from policyworker.runtime.procs import free_port
+    from policyworker.runtime.comm import new_group
 
     return new_group(host="127.0.0.1", port=free_port(), rank=0, world_size=1, name=name, timeout_s=30, **kw)
 
@@ -132,7 +132,7 @@ def test_a_read_is_cut_short_by_the_deadline_and_by_an_abort():
 def test_the_refit_runs_on_the_transports_stream_and_hands_over_an_event():
     from policyworker import RolloutWorker
     from policyworker.transports.base import RefitReport, TransportContext
-    from policyworker.transports.nccl_reshard import NcclReshardTransport
+    from policyworker.transports.nccl_reshard.transport import NcclReshardTransport
 
     g = _group(device=0)
     w = RolloutWorker(rank=0, gen_world_size=1, device="cuda:0",
@@ -167,8 +167,8 @@ def test_the_refit_runs_on_the_transports_stream_and_hands_over_an_event():
 _CHILD = r"""
 import json, sys, torch
 from policyworker import RolloutWorker
-from policyworker.procs import free_port
-from policyworker.comm import backend_for, new_group
+from policyworker.runtime.procs import free_port
+from policyworker.runtime.comm import backend_for, new_group
 from policyworker.errors import ConfigError
 out = {"count": torch.cuda.device_count(), "cpu_backend": backend_for("cpu"), "default": backend_for(None)}
 if torch.cuda.device_count():

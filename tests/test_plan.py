@@ -26,7 +26,7 @@ from policyworker.layout import (
     unpack,
 )
 from policyworker.models import PRESETS, param_specs, seeded_state_dict
-from policyworker.testing.toy_model import build_model
+from policyworker.models.toy_model import build_model
 
 BF16 = torch.bfloat16
 

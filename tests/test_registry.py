@@ -175,7 +175,7 @@ from policyworker import RolloutWorker, TorchPolicyWorker, TransportLoadError
 from policyworker.models import get_preset
 from policyworker.registry import default_registry
 from policyworker.testing import MemoryHub
-from policyworker.testing.toy_model import build_model
+from policyworker.models.toy_model import build_model
 
 reg = default_registry()
 out = {"loaded": {}, "failed": {}}

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from policyworker.procs import free_port, run_world
+from policyworker.runtime.procs import free_port, run_world
 from policyworker.layout import Parallelism, build_plan
 from policyworker.layout.topology import relay_routes
 from policyworker.models import get_preset
@@ -101,7 +101,7 @@ def test_a_relay_killed_mid_refit_fails_every_survivor_and_nobody_commits():
 
 
 def run_world_allowing_exit(spec: RefitSpec, dead: int) -> list:
-    from policyworker.procs import start_world
+    from policyworker.runtime.procs import start_world
 
     spec.update_port = free_port()
     spec.stage_ports = [free_port() for _ in range(spec.train_par.pp)]

@@ -10,7 +10,7 @@ import torch
 from policyworker.errors import ConfigError, PlanError
 from policyworker.layout import apply_plan, build_plan, dest_shards, match_rule, source_shards
 from policyworker.models import PRESETS, param_specs
-from policyworker.testing.toy_model import build_model
+from policyworker.models.toy_model import build_model
 
 
 def _count(name: str, *, active: bool = False) -> int:

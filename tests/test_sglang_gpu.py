@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policyworker.procs import free_port, run_world
-from policyworker.transports import sglang_format as fmt
+from policyworker.runtime.procs import free_port, run_world
+from policyworker.transports.sglang_ipc import format as fmt
 
 from .sglang_world import SglangSpec, sglang_rank
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from policyworker import ConfigError, PeerLost, ProtocolError, RefitTimeout
-from policyworker.procs import free_port, run_world
-from policyworker.sglang_client import SglangHttpEngine, UpdateWeightsFromTensorRequest
-from policyworker.transports import sglang_format as fmt
+from policyworker.runtime.procs import free_port, run_world
+from policyworker.transports.sglang_ipc.client import SglangHttpEngine, UpdateWeightsFromTensorRequest
+from policyworker.transports.sglang_ipc import format as fmt
 
 from .sglang_world import FakeSglangServer, SglangSpec, SglangTrainer, http_rank, sglang_rank
 
@@ -24,7 +24,7 @@ from .sglang_world import FakeSglangServer, SglangSpec, SglangTrainer, http_rank
 @pytest.fixture
 def trainer():
     from policyworker.models import get_preset
-    from policyworker.testing.toy_model import build_model
+    from policyworker.models.toy_model import build_model
 
     w = SglangTrainer(build_model(get_preset("tiny"), seed=0), rank=0, world_size=4, device="cpu", timeout_s=5.0)
     yield w
@@ -280,7 +280,7 @@ def _refit_in_process(engine, named, buffer, handle, version):
 @pytest.mark.parametrize("flat", [True, False])
 def test_adapter_loads_bit_exact_through_cached_plans_flat_or_not(flat):
     from policyworker import RolloutWorker
-    from policyworker.sglang_engine import InProcessSglangEngine
+    from policyworker.integrations.sglang.engine import InProcessSglangEngine
 
     gen = torch.Generator().manual_seed(1)
     shapes = {f"layers.{i:02d}.w": (17, 9) for i in range(12)} | {"norm": (9,), "tiny": (1,)}
@@ -321,7 +321,7 @@ def test_one_rank_refit_repacks_when_the_model_changed_under_it(change):
     # shape (the early copy still succeeds: (256,) broadcasts into the old (1, 256) view) or
     # size (the early copy fails) must reconnect, repack and land bit exact.
     from policyworker import RolloutWorker, TorchPolicyWorker
-    from policyworker.sglang_engine import InProcessSglangEngine
+    from policyworker.integrations.sglang.engine import InProcessSglangEngine
 
     gen = torch.Generator().manual_seed(3)
     params = {"a": torch.randn(1, 256, generator=gen).to(torch.bfloat16)}

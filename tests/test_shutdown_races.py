@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from policyworker.procs import free_port, run_world
+from policyworker.runtime.procs import free_port, run_world
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -24,10 +24,10 @@ def _pair_rank(rank: int, ports: list[int]) -> dict:
     import torch
 
     from policyworker.errors import RefitAborted
-    from policyworker.rollout import RolloutWorker
-    from policyworker.testing.toy_model import build_model
+    from policyworker.workers.rollout import RolloutWorker
+    from policyworker.models.toy_model import build_model
     from policyworker.models import get_preset
-    from policyworker.torch_worker import TorchPolicyWorker
+    from policyworker.workers.torch_trainer import TorchPolicyWorker
 
     torch.set_num_threads(1)
 
@@ -92,7 +92,7 @@ def test_rebuild_and_shutdown_mid_collective_abort_then_close():
 
 @pytest.mark.timeout(60)
 def test_shutdown_wait_is_bounded_when_the_executor_is_stuck():
-    from policyworker.rollout import RolloutWorker
+    from policyworker.workers.rollout import RolloutWorker
 
     async def main():
         w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", timeout_s=0.5)

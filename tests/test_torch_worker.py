@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from policyworker.errors import ConfigError
-from policyworker.torch_worker import TorchPolicyWorker
+from policyworker.workers.torch_trainer import TorchPolicyWorker
 
 VOCAB = 32
 
@@ -105,7 +105,7 @@ async def test_reference_logprobs_match_a_direct_computation_on_the_reference_we
 @pytest.mark.anyio
 async def test_explicit_reference_state_dict_on_the_models_tiny_preset():
     from policyworker.models import get_preset
-    from policyworker.testing.toy_model import build_model
+    from policyworker.models.toy_model import build_model
 
     config = get_preset("tiny")
     model = build_model(config, seed=0)
@@ -222,7 +222,7 @@ async def test_live_weights_are_restored_when_the_forward_raises():
 @pytest.mark.anyio
 async def test_results_do_not_depend_on_the_micro_batch_size():
     from policyworker.models import get_preset
-    from policyworker.testing.toy_model import build_model
+    from policyworker.models.toy_model import build_model
 
     config = get_preset("tiny")
     w = TorchPolicyWorker(build_model(config, seed=0), micro_batch_size=8)
@@ -240,7 +240,7 @@ async def test_results_do_not_depend_on_the_micro_batch_size():
 @pytest.mark.anyio
 async def test_bf16_weights_give_float32_logprobs_close_to_the_direct_computation():
     from policyworker.models import get_preset
-    from policyworker.testing.toy_model import build_model
+    from policyworker.models.toy_model import build_model
 
     config = get_preset("tiny")
     model = build_model(config, seed=0, dtype=torch.bfloat16)
@@ -303,7 +303,7 @@ async def test_bad_inputs_raise_config_error_and_change_nothing(case):
 @pytest.mark.anyio
 async def test_token_beyond_the_vocab_is_a_config_error_when_the_model_says_its_vocab():
     from policyworker.models import get_preset
-    from policyworker.testing.toy_model import build_model
+    from policyworker.models.toy_model import build_model
 
     config = get_preset("tiny")
     w = TorchPolicyWorker(build_model(config, seed=0))

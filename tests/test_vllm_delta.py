@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from policyworker.integrations.vllm_delta_world import DeltaWorldSpec, sparse_step_model  # noqa: E402
-from policyworker.integrations.vllm_world import greedy_tokens  # noqa: E402
+from policyworker.testing.vllm_delta_world import DeltaWorldSpec, sparse_step_model  # noqa: E402
+from policyworker.testing.vllm_world import greedy_tokens  # noqa: E402
 
 from .vllm_engine import MAX_TOKENS, PROMPTS, TINY_QWEN3, VllmWorld, vllm_world  # noqa: E402
 

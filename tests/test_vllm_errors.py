@@ -12,11 +12,11 @@ import time
 import pytest
 import torch.distributed as dist
 
-from policyworker.procs import free_port
+from policyworker.runtime.procs import free_port
 from policyworker.errors import (CheckpointError, ConfigError, PeerLost, PolicyWorkerError, ProcessFailed,
                                  RefitTimeout, TransportError)
-from policyworker.integrations.vllm_errors import engine_error, error_from_text, mark, typed_errors
-from policyworker.integrations.vllm_rpc import Agreement
+from policyworker.integrations.vllm.errors import engine_error, error_from_text, mark, typed_errors
+from policyworker.integrations.vllm.rpc import Agreement
 
 
 def _as_vllm_raises(err: BaseException) -> Exception:

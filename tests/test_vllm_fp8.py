@@ -26,9 +26,9 @@ import pytest
 pytest.importorskip("vllm")
 
 from policyworker.errors import PlanError  # noqa: E402
-from policyworker.integrations.vllm_fp8 import save_fp8_checkpoint  # noqa: E402
-from policyworker.integrations.vllm_plan import Need, Needs, fp8_target, plan_for_vllm  # noqa: E402
-from policyworker.integrations.vllm_world import TrainerPool, WorldSpec, hf_model  # noqa: E402
+from policyworker.integrations.vllm.fp8 import save_fp8_checkpoint  # noqa: E402
+from policyworker.integrations.vllm.plan import Need, Needs, fp8_target, plan_for_vllm  # noqa: E402
+from policyworker.testing.vllm_world import TrainerPool, WorldSpec, hf_model  # noqa: E402
 
 from .vllm_engine import VllmWorld  # noqa: E402
 
@@ -180,7 +180,7 @@ def test_engine_refuses_fp8_it_cannot_refit():
     from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
     from policyworker.errors import ConfigError
-    from policyworker.integrations.vllm_fp8 import block_fp8_size
+    from policyworker.integrations.vllm.fp8 import block_fp8_size
 
     def layer(method_cls, **attrs):
         method = object.__new__(method_cls)

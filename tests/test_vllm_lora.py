@@ -13,9 +13,9 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("peft")
 
-from policyworker.integrations.vllm_lora import BACKEND_LORA, lora_request  # noqa: E402
-from policyworker.integrations.vllm_lora_world import LoraWorldSpec, adapter_weights, peft_model  # noqa: E402
-from policyworker.integrations.vllm_world import greedy_tokens, hf_model  # noqa: E402
+from policyworker.integrations.vllm.lora import BACKEND_LORA, lora_request  # noqa: E402
+from policyworker.testing.vllm_lora_world import LoraWorldSpec, adapter_weights, peft_model  # noqa: E402
+from policyworker.testing.vllm_world import greedy_tokens, hf_model  # noqa: E402
 
 from .vllm_engine import MAX_TOKENS, PROMPTS, TINY_QWEN3, VllmWorld, vllm_world  # noqa: E402
 

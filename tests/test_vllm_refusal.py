@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("vllm")
 
 from policyworker.errors import ConfigError  # noqa: E402
-from policyworker.integrations.vllm_targets import vllm_targets  # noqa: E402
+from policyworker.integrations.vllm.targets import vllm_targets  # noqa: E402
 
 
 @pytest.mark.parametrize("layer", [torch.nn.Linear(4, 4), torch.nn.Conv1d(2, 2, 1)])

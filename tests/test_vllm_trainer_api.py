@@ -19,14 +19,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from policyworker.procs import free_port  # noqa: E402
+from policyworker.runtime.procs import free_port  # noqa: E402
 from policyworker.errors import ConfigError, PolicyWorkerError  # noqa: E402
-from policyworker.integrations.vllm_trainer import (  # noqa: E402
+from policyworker.integrations.vllm.trainer import (  # noqa: E402
     LLMWeightSyncClient,
     PolicyworkerTrainerInitInfo,
     PolicyworkerTrainerWeightTransferEngine,
 )
-from policyworker.integrations.vllm_world import WorldSpec, greedy_tokens, hf_model, save_hf_model  # noqa: E402
+from policyworker.testing.vllm_world import WorldSpec, greedy_tokens, hf_model, save_hf_model  # noqa: E402
 
 from .vllm_engine import MAX_TOKENS, PROMPTS, TINY_QWEN3, omp_bind  # noqa: E402
 

@@ -20,8 +20,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from policyworker.errors import PeerLost  # noqa: E402
-from policyworker.integrations.vllm_errors import engine_error  # noqa: E402
-from policyworker.integrations.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model  # noqa: E402
+from policyworker.integrations.vllm.errors import engine_error  # noqa: E402
+from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model  # noqa: E402
 
 from .vllm_engine import MAX_TOKENS, PROMPTS, TINY_QWEN3  # noqa: E402
 

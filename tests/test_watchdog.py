@@ -4,7 +4,7 @@ import time
 import pytest
 
 from policyworker.errors import ConfigError, RefitTimeout
-from policyworker.watchdog import RefitWatchdog
+from policyworker.runtime.watchdog import RefitWatchdog
 
 
 def test_fire_marks_fired_and_runs_abort_callbacks():

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from policyworker import AbstractPolicyWorker, ConfigError, RolloutWorker, WorkerClosed
-from policyworker.core import private_runtime_dir
+from policyworker.workers.core import private_runtime_dir
 
 from .helpers import BareWorker
 
@@ -201,7 +201,7 @@ def test_runtime_dir_refuses_a_shared_directory(tmp_path):
 async def test_stand_down_answers_from_the_loop_while_a_refit_blocks_the_executor():
     w = BareWorker(device="cpu")
     release = threading.Event()
-    from policyworker.watchdog import process_watchdog
+    from policyworker.runtime.watchdog import process_watchdog
 
     deadline = process_watchdog().arm(30.0, [release.set], label="stuck", owner=w)
     blocked = asyncio.ensure_future(w._run(release.wait, 10.0))

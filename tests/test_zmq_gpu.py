@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policyworker.procs import run_world
+from policyworker.runtime.procs import run_world
 
 from .zmq_world import ZmqSpec, zmq_rank
 
@@ -42,7 +42,7 @@ def test_gpu_wait_gives_up_at_its_deadline_while_it_polls_fast():
     import time
 
     from policyworker.errors import RefitTimeout
-    from policyworker.transports.zmq_program import _FAST_POLL_S, _sync
+    from policyworker.transports.zmq.program import _FAST_POLL_S, _sync
 
     dev = torch.device("cuda", 0)
     torch.cuda._sleep(int(4e9))  # a kernel of ~2 s on the current stream

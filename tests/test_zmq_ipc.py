@@ -9,16 +9,16 @@ import msgspec
 import pytest
 import torch
 
-from policyworker.device import device_facts
+from policyworker.runtime.device import device_facts
 from policyworker.errors import PlanMismatch, ProtocolError, RefitTimeout
 from policyworker.layout import build_plan
 from policyworker.models import get_preset, seeded_state_dict
-from policyworker.procs import run_world
-from policyworker.transports import zmq_wire as w
+from policyworker.runtime.procs import run_world
+from policyworker.transports.zmq import wire as w
 from policyworker.transports.base import TransportContext
 from policyworker.transports.ipc_handles import share_cpu
-from policyworker.transports import zmq_export as zx
-from policyworker.transports.zmq_ipc import ZmqIpcTransport
+from policyworker.transports.zmq import export as zx
+from policyworker.transports.zmq.transport import ZmqIpcTransport
 from policyworker.layout.local import flat_local_tensors
 
 from .zmq_world import ZmqSpec, ZTrainer, zmq_rank
@@ -90,7 +90,7 @@ def test_staged_ring_keeps_several_buckets_in_flight():
 
 def test_trainer_times_out_when_the_rollout_never_asks():
     async def main():
-        from policyworker.testing.toy_model import build_model
+        from policyworker.models.toy_model import build_model
 
         w_ = ZTrainer(build_model(get_preset("tiny"), seed=0, dtype=torch.float32), rank=0, world_size=1,
                       device="cpu")

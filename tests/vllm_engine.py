@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from policyworker.integrations.vllm_errors import engine_error
-from policyworker.integrations.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
+from policyworker.integrations.vllm.errors import engine_error
+from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
 
 PROMPTS = [[1, 2, 3, 4], [100, 7, 8, 9, 11]]
 MAX_TOKENS = 8

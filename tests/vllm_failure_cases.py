@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from policyworker.procs import free_port
+from policyworker.runtime.procs import free_port
 from policyworker.errors import ConfigError, PeerLost, PolicyWorkerError, RefitTimeout, TornWeights, TransportError
-from policyworker.integrations.vllm import typed_errors
+from policyworker.integrations.vllm.backend import typed_errors
 
 
 def served_at_least_v1(world) -> None:

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from policyworker.rollout import RolloutWorker
+from policyworker.workers.rollout import RolloutWorker
 
 from .helpers import same_bits
-from policyworker.torch_worker import TorchPolicyWorker
+from policyworker.workers.torch_trainer import TorchPolicyWorker
 
 # The zmq mixins are part of the workers' own bases.
 ZTrainer = TorchPolicyWorker
@@ -51,7 +51,7 @@ def _load(model: torch.nn.Module, config, version: int) -> None:
 def zmq_rank(rank: int, spec: ZmqSpec) -> dict[str, Any]:
     from policyworker.layout import dest_shards
     from policyworker.models import get_preset, seeded_state_dict
-    from policyworker.testing.toy_model import build_model
+    from policyworker.models.toy_model import build_model
 
     torch.set_num_threads(1)
     if spec.fp8_kernel:

@@ -12,8 +12,8 @@ transport.
 
 import importlib as _importlib
 
-from .control import ControlClient
-from .errors import (
+from policyworker.runtime.control import ControlClient
+from policyworker.errors import (
     AccessDenied,
     CheckpointError,
     ConfigError,
@@ -31,25 +31,25 @@ from .errors import (
     TransportLoadError,
     WorkerClosed,
 )
-from .layout import Parallelism, ReshardPlan, build_plan
-from .ledger import WeightLedger
-from .models import PRESETS, ModelConfig, get_preset
-from .registry import TransportInfo, list_transports, load_transport
-from .rollout import RolloutWorker
-from .torch_worker import TorchPolicyWorker
-from .transports.base import RefitReport, Transport, TransportContext
-from .worker import AbstractPolicyWorker
+from policyworker.layout import Parallelism, ReshardPlan, build_plan
+from policyworker.ledger import WeightLedger
+from policyworker.models import PRESETS, ModelConfig, get_preset
+from policyworker.registry import TransportInfo, list_transports, load_transport
+from policyworker.workers.rollout import RolloutWorker
+from policyworker.workers.torch_trainer import TorchPolicyWorker
+from policyworker.transports.base import RefitReport, Transport, TransportContext
+from policyworker.workers.trainer import AbstractPolicyWorker
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "NcclReshardTransport": "policyworker.transports.nccl_reshard",
-    "ZmqIpcTransport": "policyworker.transports.zmq_ipc",
-    "SglangIpcTransport": "policyworker.transports.sglang_ipc",
+    "NcclReshardTransport": "policyworker.transports.nccl_reshard.transport",
+    "ZmqIpcTransport": "policyworker.transports.zmq.transport",
+    "SglangIpcTransport": "policyworker.transports.sglang_ipc.transport",
     "InMemoryTransport": "policyworker.testing",
     "check_transport": "policyworker.testing",
-    "SglangHttpEngine": "policyworker.sglang_client",
-    "InProcessSglangEngine": "policyworker.sglang_engine",
+    "SglangHttpEngine": "policyworker.transports.sglang_ipc.client",
+    "InProcessSglangEngine": "policyworker.integrations.sglang.engine",
 }
 
 

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .errors import ConfigError
+from policyworker.errors import ConfigError
 
 __all__ = ["EmptyOptions", "EmptySetup", "parse", "positive_int", "positive_seconds", "torch_dtype"]
 

@@ -139,7 +139,7 @@ class ProcessFailed(PolicyWorkerError):
 class CheckpointError(PolicyWorkerError):
     """A checkpoint write or read failed; ``path`` names the file.
 
-    A failed write never leaves a file at ``path`` (see ``policyworker.checkpoint``).
+    A failed write never leaves a file at ``path`` (see ``policyworker.workers.checkpoint``).
     """
 
     def __init__(self, message: str, *, path: str | None = None, rank: int | None = None) -> None:

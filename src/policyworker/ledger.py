@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from .errors import ProtocolError, RefitInProgress, TornWeights
+from policyworker.errors import ProtocolError, RefitInProgress, TornWeights
 
 __all__ = ["Transaction", "WeightLedger"]
 

@@ -37,7 +37,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .errors import ConfigError, TransportLoadError
+from policyworker.errors import ConfigError, TransportLoadError
 
 __all__ = [
     "DISABLE_AUTOLOAD_ENV",
@@ -191,7 +191,7 @@ class TransportRegistry:
                 entry_point=name,
                 distribution=dist,
             ) from exc
-        from .transports.base import Transport
+        from policyworker.transports.base import Transport
 
         if not (isinstance(obj, type) and issubclass(obj, Transport)):
             raise TransportLoadError(

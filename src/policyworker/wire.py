@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from .errors import ProtocolError
+from policyworker.errors import ProtocolError
 
 __all__ = ["Decoder", "Message", "decode", "encode"]
 

@@ -12,8 +12,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from .args import int_at_least, json_path, model_config, positive_float
-from .output import write_json
+from policyworker.cli.args import int_at_least, json_path, model_config, positive_float
+from policyworker.cli.output import write_json
 
 __all__ = ["main"]
 
@@ -24,8 +24,8 @@ def _cmd_transports(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ..errors import TransportLoadError
-    from ..registry import TransportRegistry
+    from policyworker.errors import TransportLoadError
+    from policyworker.registry import TransportRegistry
 
     registry = TransportRegistry()
     infos = registry.list()
@@ -62,16 +62,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         given = [f"--{k}" for k in ("preset", "train", "gen") if getattr(args, k) is not None]
         if given:
-            from ..errors import ConfigError
+            from policyworker.errors import ConfigError
 
             raise ConfigError(f"demo --engine vllm runs its own tiny Qwen3 (trainers tp=2 -> vLLM tp=1); "
                               f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply (use bench --engine vllm --vllm-train/--vllm-tp)")
-        from .vllm_bench import run_vllm_demo
+        from policyworker.cli.vllm_bench import run_vllm_demo
 
         result = run_vllm_demo(refits=args.refits)
         write_json(args.json, result)
         return 0 if result["passed"] else 1
-    from .demo import main as demo_main
+    from policyworker.cli.demo import main as demo_main
 
     args.preset = args.preset or "small"
     args.train = args.train or "tp=2,pp=2"
@@ -81,11 +81,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.lora is not None and args.engine != "vllm":
-        from ..errors import ConfigError
+        from policyworker.errors import ConfigError
 
         raise ConfigError("bench --lora RANK refits into vLLM: add --engine vllm")
     if args.engine == "vllm" and args.lora is not None:
-        from .vllm_lora_bench import run_vllm_lora_bench
+        from policyworker.cli.vllm_lora_bench import run_vllm_lora_bench
 
         result = run_vllm_lora_bench(rank=args.lora, preset=args.preset, train=args.vllm_train, refits=args.refits,
                                      dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20),
@@ -93,7 +93,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         write_json(args.json, result, echo=True)
         return 0 if result["tokens_match_peft"] or args.dtype != "float32" else 1
     if args.engine == "vllm":
-        from .vllm_bench import run_vllm_bench
+        from policyworker.cli.vllm_bench import run_vllm_bench
 
         result = run_vllm_bench(preset=args.preset, train=args.vllm_train, tp=args.vllm_tp, refits=args.refits,
                                 dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20), timeout_s=args.timeout,
@@ -103,14 +103,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         # Greedy tokens are exact only in float32 (bf16 kernels round differently from HF).
         return 0 if result["tokens_match_hf"] or args.dtype != "float32" else 1
     if args.transport is None:
-        from ..errors import ConfigError
+        from policyworker.errors import ConfigError
 
         raise ConfigError("bench needs --transport nccl_reshard|zmq or --engine vllm")
     if args.transport == "zmq":
         return _bench_zmq(args)
     if args.delta:
         return _bench_delta(args)
-    from .refit_bench import RefitBenchSpec, run_refit_bench
+    from policyworker.cli.refit_bench import RefitBenchSpec, run_refit_bench
 
     spec = RefitBenchSpec(preset=args.preset, train=args.train, gen=args.gen, refits=args.refits,
                           dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20), in_flight=args.in_flight,
@@ -122,7 +122,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_delta(args: argparse.Namespace) -> int:
-    from .delta_bench import DeltaBenchSpec, run_delta_bench
+    from policyworker.cli.delta_bench import DeltaBenchSpec, run_delta_bench
 
     spec = DeltaBenchSpec(preset=args.preset, train=args.train, gen=args.gen, dtype=args.dtype,
                           real_steps=args.real_steps, timeout_s=args.timeout)
@@ -134,7 +134,7 @@ def _bench_delta(args: argparse.Namespace) -> int:
 def _bench_zmq(args: argparse.Namespace) -> int:
     import torch
 
-    from .zmq_bench import run_zmq_bench
+    from policyworker.cli.zmq_bench import run_zmq_bench
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     result = run_zmq_bench(args.preset, args.dtype, args.refits, device)
@@ -146,12 +146,12 @@ def _cmd_drill(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .drill import SCENARIOS, run_drill
+    from policyworker.cli.drill import SCENARIOS, run_drill
 
     names = args.scenario or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
-        from ..errors import ConfigError
+        from policyworker.errors import ConfigError
 
         raise ConfigError(f"unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
     console = Console()
@@ -183,8 +183,8 @@ def _cmd_drill(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ..layout.fabric import load_fabric
-    from ..layout.report import format_plan_report, plan_report
+    from policyworker.layout.fabric import load_fabric
+    from policyworker.layout.report import format_plan_report, plan_report
 
     fabric = load_fabric(args.fabric) if args.fabric else None
     bucket = int(args.bucket_mb * 2**20) if args.bucket_mb is not None else None
@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..errors import PolicyWorkerError
+    from policyworker.errors import PolicyWorkerError
 
     args = build_parser().parse_args(argv)
     try:

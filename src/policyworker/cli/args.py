@@ -9,7 +9,7 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
-from ..models.config import ModelConfig, get_preset
+from policyworker.models.config import ModelConfig, get_preset
 
 __all__ = ["int_at_least", "json_path", "model_config", "positive_float"]
 
@@ -56,8 +56,8 @@ def model_config(ref: str) -> ModelConfig:
     The config is read as JSON (no transformers import, no weights); unknown model types
     and layouts the rules cannot place are ``ConfigError``.
     """
-    from ..errors import ConfigError
-    from ..models.config import model_config_from_hf
+    from policyworker.errors import ConfigError
+    from policyworker.models.config import model_config_from_hf
 
     path = Path(ref).expanduser()
     if not path.exists():

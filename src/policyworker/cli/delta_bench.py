@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from ..errors import TransportError
-from ..layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
-from ..procs import free_port, start_world
+from policyworker.errors import TransportError
+from policyworker.layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
+from policyworker.runtime.procs import free_port, start_world
 
 __all__ = ["DeltaBenchSpec", "run_delta_bench"]
 
@@ -60,8 +60,8 @@ def real_steps(preset: str, steps: int, lr: float, out_dir: str) -> list[float]:
     copy before and after each step (``real{i}.safetensors``); return the changed fraction per step."""
     from safetensors.torch import save_file
 
-    from ..models import get_preset
-    from ..testing.toy_model import build_model
+    from policyworker.models import get_preset
+    from policyworker.models.toy_model import build_model
 
     torch.manual_seed(0)
     config = get_preset(preset)
@@ -109,11 +109,11 @@ def _max_over(group, value: float) -> float:
 def _rank_main(rank: int, spec: DeltaBenchSpec) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    from ..models import get_preset, seeded_state_dict
-    from ..rollout import RolloutWorker
-    from ..testing.delta_weights import perturb_
-    from ..testing.toy_model import build_model
-    from ..torch_worker import TorchPolicyWorker
+    from policyworker.models import get_preset, seeded_state_dict
+    from policyworker.workers.rollout import RolloutWorker
+    from policyworker.testing.delta_weights import perturb_
+    from policyworker.models.toy_model import build_model
+    from policyworker.workers.torch_trainer import TorchPolicyWorker
 
     torch.set_num_threads(1)
     config = get_preset(spec.preset)

@@ -13,8 +13,8 @@ import argparse
 import time
 from typing import Any
 
-from .output import write_json
-from .refit_bench import RefitBenchSpec, run_refit_bench
+from policyworker.cli.output import write_json
+from policyworker.cli.refit_bench import RefitBenchSpec, run_refit_bench
 
 __all__ = ["main"]
 

@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .drill_rows import collect_with_replacement, failure_row, join_groups
+from policyworker.cli.drill_rows import collect_with_replacement, failure_row, join_groups
 
 __all__ = ["SCENARIOS", "Scenario", "run_drill"]
 
@@ -106,8 +106,8 @@ SCENARIOS = {
 def _plan(bad: bool = False):
     import torch
 
-    from ..layout import build_plan
-    from ..models import get_preset
+    from policyworker.layout import build_plan
+    from policyworker.models import get_preset
 
     gen = "tp=1,dp=2" if bad else "tp=2"  # same world size, another layout: another hash
     return build_plan(get_preset("tiny"), "tp=2", gen, N_TRAIN, N_GEN, dtype=torch.float32)
@@ -116,13 +116,13 @@ def _plan(bad: bool = False):
 def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: int) -> dict[str, Any]:
     import torch
 
-    from ..testing import faults
-    from ..errors import PolicyWorkerError
-    from ..layout import dest_shards
-    from ..models import get_preset, seeded_state_dict
-    from ..testing.toy_model import build_model
-    from ..rollout import RolloutWorker
-    from ..torch_worker import TorchPolicyWorker
+    from policyworker.testing import faults
+    from policyworker.errors import PolicyWorkerError
+    from policyworker.layout import dest_shards
+    from policyworker.models import get_preset, seeded_state_dict
+    from policyworker.models.toy_model import build_model
+    from policyworker.workers.rollout import RolloutWorker
+    from policyworker.workers.torch_trainer import TorchPolicyWorker
 
     torch.set_num_threads(1)
     config = get_preset("tiny")
@@ -201,7 +201,7 @@ def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: 
                 else:
                     refit = asyncio.ensure_future(w.receive_nccl_reshard_refit(refit_timeout_s=sc.refit_timeout_s))
                 if faulty and sc.fault == "cancel":
-                    from ..comm import CommGroup
+                    from policyworker.runtime.comm import CommGroup
 
                     faults.after_calls(CommGroup, "wait", 6, faults.cancel_task(asyncio.get_running_loop(), refit))
                 if sc.fault == "standdown" and version == FAULT_VERSION and not out["failures"]:
@@ -265,14 +265,14 @@ def _replacement(_index: int, rank: int, sc: Scenario, ports: list[dict], events
 
 def run_scenario(sc: Scenario, *, timeout_s: float = 150.0) -> dict[str, Any]:
     """Run one scenario in real processes; return its row (see ``run_drill``)."""
-    from ..procs import free_port, start_world
+    from policyworker.runtime.procs import free_port, start_world
 
     if sc.transport == "zmq":
-        from .drill_zmq import run_zmq_scenario
+        from policyworker.cli.drill_zmq import run_zmq_scenario
 
         return _judge(sc, run_zmq_scenario(sc, timeout_s=min(timeout_s, 120.0)))
     if sc.delta:
-        from .drill_delta import delta_checks, run_delta_scenario
+        from policyworker.cli.drill_delta import delta_checks, run_delta_scenario
 
         results = run_delta_scenario(sc, timeout_s=min(timeout_s, 120.0))
         row = _judge(sc, results)
@@ -280,7 +280,7 @@ def run_scenario(sc: Scenario, *, timeout_s: float = 150.0) -> dict[str, Any]:
         row["passed"] = all(row["checks"].values())
         return row
     if sc.transport == "sglang_ipc":
-        from .drill_sglang import run_sglang_scenario
+        from policyworker.cli.drill_sglang import run_sglang_scenario
 
         return _judge(sc, run_sglang_scenario(sc, timeout_s=min(timeout_s, 120.0)))
 
@@ -342,7 +342,7 @@ def run_drill(names: list[str] | None = None, *, on_row=None, jobs: int = 1) -> 
     import concurrent.futures as cf
 
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        from ..errors import ConfigError
+        from policyworker.errors import ConfigError
 
         raise ConfigError(f"jobs must be an int >= 1, got {jobs!r}")
     order = names or list(SCENARIOS)

@@ -17,7 +17,7 @@ import signal
 import time
 from typing import Any
 
-from .drill_rows import collect_with_replacement, failure_row, join_groups
+from policyworker.cli.drill_rows import collect_with_replacement, failure_row, join_groups
 
 N_TRAIN = N_GEN = 2
 REFITS = 3
@@ -29,14 +29,14 @@ _COMM = ("PeerLost", "RefitAborted", "RefitTimeout")
 def delta_rank_main(rank: int, sc: Any, ports: list[dict], events, start_epoch: int) -> dict[str, Any]:
     import torch
 
-    from ..errors import PolicyWorkerError
-    from ..layout import build_plan, dest_shards
-    from ..models import get_preset, seeded_state_dict
-    from ..rollout import RolloutWorker
-    from ..testing import faults
-    from ..testing.delta_weights import versioned_state
-    from ..testing.toy_model import build_model
-    from ..torch_worker import TorchPolicyWorker
+    from policyworker.errors import PolicyWorkerError
+    from policyworker.layout import build_plan, dest_shards
+    from policyworker.models import get_preset, seeded_state_dict
+    from policyworker.workers.rollout import RolloutWorker
+    from policyworker.testing import faults
+    from policyworker.testing.delta_weights import versioned_state
+    from policyworker.models.toy_model import build_model
+    from policyworker.workers.torch_trainer import TorchPolicyWorker
 
     torch.set_num_threads(1)
     config = get_preset("tiny")
@@ -123,7 +123,7 @@ def run_delta_scenario(sc: Any, *, timeout_s: float = 150.0) -> dict[int, dict]:
     """Run the world of one delta scenario; the caller judges the results."""
     import multiprocessing as mp
 
-    from ..procs import free_port, start_world
+    from policyworker.runtime.procs import free_port, start_world
 
     ports = [{"update": free_port(), "stage": free_port()} for _ in range(3)]
     events = mp.get_context("spawn").Queue()

@@ -17,7 +17,7 @@ def failure_row(exc: BaseException, *, version: int, t0: float, w: Any, trainer:
     """One failed refit as a drill row; on a rollout also what it serves now (torn? mixed?)."""
     import torch
 
-    from ..errors import PolicyWorkerError
+    from policyworker.errors import PolicyWorkerError
 
     kind = "Cancelled" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__
     row: dict[str, Any] = {"version": version, "error": kind, "detect_seconds": time.monotonic() - t0}

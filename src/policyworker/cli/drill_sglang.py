@@ -1,6 +1,6 @@
 """The drill's ``sglang_ipc`` rows: 2 trainer ranks → one in-process engine of tp 2.
 
-The engine (:class:`~policyworker.sglang_engine.InProcessSglangEngine`) lives on the
+The engine (:class:`~policyworker.integrations.sglang.engine.InProcessSglangEngine`) lives on the
 gather source (rank 0) and loads into two ``RolloutWorker`` ledgers there; 4 KiB-ish
 buckets make a refit many engine calls. One fault hits refit v2: the engine refuses a
 bucket (protocol failure: the groups stay healthy, the refit is retried), the engine
@@ -25,14 +25,14 @@ _REBUILD = ("PeerLost", "RefitAborted", "RefitTimeout", "Cancelled")
 def sglang_rank_main(rank: int, sc: Any, ports: list[int]) -> dict[str, Any]:
     import torch
 
-    from ..errors import PolicyWorkerError
-    from ..models import get_preset, seeded_state_dict
-    from ..rollout import RolloutWorker
-    from ..sglang_client import EngineResult
-    from ..sglang_engine import InProcessSglangEngine
-    from ..testing import faults
-    from ..testing.toy_model import build_model
-    from ..torch_worker import TorchPolicyWorker
+    from policyworker.errors import PolicyWorkerError
+    from policyworker.models import get_preset, seeded_state_dict
+    from policyworker.workers.rollout import RolloutWorker
+    from policyworker.transports.sglang_ipc.client import EngineResult
+    from policyworker.integrations.sglang.engine import InProcessSglangEngine
+    from policyworker.testing import faults
+    from policyworker.models.toy_model import build_model
+    from policyworker.workers.torch_trainer import TorchPolicyWorker
 
     torch.set_num_threads(1)
     config = get_preset("tiny")
@@ -125,7 +125,7 @@ def sglang_rank_main(rank: int, sc: Any, ports: list[int]) -> dict[str, Any]:
 
 
 def run_sglang_scenario(sc: Any, *, timeout_s: float = 120.0) -> dict[int, dict]:
-    from ..procs import free_port, start_world
+    from policyworker.runtime.procs import free_port, start_world
 
     ports = [free_port() for _ in range(6)]
     return start_world(sglang_rank_main, WORLD, (sc, ports)).collect(timeout_s)

@@ -17,7 +17,7 @@ import signal
 import time
 from typing import Any
 
-from .drill_rows import collect_with_replacement, failure_row
+from policyworker.cli.drill_rows import collect_with_replacement, failure_row
 
 REFITS = 3
 FAULT_VERSION = 2
@@ -28,14 +28,14 @@ SETUP = {"staged": True, "bucket_bytes": 4096, "staging": 2, "timeout_s": 20.0}
 def zmq_rank_main(rank: int, sc: Any, runtime_dir: str, events, start_epoch: int) -> dict[str, Any]:
     import torch
 
-    from ..errors import PolicyWorkerError
-    from ..layout import build_plan, dest_shards
-    from ..models import get_preset, seeded_state_dict
-    from ..rollout import RolloutWorker
-    from ..testing import faults
-    from ..testing.toy_model import build_model
-    from ..torch_worker import TorchPolicyWorker
-    from ..transports.zmq_channel import Channel
+    from policyworker.errors import PolicyWorkerError
+    from policyworker.layout import build_plan, dest_shards
+    from policyworker.models import get_preset, seeded_state_dict
+    from policyworker.workers.rollout import RolloutWorker
+    from policyworker.testing import faults
+    from policyworker.models.toy_model import build_model
+    from policyworker.workers.torch_trainer import TorchPolicyWorker
+    from policyworker.transports.zmq.channel import Channel
 
     torch.set_num_threads(1)
     config = get_preset("tiny")
@@ -121,7 +121,7 @@ def run_zmq_scenario(sc: Any, *, timeout_s: float = 120.0) -> dict[str, dict]:
     import shutil
     import tempfile
 
-    from ..procs import start_world
+    from policyworker.runtime.procs import start_world
 
     runtime_dir = tempfile.mkdtemp(prefix="pwdrill-")  # mode 0700: a private runtime dir
     events = mp.get_context("spawn").Queue()

@@ -25,7 +25,7 @@ import zmq
 
 from policyworker.config import torch_dtype
 from policyworker.transports.ipc_handles import export_storage, open_handle, share_cpu
-from policyworker.transports.zmq_wire import StorageHandle
+from policyworker.transports.zmq.wire import StorageHandle
 
 __all__ = ["baseline_rollout", "baseline_trainer", "buckets_of"]
 

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, PlanError
-from ..layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
-from ..layout.formats import BlockFp8Format, split_gen_layout
-from .output import ratio_spread
-from ..procs import free_port, start_world
+from policyworker.errors import ConfigError, PlanError
+from policyworker.layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
+from policyworker.layout.formats import BlockFp8Format, split_gen_layout
+from policyworker.cli.output import ratio_spread
+from policyworker.runtime.procs import free_port, start_world
 
 __all__ = ["RefitBenchSpec", "run_refit_bench"]
 
@@ -74,7 +74,7 @@ class RefitBenchSpec:
         Raises ``ConfigError`` / ``PlanError`` with one line: bad input never reaches the
         ranks (where it would fail once per process, after the world formed).
         """
-        from ..models import get_preset
+        from policyworker.models import get_preset
 
         if self.refits < 2:
             raise ConfigError(f"refits must be >= 2 (the first is cold and reported apart), got {self.refits}")
@@ -102,7 +102,7 @@ def _max_over(group, value: float) -> float:
 def _ceiling(w, plan, spec: RefitBenchSpec, is_trainer: bool, rank: int, stage_groups: dict,
              rounds: int) -> list[float]:
     """Wall seconds (slowest rank) of plain sends of each pair's bytes, all pairs at once."""
-    from ..transports.nccl_reshard import stage_members
+    from policyworker.transports.nccl_reshard.transport import stage_members
 
     members = stage_members(plan)
     if is_trainer:
@@ -126,11 +126,11 @@ def _ceiling(w, plan, spec: RefitBenchSpec, is_trainer: bool, rank: int, stage_g
 
 
 def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
-    from .. import device as _device
-    from ..models import get_preset, seeded_state_dict
-    from ..testing.toy_model import build_model
-    from ..rollout import RolloutWorker
-    from ..torch_worker import TorchPolicyWorker
+    from policyworker.runtime import device as _device
+    from policyworker.models import get_preset, seeded_state_dict
+    from policyworker.models.toy_model import build_model
+    from policyworker.workers.rollout import RolloutWorker
+    from policyworker.workers.torch_trainer import TorchPolicyWorker
 
     torch.set_num_threads(1)
     config = get_preset(spec.preset)
@@ -324,6 +324,6 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _config(spec: RefitBenchSpec):
-    from ..models import get_preset
+    from policyworker.models import get_preset
 
     return get_preset(spec.preset)

@@ -32,10 +32,10 @@ import tempfile
 import time
 from typing import Any
 
-from .output import ratio_spread
-from ..errors import ConfigError, PlanError
-from ..models.config import ModelConfig, get_preset
-from ..integrations.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
+from policyworker.cli.output import ratio_spread
+from policyworker.errors import ConfigError, PlanError
+from policyworker.models.config import ModelConfig, get_preset
+from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
 
 __all__ = ["hf_kwargs", "run_vllm_bench", "run_vllm_demo"]
 
@@ -177,8 +177,8 @@ class _Engine:
         """Wall seconds per round of plain gloo sends of the plan's bytes (slowest receiver)."""
         import torch
 
-        from ..comm import new_group
-        from ..procs import free_port
+        from policyworker.runtime.comm import new_group
+        from policyworker.runtime.procs import free_port
 
         n_train = self.spec.n_train
         port, world = free_port(), n_train + self.tp

@@ -24,10 +24,10 @@ import statistics
 import time
 from typing import Any
 
-from ..errors import ConfigError
-from ..models.config import get_preset
-from .vllm_bench import PROMPTS, _Engine, hf_kwargs
-from ..integrations.vllm_world import WorldSpec, greedy_tokens
+from policyworker.errors import ConfigError
+from policyworker.models.config import get_preset
+from policyworker.cli.vllm_bench import PROMPTS, _Engine, hf_kwargs
+from policyworker.testing.vllm_world import WorldSpec, greedy_tokens
 
 __all__ = ["run_vllm_lora_bench"]
 
@@ -55,8 +55,8 @@ def run_vllm_lora_bench(*, rank: int = 16, preset: str = "small", train: str = "
                         dtype: str = "float32", bucket_bytes: int = 16 << 20, timeout_s: float = 300.0,
                         log=print) -> dict[str, Any]:
     """See the module docstring; returns the JSON-ready result (ConfigError on bad arguments)."""
-    from ..integrations.vllm_lora import BACKEND_LORA, lora_request
-    from ..integrations.vllm_lora_world import LoraWorldSpec, peft_model
+    from policyworker.integrations.vllm.lora import BACKEND_LORA, lora_request
+    from policyworker.testing.vllm_lora_world import LoraWorldSpec, peft_model
 
     if refits < 2:
         raise ConfigError("bench --engine vllm --lora needs --refits >= 2 (the first refit is cold, reported apart)")

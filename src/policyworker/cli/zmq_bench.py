@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from ..errors import TransportError
-from . import nemo_baseline
-from .output import ratio_spread, write_json
+from policyworker.errors import TransportError
+from policyworker.cli import nemo_baseline
+from policyworker.cli.output import ratio_spread, write_json
 
 __all__ = ["run_zmq_bench"]
 
@@ -56,8 +56,8 @@ def _seeded_(t: torch.Tensor, name: str, version: int) -> None:
 
 
 def _workers():
-    from ..rollout import RolloutWorker
-    from ..worker import AbstractPolicyWorker
+    from policyworker.workers.rollout import RolloutWorker
+    from policyworker.workers.trainer import AbstractPolicyWorker
 
     class BenchTrainer(AbstractPolicyWorker):
         """A trainer that is only its (seeded) parameters: no model, no reference copy."""
@@ -88,7 +88,7 @@ def _peak_delta(dev: torch.device, before: int) -> int:
 
 
 def _verify(plan, rank: int, params, version: int, dev: torch.device) -> bool:
-    from ..layout.apply import _region
+    from policyworker.layout.apply import _region
 
     names = plan.body.tensor_names
     for t in plan.receives(rank):
@@ -104,8 +104,8 @@ def _verify(plan, rank: int, params, version: int, dev: torch.device) -> bool:
 
 
 def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
-    from ..layout import build_plan
-    from ..models import get_preset, param_specs
+    from policyworker.layout import build_plan
+    from policyworker.models import get_preset, param_specs
 
     dev = torch.device(a["device"])
     if dev.type == "cuda":
@@ -273,7 +273,7 @@ def run_zmq_bench(preset: str = "small", dtype: str = "bfloat16", refits: int = 
     """Run the two-process benchmark; return the JSON-ready summary (module docstring)."""
     import multiprocessing as mp
 
-    from ..procs import start_world
+    from policyworker.runtime.procs import start_world
 
     if device == "cuda":
         device = "cuda:0"

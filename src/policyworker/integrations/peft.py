@@ -30,11 +30,11 @@ import msgspec
 import torch
 from torch import nn
 
-from ..errors import ConfigError
-from ..layout.plan import ReshardPlan
-from ..layout.planner import as_parallelism, plan_from_layouts
-from ..layout.rules import dtype_name, rule_layout
-from ..torch_worker import TorchPolicyWorker
+from policyworker.errors import ConfigError
+from policyworker.layout.plan import ReshardPlan
+from policyworker.layout.planner import as_parallelism, plan_from_layouts
+from policyworker.layout.rules import dtype_name, rule_layout
+from policyworker.workers.torch_trainer import TorchPolicyWorker
 
 __all__ = ["LoraMerger", "LoraMeta", "LoraPolicyWorker", "adapter_tensors", "base_hash", "base_tensors", "lora_meta",
            "lora_plan", "merge_lora", "tensor_hash"]
@@ -180,7 +180,7 @@ class LoraPolicyWorker(TorchPolicyWorker):
         return {name: (tuple(t.shape), t.dtype) for name, t in self._adapter.items()}
 
     def _refit_gen_config(self) -> Any:
-        from ..models import ModelConfig
+        from policyworker.models import ModelConfig
 
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         return ModelConfig.from_hf(base.config)

@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..procs import free_port
-from ..errors import ConfigError
-from ..layout.parallelism import Parallelism
+from policyworker.runtime.procs import free_port
+from policyworker.errors import ConfigError
+from policyworker.layout.parallelism import Parallelism
 
 __all__ = ["RefitWiring", "RolloutWiring", "TrainerWiring", "join_rollout", "join_trainer", "node_free_ports",
            "store_hosts"]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import ProtocolError
+from policyworker.errors import ProtocolError
 
 __all__ = ["BITMAP", "NONE", "RAW", "SPARSE", "Encoded", "apply", "changed_fraction", "checksum", "encode",
            "unit_dtype"]

@@ -23,8 +23,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigError, PlanError
-from .boxes import Layout, LocalSpec, Piece
+from policyworker.errors import ConfigError, PlanError
+from policyworker.layout.boxes import Layout, LocalSpec, Piece
 
 __all__ = ["expert_local_views", "expert_specs", "expert_views", "has_fused_experts", "split_expert_layout"]
 

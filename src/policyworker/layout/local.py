@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, PlanMismatch
-from .plan import ReshardPlan
-from .planner import as_parallelism, build_plan, plan_from_layouts
+from policyworker.errors import ConfigError, PlanMismatch
+from policyworker.layout.plan import ReshardPlan
+from policyworker.layout.planner import as_parallelism, build_plan, plan_from_layouts
 
 __all__ = ["any_dtensor", "as_plan", "check_local_tensors", "flat_local_tensors", "is_dtensor", "plan_for_source",
            "shard_views", "validate_kv_scales"]
@@ -80,12 +80,12 @@ def plan_for_source(
     ``config`` (a ModelConfig) places a DTensor source's generation side by heads.
     """
     if isinstance(source, Mapping) and source and all(is_dtensor(t) for t in source.values()):
-        from .dtensor import dtensor_layout, dtensor_specs
-        from .rules import rule_layout
+        from policyworker.layout.dtensor import dtensor_layout, dtensor_specs
+        from policyworker.layout.rules import rule_layout
 
         gen = as_parallelism(gen_parallelism, "gen")
         gen.check_world_size(gen_world_size, side="gen")
-        from .experts import split_expert_layout
+        from policyworker.layout.experts import split_expert_layout
 
         # Fused expert tensors (transformers >= 5) are planned as their per-expert members.
         specs, src = split_expert_layout(dtensor_specs(source), dtensor_layout(source, world_size=train_world_size))
@@ -157,7 +157,7 @@ def flat_local_tensors(plan: ReshardPlan, rank: int, device: torch.device) -> di
     Ordered by the parameter their first piece comes from (the trainer's order), so
     copies from a flattened trainer coalesce into few, long copies.
     """
-    from ..config import torch_dtype
+    from policyworker.config import torch_dtype
 
     tensors = plan.local_tensors("dst", rank)
     order = sorted(tensors, key=lambda n: min((p.param, p.start) for p in tensors[n].pieces))

@@ -1,6 +1,6 @@
 """Model configs (families, real shape presets), their parameter shapes, and seeded weights.
 
-The toy causal LM built from a config lives in :mod:`policyworker.testing.toy_model`.
+The toy causal LM built from a config lives in :mod:`policyworker.models.toy_model`.
 """
 
 from policyworker.models.config import FAMILIES, PRESETS, ModelConfig, get_preset

@@ -110,7 +110,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: object) -> ModelConfig:
-        """From a Hugging Face config (Llama, Qwen2, Qwen3, Qwen3-MoE); see :mod:`policyworker.integrations.hf`."""
+        """From a Hugging Face config (Llama, Qwen2, Qwen3, Qwen3-MoE); see :mod:`policyworker.models.hf`."""
         return model_config_from_hf(config)
 
     def with_(self, **changes: object) -> ModelConfig:

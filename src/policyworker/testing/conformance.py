@@ -43,10 +43,10 @@ from typing import Any
 import anyio
 import torch
 
-from ..errors import ConfigError, PlanMismatch, PolicyWorkerError, RefitAborted, TransportError
-from ..transports.base import RefitReport, Transport
-from .pairs import TransportPair
-from .probes import ReceiveRecorder, SteppedExecutor, changed, mismatched_dtype, mismatched_plan, snapshot
+from policyworker.errors import ConfigError, PlanMismatch, PolicyWorkerError, RefitAborted, TransportError
+from policyworker.transports.base import RefitReport, Transport
+from policyworker.testing.pairs import TransportPair
+from policyworker.testing.probes import ReceiveRecorder, SteppedExecutor, changed, mismatched_dtype, mismatched_plan, snapshot
 
 __all__ = ["ConformanceReport", "TransportPair", "check_transport"]
 

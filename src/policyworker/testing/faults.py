@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..comm import CommGroup
+from policyworker.runtime.comm import CommGroup
 
 __all__ = ["FlippingGroup", "MutedGroup", "StallingEngine", "after_calls", "cancel_task", "die_after_waits", "signal_self"]
 
@@ -132,7 +132,7 @@ class StallingEngine:
     def update_weights_from_tensor(self, request, *, timeout_s=None):
         import time
 
-        from ..errors import RefitTimeout
+        from policyworker.errors import RefitTimeout
 
         if request.bucket == 0:
             self.refit += 1

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from ..config import positive_seconds
-from ..errors import ConfigError, PlanMismatch, ProtocolError, RefitAborted, RefitTimeout, TransportError
-from ..transports.base import Transport, TransportContext, RefitReport
-from .pairs import TransportPair, plain_pair
+from policyworker.config import positive_seconds
+from policyworker.errors import ConfigError, PlanMismatch, ProtocolError, RefitAborted, RefitTimeout, TransportError
+from policyworker.transports.base import Transport, TransportContext, RefitReport
+from policyworker.testing.pairs import TransportPair, plain_pair
 
 __all__ = ["InMemoryTransport", "MemoryHub", "memory_pair_factory"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..transports.base import Transport
+from policyworker.transports.base import Transport
 
 __all__ = ["TransportPair", "plain_pair", "tensor_module"]
 
@@ -51,7 +51,7 @@ class TransportPair:
             return self.source
         model = getattr(self.sender, "model", None)
         if model is None:
-            from ..errors import ConfigError
+            from policyworker.errors import ConfigError
 
             raise ConfigError("TransportPair.source is required when the sender has no .model")
         return dict(model.named_parameters())
@@ -74,7 +74,7 @@ class _Holder(nn.Module):
 def tensor_module(params: Mapping[str, torch.Tensor]) -> nn.Module:
     """A module whose parameters are copies of ``params`` under the same dotted names
     (integer tensors included, as parameters that need no grad)."""
-    from ..errors import ConfigError
+    from policyworker.errors import ConfigError
 
     root = _Holder()
     for name, tensor in params.items():
@@ -107,8 +107,8 @@ def plain_pair(
     ``params`` and a ``RolloutWorker`` holding zeros like them (or like
     ``receiver_params``). ``setup`` goes to both sides, ``sender_setup`` /
     ``receiver_setup`` to one (they win over ``setup``)."""
-    from ..rollout import RolloutWorker
-    from ..torch_worker import TorchPolicyWorker
+    from policyworker.workers.rollout import RolloutWorker
+    from policyworker.workers.torch_trainer import TorchPolicyWorker
 
     module = tensor_module(params)
     sender = TorchPolicyWorker(module, device="cpu", timeout_s=timeout_s)

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import torch
 
-from ..errors import RefitAborted
+from policyworker.errors import RefitAborted
 
 __all__ = ["ReceiveRecorder", "SteppedExecutor", "changed", "mismatched_dtype", "mismatched_plan", "snapshot"]
 
@@ -64,8 +64,8 @@ def mismatched_dtype(dtype: torch.dtype) -> torch.dtype:
 def mismatched_plan(plan: Any) -> Any:
     """``plan`` with every float/int dtype swapped for another of the same size: the same
     layout and byte counts (so a worker can adopt it), another hash."""
-    from ..layout.local import as_plan
-    from ..layout.plan import ReshardPlan
+    from policyworker.layout.local import as_plan
+    from policyworker.layout.plan import ReshardPlan
 
     plan = as_plan(plan)
     body = plan.body

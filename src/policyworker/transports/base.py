@@ -73,13 +73,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import msgspec
 
-from ..config import EmptyOptions, EmptySetup
+from policyworker.config import EmptyOptions, EmptySetup
 
 if TYPE_CHECKING:
     import torch
 
-    from ..device import DeviceFacts
-    from ..watchdog import Deadline
+    from policyworker.runtime.device import DeviceFacts
+    from policyworker.runtime.watchdog import Deadline
 
 __all__ = ["RefitReport", "Transport", "TransportContext"]
 
@@ -123,7 +123,7 @@ class TransportContext:
 
     async def blocking(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the refit executor thread (or a fresh thread when none is set)."""
-        from .._aio import run_in_executor
+        from policyworker.runtime._aio import run_in_executor
 
         return await run_in_executor(self.executor, fn, *args, **kwargs)
 

@@ -22,9 +22,9 @@ from math import prod
 
 import torch
 
-from ..config import torch_dtype
-from ..errors import ConfigError, TransportError
-from .zmq_wire import CudaHandle, ShmHandle, SourceRef, StorageHandle
+from policyworker.config import torch_dtype
+from policyworker.errors import ConfigError, TransportError
+from policyworker.transports.zmq.wire import CudaHandle, ShmHandle, SourceRef, StorageHandle
 
 __all__ = ["StorageKey", "export_storage", "flatten_into", "open_handle", "share_cpu", "source_view",
            "storage_key", "torch_dtype"]

@@ -27,8 +27,8 @@ import torch
 
 from policyworker import RolloutWorker, TorchPolicyWorker
 from policyworker.models import get_preset, seeded_state_dict
-from policyworker.testing.toy_model import build_model
-from policyworker.procs import run_world
+from policyworker.models.toy_model import build_model
+from policyworker.runtime.procs import run_world
 
 DTYPE = torch.bfloat16
 

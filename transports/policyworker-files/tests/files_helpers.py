@@ -9,7 +9,7 @@ import torch
 
 from policyworker import RolloutWorker, TorchPolicyWorker
 from policyworker.models import get_preset, seeded_state_dict
-from policyworker.testing.toy_model import build_model
+from policyworker.models.toy_model import build_model
 
 PRESET = "tiny"
 

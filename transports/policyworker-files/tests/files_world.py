@@ -1,4 +1,4 @@
-"""Process bodies of the plugin's multi-process tests (spawned by ``policyworker.procs``).
+"""Process bodies of the plugin's multi-process tests (spawned by ``policyworker.runtime.procs``).
 
 ``refit_pair``: rank 0 is a ``TorchPolicyWorker`` over the tiny model, rank 1 a
 ``RolloutWorker``; they share only ``directory``. Each refit the trainer takes new

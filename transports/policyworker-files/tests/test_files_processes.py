@@ -13,7 +13,7 @@ import pytest
 from files_helpers import committed, listing, make_rollout
 from files_world import CRASH_EXIT_CODE, crash_mid_write, refit_pair, two_trainers_and_rollout
 from policyworker.errors import RefitTimeout
-from policyworker.procs import run_world, start_world
+from policyworker.runtime.procs import run_world, start_world
 
 pytestmark = pytest.mark.multiprocess
 

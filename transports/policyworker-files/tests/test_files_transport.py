@@ -26,10 +26,10 @@ from policyworker.errors import (
     TransportError,
 )
 from policyworker.models import get_preset
-from policyworker.testing.toy_model import build_model
+from policyworker.models.toy_model import build_model
 from policyworker.registry import default_registry
 from policyworker.testing import TransportPair, check_transport, plain_pair
-from policyworker.watchdog import process_watchdog
+from policyworker.runtime.watchdog import process_watchdog
 from policyworker_files import FilesTransport
 from policyworker_files.reader import OpenVersion
 

@@ -1,0 +1,312 @@
+"""The ``"policyworker-lora"`` weight-transfer backend: refit vLLM's LoRA adapter, not its base.
+
+Start vLLM with LoRA on and this backend
+(``LLM(model, enable_lora=True, max_lora_rank=R, max_loras=1,
+weight_transfer_config={"backend": "policyworker-lora"})``), the trainers being
+``LoraPolicyWorker``\\ s. vLLM's four calls do what they do for the dense backend
+(:mod:`.vllm`), for the adapter's factors only:
+
+``init_weight_transfer_engine(init_info)``
+    Hashes the base checkpoint vLLM loaded (once), joins the groups, publishes this
+    rank's :class:`~.vllm_lora_plan.LoraEngineInfo` (base hash, ``max_lora_rank``).
+``start_weight_update()``
+    Reads the trainers' plan and the adapter's metadata (once per connect) and checks
+    them: the same base (``PlanMismatch`` otherwise), every factor whole on this rank,
+    every factor a module vLLM's LoRA layers serve. Nothing moves before that.
+``update_weights({"version": v})``
+    Receives the factors into a staging set nothing in vLLM references.
+``finish_weight_update()``
+    Commits: builds vLLM's own ``LoRAModel`` from copies of the staged factors
+    (``LoRAModel.from_lora_tensors``, the adapter's PEFT config), then, between two
+    engine steps, replaces the adapter registered under the stable id by it and
+    activates it (vLLM's ``set_lora`` writes each slot's buffers). The previous version's
+    ``LoRAModel`` is dropped: memory stays one adapter. vLLM's worker then resets its
+    LoRA state (it assumes a weight update replaced the base); the committed adapter is
+    put straight back (see ``_remove_all_adapters``).
+
+Requests name the adapter by :func:`lora_request` — one stable name and id, which always
+mean the committed version; after a commit, reset the prefix cache as for a dense refit
+(cached KV of the old adapter must not be reused). Before the first commit there is no
+adapter to serve: do not send requests naming it yet (vLLM would try to load it from
+its placeholder path and fail the engine). All-or-nothing: a refit that fails to arrive
+changes nothing vLLM serves; everything that can fail in the install (metadata,
+names, rank) is checked before the old adapter is removed, and a failure after it puts
+the previous ``LoRAModel`` back (torn only if even that fails).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from policyworker.errors import ConfigError, PlanMismatch, ProtocolError, TornWeights, translate_comm_error
+from policyworker.layout.plan import ReshardPlan
+from policyworker.ledger import WeightLedger
+from policyworker.integrations.vllm.backend import PolicyworkerInitInfo, PolicyworkerUpdateInfo, PolicyworkerWeightTransferEngine, _marked
+from policyworker.integrations.vllm.join import Joined, Loop, join
+from policyworker.integrations.vllm.lora_plan import ENGINE_KEY, PLAN_KEY, LoraEngineInfo, LoraPlanInfo, decode, encode
+
+__all__ = ["BACKEND_LORA", "LORA_ID", "LORA_NAME", "PolicyworkerLoraEngine", "checkpoint_hash", "lora_request"]
+
+BACKEND_LORA = "policyworker-lora"
+LORA_NAME = "policy"
+LORA_ID = 1
+_PATH = "policyworker-lora://"
+logger = logging.getLogger(__name__)
+
+
+def lora_request(name: str = LORA_NAME, lora_int_id: int = LORA_ID) -> Any:
+    """The ``LoRARequest`` that names the committed adapter (pass it to ``generate``)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=name, lora_int_id=lora_int_id, lora_path=f"{_PATH}{name}")
+
+
+def checkpoint_hash(model_dir: str) -> str:
+    """The content hash of a safetensors checkpoint, as :func:`.peft.tensor_hash` computes it."""
+    from safetensors import safe_open
+
+    from policyworker.integrations.peft import tensor_hash
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ConfigError(f"no safetensors checkpoint in {model_dir!r}: cannot check the base by its hash")
+    tensors = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensor_hash(tensors)
+
+
+class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, PolicyworkerUpdateInfo]):
+    """See the module docstring. ``init_info`` is the dense backend's (``commit``/``cpu_linear`` unused)."""
+
+    init_info_cls = PolicyworkerInitInfo
+    update_info_cls = PolicyworkerUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.manager = getattr(model, "lora_manager", None)
+        if self.manager is None or vllm_config.lora_config is None:
+            raise ConfigError(f"backend {BACKEND_LORA!r} refits a LoRA adapter: start vLLM with enable_lora=True")
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ConfigError(f"backend {BACKEND_LORA!r} supports vLLM pipeline_parallel_size=1 only")
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.lora_config = vllm_config.lora_config
+        self._committed: Any = None
+        self._vllm_remove_all = self.manager.remove_all_adapters
+        self.manager.remove_all_adapters = self._remove_all_adapters
+        self._base_hash: str | None = None
+        self._loop: Loop | None = None
+        self._joined: Joined | None = None
+        self._info: PolicyworkerInitInfo | None = None
+        self._plan: ReshardPlan | None = None
+        self._helper: Any = None
+        self._staging: dict[str, torch.Tensor] | None = None
+        self._received: int | None = None
+        #: Seconds of the last commit (LoRAModel built + installed), apart from the wire.
+        self.last_install_s: float | None = None
+        self.ledger = WeightLedger(rank=self.tp_rank, what="vLLM LoRA adapter")
+        #: The kv-cache scales the trainers sent with the last refit received (None: none).
+        self.kv_scales: dict[str, float] | None = None
+
+    parse_init_info = PolicyworkerWeightTransferEngine.parse_init_info
+    parse_update_info = PolicyworkerWeightTransferEngine.parse_update_info
+
+    def _call(self, coro: Any, timeout_s: float) -> Any:
+        return self._loop.call(coro, timeout_s + 30.0)
+
+    # -- init -------------------------------------------------------------------------
+    @_marked
+    def init_transfer_engine(self, init_info: PolicyworkerInitInfo) -> None:
+        if self._base_hash is None:
+            self._base_hash = checkpoint_hash(self.vllm_config.model_config.model)
+        if self._loop is None:
+            self._loop = Loop()
+        self._close_worker()
+        gen_world = init_info.gen_world_size or self.tp_size
+        rank = init_info.rank_offset + self.tp_rank
+        me = LoraEngineInfo(rank=rank, tp_size=self.tp_size, base_hash=self._base_hash,
+                            max_lora_rank=int(self.lora_config.max_lora_rank))
+        device = "cpu" if self.device.type == "cpu" else self.device
+        self._joined = self._call(join(init_info, rank=rank, gen_world_size=gen_world, device=device,
+                                       key=ENGINE_KEY.format(rank=rank), note=encode(me)),
+                                  (1 + len(init_info.stage_ports)) * init_info.timeout_s)
+        self._info = init_info
+        self._plan = None
+        self._received = None
+
+    def _known_modules(self) -> set[str]:
+        packed = {n for subs in self.manager.packed_modules.values() for n in subs}
+        return set(self.manager.modules) | packed
+
+    def _load_plan(self) -> None:
+        from vllm.lora.peft_helper import PEFTHelper
+
+        worker = self._joined.worker
+        try:
+            data = worker.model_update_group.store.get(PLAN_KEY)
+        except Exception as exc:  # the store raises DistStoreError/RuntimeError on timeouts
+            raise translate_comm_error(exc, rank=worker.rank, what="reading the trainers' LoRA plan") from exc
+        info: LoraPlanInfo = decode(data, LoraPlanInfo)
+        if info.base_hash != self._base_hash:
+            raise PlanMismatch(f"vLLM rank {worker.rank}: the trainers' base hashes to {info.base_hash[:12]}…, the "
+                               f"checkpoint vLLM loaded to {self._base_hash[:12]}…; no adapter of theirs fits it",
+                               rank=worker.rank)
+        plan = ReshardPlan.from_wire(info.plan)
+        mine = plan.local_tensors("dst", worker.rank)
+        known = self._known_modules()
+        for name, local in mine.items():
+            module = name.rsplit(".lora_", 1)[0]
+            if not name.endswith((".lora_A.weight", ".lora_B.weight")) or module not in known:
+                raise PlanMismatch(f"vLLM rank {worker.rank} has no LoRA layer for {name!r}", rank=worker.rank,
+                                   param=name)
+            whole = [p for p in local.pieces if tuple(p.stop) == tuple(plan.params[p.param].shape)
+                     and not any(p.start)]
+            if len(local.pieces) != 1 or not whole:
+                raise PlanMismatch(f"the plan gives vLLM rank {worker.rank} a part of {name!r}; the adapter is "
+                                   "installed from whole factors", rank=worker.rank, param=name)
+        try:
+            helper = PEFTHelper.from_dict(info.meta.peft_config())
+            helper.validate_legal(self.lora_config)
+        except ValueError as exc:  # vLLM's own verdict on the adapter's config
+            raise ConfigError(f"vLLM refuses the adapter's config: {exc}", rank=worker.rank) from exc
+        self._staging = {name: torch.empty(local.shape, dtype=getattr(torch, local.dtype), device=self.device)
+                         for name, local in mine.items()}
+        self._call(self._joined.attach(plan, self._staging), self._info.timeout_s)  # checked once, here
+        self._plan, self._helper = plan, helper
+
+    # -- one update -------------------------------------------------------------------
+    def _require_worker(self) -> Any:
+        if self._joined is None:
+            raise ConfigError("call init_weight_transfer_engine before a weight update")
+        return self._joined.worker
+
+    @_marked
+    def start_weight_update(self) -> None:
+        self._require_worker()
+        if self._plan is None:
+            self._load_plan()
+        self._received = None
+
+    @_marked
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update_info: PolicyworkerUpdateInfo) -> None:
+        worker = self._require_worker()
+        if self._plan is None:
+            raise ConfigError("call start_weight_update before update_weights")
+        self._received = None
+        served = self.ledger.version
+        if update_info.version <= served:
+            raise ConfigError(f"update_info.version {update_info.version} is not newer than the adapter version vLLM "
+                              f"rank {worker.rank} serves ({served}); nothing received", rank=worker.rank)
+        timeout = update_info.refit_timeout_s or self._info.refit_timeout_s
+        report = self._call(self._joined.refit(timeout), timeout if timeout is not None else self._info.timeout_s)
+        self.kv_scales = report.kv_scales
+        if report.version != update_info.version:
+            raise ProtocolError(f"the trainers sent version {report.version}, update_info says "
+                                f"{update_info.version}; nothing committed", rank=worker.rank)
+        self._received = report.version
+
+    @_marked
+    def finish_weight_update(self) -> None:
+        """Install the received adapter under the stable id (see the module docstring)."""
+        if self._received is None:
+            state = "torn" if self.torn else f"version {self.committed_version}"
+            raise (TornWeights if self.torn else ConfigError)(
+                f"vLLM rank {self.tp_rank}: no complete adapter refit was received in this weight update; nothing "
+                f"committed (vLLM keeps {state})", rank=self.tp_rank)
+        from vllm.lora.lora_model import LoRAModel
+
+        version, self._received = self._received, None
+        t0 = time.perf_counter()
+        # Copies: vLLM keeps (and rescales in place) the tensors it is given; the staging
+        # set receives the next version.
+        tensors = {name: t.clone() for name, t in self._staging.items()}
+        lora = LoRAModel.from_lora_tensors(LORA_ID, tensors, self._helper, device=str(self.device),
+                                           dtype=self.lora_config.lora_dtype,
+                                           model_vocab_size=self.vllm_config.model_config.get_vocab_size())
+        previous = self.manager.get_adapter(LORA_ID)
+        with self.ledger.transaction(version) as tx:
+            try:
+                self._install(lora)
+            except BaseException:
+                tx.touched = not self._restore(previous)  # torn unless the previous adapter is back
+                raise
+            tx.commit()
+        self._committed = lora
+        self.last_install_s = time.perf_counter() - t0
+
+    def _remove_all_adapters(self) -> None:
+        """The manager's ``remove_all_adapters``, then the committed adapter straight back.
+
+        vLLM's worker resets its LoRA state after every ``finish_weight_update`` and
+        every base reload (``reset_lora_state``: it assumes the base changed). This
+        backend never changes the base, and the committed adapter exists only in
+        memory: were it dropped, a request naming it would make vLLM try to load it
+        from its (placeholder) path and fail the engine.
+        """
+        self._vllm_remove_all()
+        if self._committed is not None:
+            self.manager.add_adapter(self._committed)
+            self.manager.activate_adapter(LORA_ID)
+
+    def _install(self, lora: Any) -> None:
+        manager = self.manager
+        manager.remove_adapter(LORA_ID)
+        manager.add_adapter(lora)
+        manager.activate_adapter(LORA_ID)
+
+    def _restore(self, previous: Any) -> bool:
+        """Put the previous adapter back after a failed install; False when that failed too."""
+        try:
+            self.manager.remove_adapter(LORA_ID)
+            if previous is not None:
+                self.manager.add_adapter(previous)
+                self.manager.activate_adapter(LORA_ID)
+        except Exception:  # noqa: BLE001 - the install's own error is the one raised
+            return False
+        return True
+
+    @property
+    def torn(self) -> bool:
+        return self.ledger.torn
+
+    @property
+    def committed_version(self) -> int | None:
+        return self.ledger.version or None
+
+    # -- teardown ---------------------------------------------------------------------
+    def _close_worker(self) -> None:
+        from policyworker.errors import PolicyWorkerError
+
+        joined, self._joined = self._joined, None
+        if joined is not None and self._loop is not None:
+            try:
+                self._call(joined.worker.shutdown(), joined.worker.timeout_s)
+            except PolicyWorkerError as exc:
+                logger.warning("policyworker-lora: closing the old groups failed: %s", exc)
+            else:
+                if joined.worker.shutdown_clean:  # else the executor may still be inside one: leave them
+                    joined.close()
+
+    def shutdown(self) -> None:
+        self._close_worker()
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None

@@ -1,0 +1,356 @@
+"""vLLM's next weights, received and post-processed off the live model, swapped in at commit.
+
+A refit into vLLM must end with vLLM's kernels reading the new weights. On CPU its
+linear layers *prepack* at load (oneDNN / sgl kernels copy the weight into their own
+layout and drop the parameter), so the bytes have to go through the layer's own
+post-processing (``quant_method.process_weights_after_loading``); elsewhere (GPU,
+norms, embeddings) the runtime reads the parameter as is. vLLM's generic layerwise
+reload does both, but per refit it also re-creates every parameter from meta tensors,
+buffers each loader call and copies every byte twice (loader in, kernel tensors back):
+measured on CPU, ~45% of its time was copies and bookkeeping, the rest the prepack.
+
+:class:`VllmStage` keeps, per vLLM parameter, **two** staging tensors of the shape vLLM
+loads (its restore metadata: the parameter before post-processing, e.g. the fused
+``qkv_proj`` of this tp rank, the padded vocabulary shard) — set A and set B:
+
+* receive: the refit's boxes land straight in views of the free set (each box is a run
+  of rows of its fused parameter: `receive_views`), so no byte is copied after the wire;
+* prepare (after every rank's verdict, before the commit): each layer is shallow-copied
+  with the free set's tensors as its parameters and vLLM's own
+  ``process_weights_after_loading`` runs on that copy — the live layer is untouched, so
+  a failure here leaves vLLM serving the previous version;
+* commit: the copy's parameters, buffers and attributes (``cpu_linear`` with its packed
+  weight, an emptied ``weight``) replace the live layer's — pointer moves, no copies —
+  or, with ``copy_into_live`` (CUDA graphs, compiled models: they keep reading the
+  storage they captured), a tensor of unchanged shape and dtype is copied into the live
+  storage, as vLLM's own reload does.
+
+Two sets, not one: whatever vLLM's post-processing keeps of a staging tensor (a norm
+weight as is, a kernel that aliases the weight) stays live after the commit, and the
+next refit writes into the *other* set, which nothing live references any more.
+
+Delta refits (``reshard_options={"delta": True}``) apply the changed elements to the
+bytes the receive destinations already hold, which must be the newest version this
+rank received. With two sets they are not: after a commit the free set holds the
+version before (or nothing). So :meth:`VllmStage.catch_up` copies the newest received
+bytes into the free set before each refit (one memory copy of this rank's bytes; only
+in delta mode), and the receiver's per-copy checksums prove the base was right.
+
+Where each box lands is checked once against vLLM's own weight loaders
+(:meth:`VllmStage.check_with_vllm_loaders`): random boxes go through the layer's
+``weight_loader`` (as vLLM's model loader calls it, with its shard id) into a scratch
+tensor and must equal what the views put in place, bit for bit — a layer whose loader
+places a box elsewhere is refused before any refit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from policyworker.errors import ConfigError, PlanMismatch
+from policyworker.integrations.vllm.moe import kernel_built, loaded_form as _loaded_form, repack_experts
+from policyworker.integrations.vllm.prepack import MODULE_SLOTS, SKIP_FLAG, BackgroundPrepack, set_skip_flag, shallow_layer
+
+__all__ = ["Prepared", "VllmStage"]
+
+
+
+@dataclass
+class _Slot:
+    """One live vLLM parameter (shared by tied layers): its two staging tensors."""
+
+    owners: list[tuple[torch.nn.Module, str]]
+    meta: torch.Tensor            # the parameter as vLLM loads it (meta device or live)
+    sets: tuple[torch.Tensor, torch.Tensor]
+    targets: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Prepared:
+    """One post-processed version, per layer, ready to be swapped in."""
+
+    which: int
+    layers: list[tuple[torch.nn.Module, torch.nn.Module]]
+    #: ``cpu_linear="background"``: live layers to prepack after the commit (vLLM's own skip
+    #: flag; whether vLLM drops the weight once packed)
+    background: list[tuple[torch.nn.Module, bool | None, bool]] = field(default_factory=list)
+
+
+def _materialize(like: torch.Tensor, module: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor of ``like``'s shape with its class and loader attributes (vLLM's way)."""
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    with torch.device(device):
+        tensor = materialize_meta_tensor(like) if like.is_meta else _wrap(torch.empty_like(like), like)
+    return restore_layer_refs(tensor, module).zero_()
+
+
+def _wrap(data: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``data`` (shared storage) as a tensor of ``like``'s class with a copy of its attributes."""
+    out = data.detach().view_as(data)
+    out.__class__ = like.__class__
+    out.__dict__ = like.__dict__.copy()
+    return out
+
+
+class VllmStage:
+    """Two staging sets for a vLLM model; see the module docstring.
+
+    ``targets``: `vllm_targets(model)` (what each rank loads and where). Built once per
+    engine (it allocates both sets); :meth:`set_wire_dtypes` follows the trainers' plan.
+    """
+
+    def __init__(self, model: torch.nn.Module, targets: Sequence[Any], *, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.wire_dtypes: dict[str, str] = {}
+        #: Commit by copying into live tensors of unchanged shape (else: install the new ones).
+        self.copy_into_live = False
+        #: On CPU: "prepack" runs vLLM's own post-processing of unquantized linear layers
+        #: (oneDNN / sgl prepack: a copy of every weight per commit); "torch" has them read
+        #: the received tensor as is through vLLM's plain ``torch.nn.functional.linear``
+        #: path (its ``_cpu_skip_gemm_dispatch``): the commit is then a swap, no copy;
+        #: "background": served as with "torch", then prepacked layer by layer after the
+        #: commit (:mod:`.vllm_prepack`).
+        self.cpu_linear = "prepack"
+        self.prepack = BackgroundPrepack()
+        self.live = 0  # the set that the live layers may reference; refits land in the other
+        #: The set whose receive buffers hold the newest complete refit (None: unknown).
+        self.newest: int | None = None
+        slots: dict[int, _Slot] = {}
+        for mod_name, module in model.named_modules(remove_duplicate=False):
+            for pname, param in module._parameters.items():
+                if param is None:
+                    continue
+                slot = slots.get(id(param))
+                if slot is None:
+                    meta = _loaded_form(module, pname, param)
+                    sets = (_materialize(meta, module, device), _materialize(meta, module, device))
+                    slot = slots[id(param)] = _Slot([], meta, sets)
+                if (module, pname) not in slot.owners:
+                    slot.owners.append((module, pname))
+        self._slots = list(slots.values())
+        by_owner = self._by_owner = {(id(m), p): s for s in self._slots for m, p in s.owners}
+        for t in targets:
+            slot = by_owner.get((id(model.get_submodule(t.module)), t.pname))
+            if slot is None:
+                raise ConfigError(f"vLLM has no parameter {t.module}.{t.pname}", param=t.need.name)
+            slot.targets.append(t)
+        self._layers = list({id(m): m for s in self._slots for m, _ in s.owners}.values())
+        # vLLM sets this flag itself on some layers (MLA's kv_b_proj): "prepack" restores it.
+        self._skip_flag = {id(m): m.__dict__.get(SKIP_FLAG) for m in self._layers}
+        self._views = [self._place(k) for k in (0, 1)]
+        self._recv = [dict(v) for v in self._views]
+
+    # -- where the boxes land ----------------------------------------------------------
+    def _place(self, k: int) -> dict[str, torch.Tensor]:
+        """{need name: staging view} of set ``k``: a fused parameter's boxes are consecutive
+        runs of its rows, in vLLM's member order (q, k, v / gate, up)."""
+        out = {}
+        for slot in self._slots:
+            stage, row = slot.sets[k], 0
+            if slot.targets and stage.dim() == len(slot.targets[0].need.shape) + 1:
+                stage = stage.flatten(0, 1)  # fused experts: [E_local, rows, cols] as rows of experts
+            for t in slot.targets:
+                shape = tuple(b - a for a, b in zip(t.need.start, t.need.stop))
+                if len(shape) != stage.dim() or tuple(shape[1:]) != tuple(stage.shape[1:]) \
+                        or row + shape[0] > stage.shape[0]:
+                    raise ConfigError(f"{t.need.name}'s box {list(shape)} does not fit vLLM's "
+                                      f"{t.module}.{t.pname} {list(stage.shape)}", param=t.need.name)
+                view = stage.narrow(0, row, shape[0])
+                row += shape[0]
+                out[t.need.name] = view
+        return out
+
+    def set_wire_dtypes(self, wire_dtypes: Mapping[str, str]) -> None:
+        """The trainers' dtype per need: a box whose wire dtype is not vLLM's lands in its own
+        buffer and is cast into the staging view at prepare (as vLLM's loaders would)."""
+        self.wire_dtypes = dict(wire_dtypes)
+        self.newest = None  # fresh receive buffers hold no version
+        for k in (0, 1):
+            for name, view in self._views[k].items():
+                wire = self.wire_dtypes.get(name, str(view.dtype).removeprefix("torch."))
+                same = wire == str(view.dtype).removeprefix("torch.")
+                self._recv[k][name] = view if same else torch.zeros(view.shape, dtype=getattr(torch, wire),
+                                                                     device=view.device)
+
+    def receive_views(self) -> dict[str, torch.Tensor]:
+        """The receive destinations of the next refit (in the set nothing live references)."""
+        return dict(self._recv[1 - self.live])
+
+    def received(self, ok: bool) -> None:
+        """Record the end of a refit into the free set: complete (``ok``) or not."""
+        self.newest = 1 - self.live if ok else None
+
+    def catch_up(self) -> bool:
+        """Make the free set's receive buffers hold the newest received bytes (the base a
+        delta refit applies to). Returns whether it copied. With no complete refit known
+        there is nothing to copy: the transport then reports no base and refits in full."""
+        free = 1 - self.live
+        if self.newest is None or self.newest == free:
+            return False
+        with torch.no_grad():
+            for name, dst in self._recv[free].items():
+                dst.copy_(self._recv[self.newest][name])
+        self.newest = free
+        return True
+
+    def check_with_vllm_loaders(self, seed: int = 0) -> None:
+        """Random boxes through vLLM's weight loaders must land where the views put them.
+
+        Runs on both sets (zeroed again afterwards), one parameter at a time; the
+        live model is not touched. ``PlanMismatch`` names the first parameter that differs.
+        """
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        gen = torch.Generator().manual_seed(seed)
+        for slot in self._slots:
+            module = slot.owners[0][0]
+            scratch = _materialize(slot.meta, module, slot.sets[0].device)
+            loader = getattr(scratch, "weight_loader", default_weight_loader)
+            for t in slot.targets:
+                shape = tuple(b - a for a, b in zip(t.need.start, t.need.stop))
+                box = torch.randn(shape, generator=gen).to(scratch.dtype)
+                carrier = torch.zeros(t.need.shape, dtype=scratch.dtype, device=scratch.device)
+                carrier[tuple(slice(a, b) for a, b in zip(t.need.start, t.need.stop))] = box
+                with torch.no_grad():
+                    if isinstance(t.shard, dict):  # keyword arguments (vLLM's MoE loader)
+                        loader(scratch, carrier, **t.shard)
+                    else:
+                        loader(scratch, carrier) if t.shard is None else loader(scratch, carrier, t.shard)
+                for k in (0, 1):
+                    self._views[k][t.need.name].copy_(box)
+            for stage in slot.sets:
+                # bit for bit (float8 has no torch.equal on CPU)
+                same = stage.dtype == scratch.dtype and torch.equal(stage.view(torch.uint8), scratch.view(torch.uint8))
+                stage.zero_()
+                if not same:
+                    name = slot.targets[0].need.name if slot.targets else "?"
+                    raise PlanMismatch(f"vLLM's loader places {name} (and its fused members) elsewhere than the "
+                                       "policyworker backend receives it; this layer is not supported")
+
+    # -- prepare and commit --------------------------------------------------------------
+    def prepare(self) -> Prepared:
+        """Post-process the received set with vLLM's own code, on copies of the layers."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        k = 1 - self.live
+        with torch.no_grad():
+            for name, view in self._views[k].items():
+                recv = self._recv[k][name]
+                if recv is not view:
+                    view.copy_(recv)  # vLLM's loaders cast the wire dtype the same way (copy_)
+        # A fresh wrapper per refit (one per parameter, so tied layers still share it):
+        # post-processing may rebind its .data (sgl: bias -> float32), never the staging.
+        fresh = {id(s): _wrap(s.sets[k], s.sets[k]) for s in self._slots}
+        layers, background = [], []
+        for module in self._layers:
+            shadow = shallow_layer(module)
+            for pname, param in module._parameters.items():
+                if param is not None:
+                    shadow._parameters[pname] = fresh[id(self._by_owner[(id(module), pname)])]
+            method = getattr(shadow, "quant_method", None)
+            if self._as_received(module, shadow, method):  # nothing to post-process now
+                if self.cpu_linear == "background":
+                    background.append((module, self._skip_flag.get(id(module)), not _is_embedding(method)))
+            elif isinstance(method, QuantizeMethodBase):
+                shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
+                repack = kernel_built(shadow)
+                with torch.no_grad():
+                    method.process_weights_after_loading(shadow)
+                if repack:  # vLLM skips its MoE kernel's repack once the kernel exists
+                    repack_experts(shadow)
+                if hasattr(shadow, "update_param_tp_status"):
+                    shadow.update_param_tp_status()
+            layers.append((module, shadow))
+        return Prepared(which=k, layers=layers, background=background)
+
+    def _as_received(self, module: torch.nn.Module, shadow: torch.nn.Module, method: Any) -> bool:
+        """Set up ``shadow``'s CPU linear path for :attr:`cpu_linear`; True: read as received.
+
+        With ``"torch"`` and ``"background"``, unquantized linear layers and embeddings
+        (``lm_head``) get vLLM's own plain ``cpu_linear = F.linear`` over the staged
+        parameter, which they keep, and are not post-processed now (``"background"``
+        prepacks them after the commit). Layers vLLM would pack with its sgl / zentorch
+        kernels, and anything quantized, are post-processed as usual; with
+        ``"prepack"`` every layer is.
+        """
+        if self.device.type != "cpu":
+            return False
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        set_skip_flag(shadow, self._skip_flag.get(id(module)))  # (dropped: the commit drops it live too)
+        if self.cpu_linear == "prepack" or not isinstance(method, (UnquantizedLinearMethod,
+                                                                   UnquantizedEmbeddingMethod)):
+            return False
+        weight = shadow._parameters.get("weight")
+        if weight is None or weight.dim() != 2 or _own_cpu_kernel(weight):
+            return False
+        shadow.__dict__["cpu_linear"] = torch.nn.functional.linear
+        if isinstance(method, UnquantizedLinearMethod):
+            shadow.__dict__[SKIP_FLAG] = True  # vLLM's own reload takes the plain path too, until repacked
+        return True
+
+    def commit(self, prepared: Prepared) -> None:
+        """Swap a prepared version in (attribute moves only; call after every verdict)."""
+        retired: list[Any] = []
+        with self.prepack.lock:
+            self.prepack.supersede()  # a background run of the previous version installs nothing more
+            self._swap(prepared, retired)
+        if prepared.background:
+            # The replaced kernels (oneDNN handles: freeing one unmaps its packed weight) are
+            # dropped by the background thread, at its low priority, not on the refit's road.
+            self.prepack.start(prepared.background, retired)
+
+    def _swap(self, prepared: Prepared, retired: list[Any]) -> None:
+        for module, shadow in prepared.layers:
+            for key, value in shadow.__dict__.items():
+                if key in MODULE_SLOTS:
+                    continue
+                old = module.__dict__.get(key, _MISSING)
+                if old is not value:
+                    if old is not _MISSING:
+                        retired.append(old)
+                    module.__dict__[key] = value
+            for key in [k for k in module.__dict__ if k not in shadow.__dict__]:
+                del module.__dict__[key]  # what post-processing removed (the copy started as the layer)
+            for slot_name in ("_parameters", "_buffers"):
+                live, new = getattr(module, slot_name), getattr(shadow, slot_name)
+                for name, tensor in new.items():
+                    old = live.get(name)
+                    if old is tensor:
+                        continue
+                    if self.copy_into_live and _same_kind(old, tensor):
+                        with torch.no_grad():
+                            old.data.copy_(tensor)
+                    else:
+                        live[name] = tensor
+        self.live = prepared.which
+
+
+_MISSING = object()
+
+
+def _is_embedding(method: Any) -> bool:
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    return isinstance(method, UnquantizedEmbeddingMethod)
+
+
+def _own_cpu_kernel(weight: torch.Tensor) -> bool:
+    """True where vLLM packs this weight with its sgl or zentorch kernels (not oneDNN)."""
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+    from vllm.platforms import current_platform
+
+    return current_platform.is_zen_cpu() or check_cpu_sgl_kernel(weight.shape[0], weight.shape[1], weight.dtype)
+
+
+def _same_kind(old: torch.Tensor | None, new: torch.Tensor | None) -> bool:
+    return old is not None and new is not None and old.numel() > 0 and old.shape == new.shape \
+        and old.dtype == new.dtype and old.device == new.device

@@ -1,0 +1,1 @@
+"""process groups, the watchdog, the control endpoint, devices, processes (docs/architecture.md)."""

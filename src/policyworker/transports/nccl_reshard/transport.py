@@ -1,0 +1,748 @@
+"""nccl_reshard: trainers send each generation rank exactly its plan's bytes, point to point.
+
+Groups: one per pipeline stage (the stage's trainers first, then every generation
+rank), given at attach time — a trainer passes its stage's ``group`` and ``stage``, a
+receiver every stage's ``groups`` (stage → group); the seed methods
+``init_nccl_reshard_comm_group`` / ``RolloutWorker.init_nccl_reshard_comm_groups``
+build them — plus the worker's update group (``ctx.update_group``) for the small
+leftovers. NCCL on GPU, gloo on CPU: the same code.
+
+One refit, both sides:
+
+1. Per (stage, src, dst) transfer, a header (magic, version, bytes, buckets, plan
+   hash) then the transfer's buckets (``bucket_copies``: at most ``bucket_bytes``
+   each). Every message has a global key ``(round, src, dst)`` — round -1 for the
+   header, then the bucket index — and **both sides issue their messages in
+   increasing key order** with at most ``in_flight`` outstanding, posted in
+   batches (one ``batch_isend_irecv`` per group: on NCCL one coalesced call on the
+   group's own communicator; a batch holds headers or buckets, never both). The
+   pending message with the smallest key is then posted on both of its ends, so it
+   completes: no cycle of waits, whatever the layouts (the deadlock hazard of
+   point-to-point schedules).
+2. Sender: a message whose single source region is contiguous goes out as a view of
+   the parameter (no copy); others are packed into a ring of ``staging`` buffers of
+   ``bucket_bytes`` that lives across refits. Receiver: likewise straight into a
+   contiguous destination region, else through its ring and ``unpack``. Copies of
+   1 MiB and more travel as their own messages so that they can go direct; smaller
+   ones share packed buckets. Up to ``in_flight`` messages are outstanding per rank.
+3. After the bulk, over ``model_update_group`` (:func:`exchange_leftovers`): every
+   rank sends its verdict to rank 0, which answers everyone with (failures,
+   version, kv-scales as msgpack bytes — never pickle — lost peers). A receiver
+   commits only when every expected byte arrived and every rank's verdict is good;
+   the trainer's refit succeeds only then too.
+
+On CUDA the refit runs on the transport's own stream; headers are read through an
+event on it (no device sync inside the window) and the consumer gets an event
+(``ctx.ready``) after which the received bytes are in place.
+
+Bytes land in place as they arrive, so a receiver that fails after the first
+bucket is *torn* (the worker marks it and refuses to serve until a full refit).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from policyworker.config import positive_int
+
+import torch
+
+from policyworker.errors import (
+    ConfigError,
+    PeerLost,
+    PlanMismatch,
+    ProtocolError,
+    RefitAborted,
+    RefitTimeout,
+    TransportError,
+    translate_comm_error,
+)
+from policyworker.layout.apply import pack, unpack
+from policyworker.layout.plan import ReshardPlan
+from policyworker.transports.base import RefitReport, Transport, TransportContext
+from policyworker.transports.nccl_reshard.schedule import (
+    _HEADER_MAGIC,
+    _DirectSpans,
+    _Msg,
+    _header_inbox,
+    _header_rows,
+    _schedule,
+    plan_hash63,
+    stage_members,
+)
+from policyworker.transports.nccl_reshard import delta as nccl_delta
+from policyworker.transports.nccl_reshard.delta import DeltaSettings
+from policyworker.transports.nccl_reshard.verdict import exchange_leftovers
+
+__all__ = ["NcclReshardTransport", "exchange_leftovers", "stage_members"]
+
+_log = logging.getLogger(__name__)
+
+def _completed(work: Any) -> bool:
+    """Whether ``work`` delivered its bytes: a gloo work is a future (``CommGroup``'s
+    waiter completes it), an NCCL work answers ``is_completed``."""
+    is_completed = getattr(work, "is_completed", None)
+    if is_completed is None:  # a group's completion future (gloo point-to-point)
+        return work.done() and not work.cancelled() and work.exception() is None
+    try:
+        return bool(is_completed())
+    except RuntimeError:  # an aborted work: it delivered nothing more
+        return False
+
+
+#: Per group, in the group's store: how many refit attempts on it ended with messages
+#: still posted (a timeout, an abort, a lost peer). See ``_spoiled`` / ``_check_fresh``.
+_SPOILED_KEY = "nccl_reshard/spoiled_attempts"
+#: How long recording a failed attempt may wait for its group's store.
+_SPOIL_WRITE_S = 2.0
+#: How long reading the counts may wait for a store when the refit has no deadline.
+_SPOIL_READ_S = 30.0
+
+
+def _store_add(store: Any, value: int, timeout_s: float) -> int:
+    """``store.add(_SPOILED_KEY, value)`` that returns within ``timeout_s``.
+
+    A store's host may be a stopped process (SIGSTOP, a debugger, swapped out): its TCP
+    connection stays open and c10d's ``add`` then waits with no timeout of its own
+    (``set_timeout`` bounds ``get``/``wait`` only). The call runs on a daemon thread; past
+    ``timeout_s`` it raises ``TimeoutError`` and the thread is left to finish (or die
+    with the process) — it holds nothing of ours but the store.
+    """
+    box: list = []
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            box.append(("ok", int(store.add(_SPOILED_KEY, value))))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box.append(("err", exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name="pw-store-add", daemon=True).start()
+    if not done.wait(max(timeout_s, 0.0)):
+        raise TimeoutError(f"the group's store did not answer in {timeout_s:.1f} s (its host is stopped or gone)")
+    kind, value = box[0]
+    if kind == "err":
+        raise value
+    return value
+
+
+def _spoiled_counts(groups: list, rank: int, deadline: float | None = None) -> list[int]:
+    """Each group's spoiled-attempt count, read from its store (``add(key, 0)`` reads
+    atomically), each read bounded by ``deadline`` (``time.monotonic()``)."""
+    counts = []
+    for g in groups:
+        left = (deadline - time.monotonic()) if deadline is not None else _SPOIL_READ_S
+        try:
+            counts.append(_store_add(g.store, 0, left))
+        except TimeoutError as exc:
+            raise RefitTimeout(f"reading the refit attempts of group {g.name!r}: {exc}", rank=rank,
+                               transport="nccl_reshard") from exc
+        except Exception as exc:  # the store raises DistStoreError/RuntimeError when its host is gone
+            raise translate_comm_error(exc, rank=rank, transport="nccl_reshard",
+                                       what="reading the groups' refit attempts") from exc
+    return counts
+
+
+def _crc(buf: torch.Tensor) -> int:
+    data = buf if buf.device.type == "cpu" else buf.cpu()
+    return zlib.crc32(memoryview(data.numpy())) & 0x7FFFFFFF
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NcclReshardSetup:
+    """Attach-time setup. ``bucket_bytes``/``checksum`` must match on every rank.
+
+    Trainer: ``group`` (its stage's group) and ``stage``. Receiver: ``groups``
+    (stage → group, every stage of the plan). ``delta`` (every rank): refits carry only
+    the changed elements when every receiver holds the trainers' last version
+    (:mod:`.nccl_delta`); ``delta_max_fraction`` and ``delta_full_every`` (trainers)
+    say when a refit is full anyway.
+    """
+
+    bucket_bytes: int = 16 << 20
+    in_flight: int = 16
+    staging: int = 2
+    checksum: bool = False
+    group: Any = None
+    stage: int | None = None
+    groups: Any = None
+    # "auto": when the ranks span nodes, each byte crosses into a node once and is
+    # relayed inside it (:mod:`.nccl_relay`; full refits only); "off": every rank
+    # receives from trainers.
+    relay: str = "auto"
+    delta: bool = False
+    delta_max_fraction: float = 0.25
+    delta_full_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.relay not in ("auto", "off"):
+            raise ConfigError(f"relay must be 'auto' or 'off', got {self.relay!r}", transport="nccl_reshard")
+        positive_int(self.bucket_bytes, "bucket_bytes", minimum=1024)
+        if not 0.0 <= self.delta_max_fraction <= 1.0:
+            raise ConfigError(f"delta_max_fraction must be in [0, 1], got {self.delta_max_fraction!r}")
+        if self.delta_full_every is not None:
+            positive_int(self.delta_full_every, "delta_full_every")
+        positive_int(self.in_flight, "in_flight")
+        positive_int(self.staging, "staging")
+        if self.stage is not None:
+            positive_int(self.stage, "stage", minimum=0)
+        if self.groups is not None and not isinstance(self.groups, Mapping):
+            raise ConfigError(f"groups must map stage -> group, got {type(self.groups).__name__}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NcclReshardOptions:
+    """Per-refit options: ``kv_scales`` (name → float; trainer rank 0's are sent);
+    ``delta=False`` (trainer) makes this refit full when the attachment has delta on."""
+
+    kv_scales: Any = None
+    delta: bool | None = None
+
+    def __post_init__(self) -> None:
+        from policyworker.layout.local import validate_kv_scales
+
+        object.__setattr__(self, "kv_scales", validate_kv_scales(self.kv_scales))
+
+
+class NcclReshardTransport(Transport):
+    """See the module docstring. ``bucket_bytes`` and ``checksum`` must match on every rank."""
+
+    name = "nccl_reshard"
+    Setup = NcclReshardSetup
+    Options = NcclReshardOptions
+    needs_plan = True
+
+    @classmethod
+    def from_setup(cls, setup: NcclReshardSetup) -> NcclReshardTransport:
+        transport = cls(bucket_bytes=setup.bucket_bytes, in_flight=setup.in_flight, staging=setup.staging,
+                        checksum=setup.checksum, relay=setup.relay)
+        if setup.delta:
+            transport.delta = DeltaSettings(setup.delta_max_fraction, setup.delta_full_every)
+        return transport
+
+    def __init__(
+        self, *, bucket_bytes: int = 16 << 20, in_flight: int = 16, staging: int = 2, checksum: bool = False,
+        relay: str = "auto",
+    ) -> None:
+        for value, what, low in ((bucket_bytes, "bucket_bytes", 1024), (in_flight, "in_flight", 1),
+                                 (staging, "staging", 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{what} must be an int >= {low}, got {value!r}", transport=self.name)
+        self.bucket_bytes = bucket_bytes
+        self.in_flight = in_flight  # messages outstanding per rank
+        self.staging = min(staging, in_flight)  # staging buffers (bucket_bytes each) per rank
+        self.checksum = bool(checksum)
+        self.relay = relay
+        self._closed = False
+        self._active: list[Any] = []  # groups of the refit in progress (abort() aborts them)
+        self.delta: DeltaSettings | None = None  # delta mode (see nccl_delta), set from the setup
+
+    def abort(self) -> None:
+        for group in list(self._active):
+            group.abort()
+
+    # -- connect ---------------------------------------------------------------------
+    async def connect(self, ctx: TransportContext) -> None:
+        if self._closed:
+            raise TransportError("transport is closed", transport=self.name)
+        if not isinstance(ctx.plan, ReshardPlan):
+            raise ConfigError("nccl_reshard needs ctx.plan (a ReshardPlan)", transport=self.name)
+        await ctx.blocking(self._connect, ctx)
+
+    @staticmethod
+    def _wire(ctx: TransportContext) -> None:
+        """Adopt the groups of ``ctx.setup`` (attach) into the state; keep the state's otherwise."""
+        setup = ctx.setup
+        if setup is not None:
+            if ctx.role == "send" and setup.group is not None:
+                ctx.state["group"], ctx.state["stage"] = setup.group, setup.stage or 0
+            if ctx.role == "receive" and setup.groups is not None:
+                ctx.state["groups"] = dict(setup.groups)
+        if ctx.update_group is not None:
+            ctx.state["update_group"] = ctx.update_group
+        need = "group" if ctx.role == "send" else "groups"
+        if ctx.state.get(need) is None:
+            raise ConfigError(f"nccl_reshard ({ctx.role}) needs {need}= at attach (the stage group"
+                              f"{'' if ctx.role == 'send' else 's'})", rank=ctx.rank, transport="nccl_reshard")
+
+    def _connect(self, ctx: TransportContext) -> None:
+        self._wire(ctx)
+        plan = ctx.plan
+        members = stage_members(plan)
+        mine = torch.tensor([plan_hash63(plan), self.bucket_bytes, int(self.checksum) + 2 * (self.delta is not None),
+                             int(self.relay == "auto")],
+                            dtype=torch.int64)
+        groups = [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
+        if ctx.role == "send":
+            stage = ctx.state["stage"]
+            if ctx.rank not in members[stage]:
+                raise ConfigError(f"train rank {ctx.rank} is not in stage {stage} of the plan", rank=ctx.rank)
+        elif len(groups) != len(members):
+            raise ConfigError(f"plan has {len(members)} stages, rollout joined {len(groups)} stage groups")
+        self._check_fresh(ctx)
+        for group in groups:
+            dev = group.device
+            gathered = [torch.zeros(4, dtype=torch.int64, device=dev) for _ in range(group.world_size)]
+            live = not group.aborted
+            try:
+                group.all_gather(gathered, mine.to(dev))
+            except BaseException:  # a peer that never joined: this collective may stay posted
+                self._spoiled(ctx, [group] if live else [])
+                raise
+            rows = [g.cpu().tolist() for g in gathered]
+            if any(r[0] != rows[0][0] for r in rows):
+                raise PlanMismatch(
+                    f"ranks of group {group.name!r} hold different reshard plans (hashes differ)",
+                    rank=ctx.rank, transport=self.name,
+                )
+            if any(r[1:] != rows[0][1:] for r in rows):
+                raise ConfigError(
+                    f"ranks of group {group.name!r} disagree on bucket_bytes/checksum/delta/relay: "
+                    f"{sorted({tuple(r[1:]) for r in rows})}",
+                    rank=ctx.rank, transport=self.name,
+                )
+        device = groups[0].device
+        bulk = self._route(ctx, plan)
+        schedule = ctx.state["schedule"] = _schedule(bulk, ctx, self.bucket_bytes)
+        ctx.state["direct_spans"] = _DirectSpans()  # keyed by schedule index: new schedule, new spans
+        pair_bytes: dict[tuple[int, int], int] = {}
+        for m in schedule:
+            if m.copies is not None:
+                pair = (m.key[1], m.key[2])
+                pair_bytes[pair] = pair_bytes.get(pair, 0) + m.nbytes
+        ctx.state["pair_bytes"] = pair_bytes  # (src, dst) -> payload bytes; in every header
+        # A copy the plan's format converts cannot be cut below the format's unit (a
+        # quantization block), which may exceed a tiny bucket_bytes, and it is always
+        # packed; the ring slots then grow to the largest such message.
+        fmt = bulk.dest_format
+        biggest = max((m.nbytes for m in schedule if m.copies is not None
+                       and any(fmt.converts(bulk, c) for c in m.copies)), default=0)
+        ring_bytes = max(self.bucket_bytes, biggest) + (8 if self.checksum else 0)
+        ring = ctx.state.get("ring")
+        if ring is None or len(ring) != self.staging or ring[0].numel() != ring_bytes or ring[0].device != device:
+            # Staging lives across refits: fresh pages cost more than the copy itself.
+            ctx.state["ring"] = [torch.empty(ring_bytes, dtype=torch.uint8, device=device) for _ in range(self.staging)]
+        ctx.state["connected_hash"] = plan.hash
+
+    def _route(self, ctx: TransportContext, plan: ReshardPlan) -> ReshardPlan:
+        """The plan the bulk runs: ``plan``, or its first hop when relays pay (:mod:`.nccl_relay`)."""
+        from policyworker.transports.nccl_reshard.relay import gather_nodes, node_name, relay_setup
+
+        ctx.state.pop("bulk_plan", None)
+        ctx.state.pop("fanouts", None)
+        update_group = ctx.state.get("update_group")
+        if self.relay != "auto" or self.delta is not None or update_group is None:
+            return plan
+        train_nodes, gen_nodes = gather_nodes(update_group, plan.body.train_world_size, node_name(),
+                                              self._deadline(ctx))
+        routed = relay_setup(plan, train_nodes, gen_nodes, self.bucket_bytes)
+        if routed is None:
+            return plan
+        ctx.state["bulk_plan"], ctx.state["fanouts"] = routed
+        return routed[0]
+
+    # -- refit -----------------------------------------------------------------------
+    async def send(self, ctx: TransportContext, version: int) -> RefitReport:
+        """Send refit ``version``; ``ctx.options["kv_scales"]`` (name → float) rides along."""
+        self._check(ctx)
+        if self.delta is None and ctx.option("delta"):
+            raise ConfigError("delta=True needs the setup's delta=True on every rank of the attachment",
+                              rank=ctx.rank, transport=self.name)
+        if self.delta is not None:
+            return await ctx.blocking(nccl_delta.refit, self, ctx, version)
+        return await ctx.blocking(self._refit, ctx, version)
+
+    async def receive(self, ctx: TransportContext, version: int | None = None) -> RefitReport:
+        """Receive the next refit (its version comes from the trainers' headers).
+
+        Commits nothing itself: on success the worker commits ``report.version``;
+        ``ctx.touched`` says whether live bytes were overwritten (for a torn mark on
+        failure); the report's ``kv_scales`` are the scales received.
+        """
+        self._check(ctx)
+        if self.delta is not None:
+            return await ctx.blocking(nccl_delta.refit, self, ctx, version)
+        return await ctx.blocking(self._refit, ctx, version)
+
+    def _check(self, ctx: TransportContext) -> None:
+        if self._closed:
+            raise TransportError("transport is closed", transport=self.name)
+        if ctx.state.get("connected_hash") != getattr(ctx.plan, "hash", None):
+            raise TransportError("connect() must run (again) before a refit with this plan", transport=self.name)
+
+    def _deadline(self, ctx: TransportContext) -> float:
+        if ctx.deadline is not None:
+            return ctx.deadline.at
+        return time.monotonic() + max(g.timeout_s for g in self._groups(ctx))
+
+    def _groups(self, ctx: TransportContext) -> list:
+        return [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
+
+    def _attempt_groups(self, ctx: TransportContext) -> list:
+        update_group = ctx.state.get("update_group")
+        return [*self._groups(ctx), *([update_group] if update_group is not None else [])]
+
+    # Stale attempts. A message posted by an attempt that then failed (a deadline, an
+    # abort, a lost peer) stays posted in the backend: a gloo send the peer never received
+    # is matched by that peer's *next* receive of the same (peer, tag), and its bytes would
+    # land in live weights as if they were the next refit's. Nothing in the bytes tells
+    # them apart, so the groups carry the fact instead: the failed attempt counts itself
+    # in each of its groups' stores and aborts its groups; every later connect or refit on
+    # those groups — on any rank, whatever it saw itself — reads the counts before it
+    # posts anything and refuses (RefitAborted, untouched) unless they are all zero. The
+    # recovery is the usual one: every side rebuilds its groups (new groups count from 0).
+    # A refit that failed cleanly (every rank reached the verdict) leaves nothing posted.
+    def _spoiled(self, ctx: TransportContext, groups: list) -> None:
+        """An attempt failed with messages possibly still posted on ``groups``: count it there
+        and abort them. (A group aborted before the attempt began got nothing posted: the
+        group refuses every operation once aborted.)"""
+        for group in groups:
+            group.abort()
+        end = time.monotonic() + _SPOIL_WRITE_S  # one bound for all of them
+        for group in groups:
+            try:
+                # Bounded: the store's host may be the very peer that stalled (a stopped
+                # trainer hosts its group's store); its peers then learn of the failure
+                # as a lost or timed-out peer, and a rebuild replaces the group anyway.
+                _store_add(group.store, 1, end - time.monotonic())
+            except Exception as exc:  # the store's host is gone: its peers learn that as a lost peer
+                _log.warning("nccl_reshard rank %s: could not record a failed attempt on group %r: %s",
+                             ctx.rank, group.name, exc)
+
+    def _check_fresh(self, ctx: TransportContext) -> None:
+        """Refuse to post anything on groups where an attempt failed with messages in flight."""
+        groups = self._attempt_groups(ctx)
+        counts = _spoiled_counts(groups, ctx.rank, self._deadline(ctx))
+        if any(counts):
+            names = [g.name for g, n in zip(groups, counts) if n]
+            raise RefitAborted(
+                f"a refit attempt on group(s) {names} failed (on this rank or a peer) "
+                f"with messages still in flight; rebuild the groups on every side (init_collective, then the "
+                f"stage groups) before the next refit", rank=ctx.rank, transport=self.name)
+
+    def _refit(self, ctx: TransportContext, version: int | None) -> RefitReport:
+        """One refit on the transport's own CUDA stream (CPU: no stream).
+
+        The stream first waits for the device's default stream (where training writes
+        the weights and generation reads them, unless told otherwise): GPU-side, no host
+        wait. Every pack, unpack and NCCL op of the refit is ordered on it; at the end
+        an event recorded on it goes to the consumer as ``ctx.ready`` — the bytes are
+        in place once it completes, and the rollout makes the stream that reads its
+        weights wait on it. No ``torch.cuda.synchronize`` anywhere.
+        """
+        stream = self._stream(ctx)
+        if stream is None:
+            return self._refit_body(ctx, version)
+        stream.wait_stream(torch.cuda.default_stream(stream.device))
+        with torch.cuda.stream(stream):
+            report = self._refit_body(ctx, version)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        ctx.ready = ready
+        return report
+
+    def _fan_out(self, ctx: TransportContext, nbytes: int, failure: Any) -> tuple[int, Any]:
+        """The relay phase (:func:`.nccl_relay.run_fanout`) after the bulk; a lost relay
+        is a failure like a lost trainer (shared in the verdict round)."""
+        from policyworker.transports.nccl_reshard.relay import run_fanout
+
+        def touch() -> None:
+            ctx.touched = True
+
+        members = stage_members(ctx.plan)
+        try:
+            got = run_fanout(ctx.state["fanouts"], ctx.rank, ctx.state["groups"][0], len(members[0]), ctx.params,
+                             ctx.plan, self.in_flight, self._deadline(ctx), touch)
+        except PeerLost as exc:
+            return nbytes, failure if failure is not None else exc
+        return nbytes + got, failure
+
+    def _stream(self, ctx: TransportContext):
+        device = self._groups(ctx)[0].device
+        if device.type != "cuda":
+            return None
+        stream = ctx.state.get("stream")
+        if stream is None or stream.device != device:
+            stream = ctx.state["stream"] = torch.cuda.Stream(device)
+        return stream
+
+    def _refit_body(self, ctx: TransportContext, version: int | None) -> RefitReport:
+        t0 = time.perf_counter()
+        ctx.touched = False
+        update_group = ctx.state.get("update_group")
+        scales = None
+        self._check_fresh(ctx)
+        self._active = self._attempt_groups(ctx)
+        live = [g for g in self._active if not g.aborted]
+        try:
+            if ctx.role == "send":
+                nbytes, nbuckets, failure = self._send_bulk(ctx, version)
+            else:
+                nbytes, nbuckets, version, failure = self._recv_bulk(ctx)
+                if ctx.state.get("fanouts"):
+                    nbytes, failure = self._fan_out(ctx, nbytes, failure)
+            if update_group is not None:
+                scales, version, failures, lost = exchange_leftovers(
+                    update_group,
+                    is_source=ctx.role == "send" and update_group.rank == 0,
+                    kv_scales=ctx.option("kv_scales"),
+                    deadline=self._deadline(ctx),
+                    version=version if version is not None else -1,
+                    ok=failure is None,
+                    lost=isinstance(failure, PeerLost),
+                )
+            else:
+                failures, lost = int(failure is not None), int(isinstance(failure, PeerLost))
+        except BaseException as exc:  # cut short: messages of this attempt may still be posted
+            self._spoiled(ctx, live)
+            if isinstance(exc, RefitAborted) and ctx.deadline is not None:
+                ctx.deadline.check()  # a fired deadline is a RefitTimeout
+            raise
+        finally:
+            self._active = []
+        if failure is not None:
+            raise failure
+        if lost:
+            # A process of this refit is gone: every rank must rebuild its groups.
+            raise PeerLost(f"refit {version}: {lost} rank(s) lost a peer; rebuild the groups",
+                           rank=ctx.rank, transport=self.name)
+        if failures:
+            raise TransportError(
+                f"refit {version}: {failures} rank(s) failed to receive it; no rollout committed it",
+                rank=ctx.rank, transport=self.name,
+            )
+        return RefitReport(
+            transport=self.name, role=ctx.role, version=int(version), bytes=nbytes,
+            seconds=time.perf_counter() - t0, buckets=nbuckets,
+            peak_extra_bytes=sum(b.numel() for b in ctx.state["ring"]), kv_scales=scales,
+        )
+
+    def _post(self, batch: list, kind: str, pending: deque) -> None:
+        """Post ``batch`` ((msg, tensor, slot) in key order) at once: one
+        ``batch_isend_irecv`` per group; the works join ``pending`` in key order.
+
+        A batch holds messages of one kind (headers or buckets), so on NCCL — where a
+        batch's ops finish together — a header never waits for a bucket.
+        """
+        by_group: dict[int, list] = {}
+        for entry in batch:
+            by_group.setdefault(id(entry[0].group), []).append(entry)
+        works: dict[int, Any] = {}
+        for entries in by_group.values():
+            group = entries[0][0].group
+            posted = group.batch_isend_irecv([(kind, t, m.peer, m.tag) for m, t, _ in entries])
+            works.update((id(e), w) for e, w in zip(entries, posted))
+        pending.extend((works[id(e)], *e) for e in batch)
+        batch.clear()
+
+    def _make_room(self, batch: list, pending: deque, bucket: bool, kind: str, complete) -> None:
+        """Before the next message joins ``batch``: post the batch when that message is of
+        the other kind (header / bucket) or the window is full, then ``complete`` the
+        oldest pending messages until the window has room (``in_flight`` at most)."""
+        if batch and (bucket != (batch[0][0].copies is not None) or len(pending) + len(batch) >= self.in_flight):
+            self._post(batch, kind, pending)
+        while pending and len(pending) + len(batch) >= self.in_flight:
+            complete()
+
+    def _send_bulk(self, ctx: TransportContext, version: int):
+        """Send every scheduled message; returns (bytes, buckets, failure).
+
+        A peer that is gone (``PeerLost``) does not stop the loop: its remaining
+        messages are skipped and the others still get theirs, so every live rank
+        reaches the verdict round promptly and learns of the loss there.
+        """
+        plan, params, ring = ctx.state.get("bulk_plan") or ctx.plan, ctx.params, ctx.state["ring"]
+        deadline = self._deadline(ctx)
+        schedule = ctx.state["schedule"]
+        headers = _header_rows(ctx, version, self.checksum, schedule)
+        spans = ctx.state.setdefault("direct_spans", _DirectSpans()).check(plan, params)
+        pending: deque = deque()  # (work, msg, tensor, slot or None), key order
+        batch: list = []  # messages collected but not posted yet
+        free = list(range(len(ring)))
+        total = buckets = 0
+        lost: set[int] = set()
+        failure: PeerLost | None = None
+
+        def settle() -> None:
+            nonlocal failure
+            work, m, _t, slot = pending.popleft()
+            try:
+                m.group.wait(work, deadline=deadline, what="reshard send")
+            except PeerLost as exc:
+                lost.add(m.key[2])
+                failure = failure or exc
+            if slot is not None:
+                free.append(slot)
+
+        for i, m in enumerate(schedule):
+            if m.key[2] in lost:
+                continue
+            kind = m.copies is not None
+            self._make_room(batch, pending, kind, "send", settle)
+            if not kind:
+                batch.append((m, headers[i], None))
+                continue
+            direct = None if self.checksum else spans.get(plan, i, m.copies, params, "src")
+            if direct is not None:
+                batch.append((m, direct, None))
+            else:
+                if not free:
+                    self._post(batch, "send", pending)  # what is packed already goes out first
+                    while not free:
+                        settle()
+                slot = free.pop()
+                buf = self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0))
+                end = pack(plan, m.copies, params, buf)
+                if self.checksum:
+                    buf.narrow(0, end, 8).view(torch.int64).fill_(_crc(buf.narrow(0, 0, end)))
+                    end += 8
+                batch.append((m, buf.narrow(0, 0, end), slot))
+            total += m.nbytes
+            buckets += 1
+        if batch:
+            self._post(batch, "send", pending)
+        while pending:
+            settle()
+        return total, buckets, failure
+
+    def _buffer(self, ctx: TransportContext, slot: int, size: int) -> torch.Tensor:
+        # bucket_copies cuts any box down to bucket_bytes (inside rows too; elements are
+        # at most 8 bytes and buckets at least 1 KiB) and the ring fits the largest
+        # message, so every message fits a slot.
+        return ctx.state["ring"][slot].narrow(0, 0, size)
+
+    def _recv_bulk(self, ctx: TransportContext):
+        """Receive every scheduled message; returns (bytes, buckets, version, failure).
+
+        A protocol failure (bad header, checksum) does not stop the loop: the rest is
+        drained into the ring without touching the weights, so the senders finish and
+        every rank reaches the verdict round, where the failure is shared. A trainer
+        that is gone (``PeerLost``) is skipped the same way.
+        """
+        plan, params, ring = ctx.state.get("bulk_plan") or ctx.plan, ctx.params, ctx.state["ring"]
+        deadline = self._deadline(ctx)
+        hash63 = plan_hash63(plan)
+        schedule = ctx.state["schedule"]
+        inbox = _header_inbox(ctx, schedule)
+        spans = ctx.state.setdefault("direct_spans", _DirectSpans()).check(plan, params)
+        pending: deque = deque()  # (work, msg, tensor, slot or None), key order
+        batch: list = []
+        free = list(range(len(ring)))
+        total = buckets = 0
+        version: int | None = None
+        failure: ProtocolError | PlanMismatch | PeerLost | None = None
+        lost: set[int] = set()
+        expected = ctx.state["pair_bytes"]
+        # Torn accounting: a receive posted straight into a live tensor can be written only
+        # after its sender started this refit, i.e. after that sender's header arrived (one
+        # ordered connection per pair). So "touched" = a direct receive from a sender whose
+        # header completed — not merely posted: a refit that never came leaves v-1 intact.
+        direct_srcs: set[int] = set()
+        headers_seen: set[int] = set()
+
+        def check_header(m: _Msg, tensor: torch.Tensor) -> None:
+            nonlocal version
+            row = m.group.read(tensor, deadline=deadline, what="reading a refit header")
+            magic, v, nbytes, nb, h, ck = (int(x) for x in row.tolist())
+            src = m.key[1]
+            if magic != _HEADER_MAGIC:
+                raise ProtocolError(f"bad refit header from train rank {src}", rank=ctx.rank, transport=self.name)
+            if h != hash63:
+                raise PlanMismatch(f"train rank {src} sends by another plan", rank=ctx.rank, transport=self.name)
+            want = expected.get((src, m.key[2]), 0)
+            if nbytes != want or nb != m.nbytes or ck != int(self.checksum):
+                raise ProtocolError(
+                    f"train rank {src} announces {nbytes} B in {nb} buckets; expected {want} B in {m.nbytes}",
+                    rank=ctx.rank, transport=self.name,
+                )
+            if version is None:
+                version = v
+            elif v != version:
+                raise ProtocolError(f"train ranks disagree on the version ({version} vs {v})",
+                                    rank=ctx.rank, transport=self.name)
+
+        def finish() -> None:
+            nonlocal total, buckets, failure
+            work, m, tensor, slot = pending.popleft()
+            try:
+                m.group.wait(work, deadline=deadline, what="reshard receive")
+            except PeerLost as exc:
+                lost.add(m.key[1])
+                failure = failure if isinstance(failure, PeerLost) else exc
+            if slot is not None:
+                free.append(slot)
+            if failure is not None:
+                return  # draining: bytes are discarded
+            try:
+                if m.copies is None:
+                    headers_seen.add(m.key[1])
+                    if m.key[1] in direct_srcs:
+                        ctx.touched = True
+                    check_header(m, tensor)
+                    return
+                if slot is not None:
+                    if self.checksum:
+                        got = int(tensor.narrow(0, m.nbytes, 8).view(torch.int64).item())
+                        if got != _crc(tensor.narrow(0, 0, m.nbytes)):
+                            raise ProtocolError(
+                                f"checksum mismatch in bucket {m.key[0]} from train rank {m.key[1]}",
+                                rank=ctx.rank, transport=self.name,
+                            )
+                    ctx.touched = True
+                    unpack(plan, m.copies, tensor, params)
+            except (ProtocolError, PlanMismatch) as exc:
+                failure = exc
+                return
+            total += m.nbytes
+            buckets += 1
+
+        try:
+            for i, m in enumerate(schedule):
+                if m.key[1] in lost:
+                    continue
+                kind = m.copies is not None
+                self._make_room(batch, pending, kind, "recv", finish)
+                if not kind:
+                    batch.append((m, inbox[i], None))
+                    continue
+                direct = None if (self.checksum or failure is not None) else spans.get(plan, i, m.copies, params, "dst")
+                if direct is not None:
+                    direct_srcs.add(m.key[1])
+                    if m.key[1] in headers_seen:
+                        ctx.touched = True  # bytes land in the live tensor from here on
+                    batch.append((m, direct, None))
+                else:
+                    if not free:
+                        self._post(batch, "recv", pending)
+                        while not free:
+                            finish()
+                    slot = free.pop()
+                    batch.append((m, self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0)), slot))
+            if batch:
+                self._post(batch, "recv", pending)
+            while pending:
+                finish()
+        finally:
+            # Cut short (abort, deadline): a header that arrived but was not looked at yet
+            # still means its sender's bytes may be landing.
+            for work, m, _t, _slot in pending:
+                if m.copies is None and _completed(work):
+                    headers_seen.add(m.key[1])
+            if direct_srcs & headers_seen:
+                ctx.touched = True
+        want = sum(expected.values())
+        if failure is None and total != want:
+            failure = ProtocolError(f"refit received {total} of {want} bytes", rank=ctx.rank, transport=self.name)
+        return total, buckets, version, failure
+
+    async def aclose(self) -> None:
+        self._closed = True

@@ -1,0 +1,12 @@
+"""sglang_ipc: see :mod:`policyworker.transports.sglang_ipc.transport` (its public names resolve here lazily,
+so importing a sibling module does not import the transport)."""
+
+
+def __getattr__(name: str):
+    import importlib
+
+    module = importlib.import_module("policyworker.transports.sglang_ipc.transport")
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

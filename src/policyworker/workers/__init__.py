@@ -1,0 +1,1 @@
+"""the trainer and rollout workers over the generic road (core: attach/refit/detach) (docs/architecture.md)."""
