@@ -4,7 +4,10 @@ so importing a sibling module does not import the transport)."""
 
 def __getattr__(name: str):
     import importlib
+    import importlib.util
 
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a sibling module (``from . import x``)
+        return importlib.import_module(f"{__name__}.{name}")
     module = importlib.import_module("policyworker.transports.zmq.transport")
     try:
         return getattr(module, name)
