@@ -1,15 +1,8 @@
-"""vllm: see :mod:`policyworker.integrations.vllm.backend` (its public names resolve here lazily,
-so importing a sibling module does not import the transport)."""
+"""The vLLM weight-transfer backends (dense, MoE, FP8, overlap, LoRA) and vLLM's trainer API.
 
+Public names resolve lazily from :mod:`policyworker.integrations.vllm.backend`, so importing a sibling module does not
+import it (runtime/lazy.py)."""
 
-def __getattr__(name: str):
-    import importlib
-    import importlib.util
+from policyworker.runtime.lazy import reexport
 
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a sibling module (``from . import x``)
-        return importlib.import_module(f"{__name__}.{name}")
-    module = importlib.import_module("policyworker.integrations.vllm.backend")
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = reexport(__name__, "policyworker.integrations.vllm.backend")

@@ -1,15 +1,8 @@
-"""nccl_reshard: see :mod:`policyworker.transports.nccl_reshard.transport` (its public names resolve here lazily,
-so importing a sibling module does not import the transport)."""
+"""The nccl_reshard transport (full, delta, relayed).
 
+Public names resolve lazily from :mod:`policyworker.transports.nccl_reshard.transport`, so importing a sibling module does not
+import it (runtime/lazy.py)."""
 
-def __getattr__(name: str):
-    import importlib
-    import importlib.util
+from policyworker.runtime.lazy import reexport
 
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a sibling module (``from . import x``)
-        return importlib.import_module(f"{__name__}.{name}")
-    module = importlib.import_module("policyworker.transports.nccl_reshard.transport")
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = reexport(__name__, "policyworker.transports.nccl_reshard.transport")

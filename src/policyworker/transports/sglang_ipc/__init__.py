@@ -1,15 +1,8 @@
-"""sglang_ipc: see :mod:`policyworker.transports.sglang_ipc.transport` (its public names resolve here lazily,
-so importing a sibling module does not import the transport)."""
+"""The sglang_ipc transport (SGLang's update_weights_from_tensor).
 
+Public names resolve lazily from :mod:`policyworker.transports.sglang_ipc.transport`, so importing a sibling module does not
+import it (runtime/lazy.py)."""
 
-def __getattr__(name: str):
-    import importlib
-    import importlib.util
+from policyworker.runtime.lazy import reexport
 
-    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # a sibling module (``from . import x``)
-        return importlib.import_module(f"{__name__}.{name}")
-    module = importlib.import_module("policyworker.transports.sglang_ipc.transport")
-    try:
-        return getattr(module, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = reexport(__name__, "policyworker.transports.sglang_ipc.transport")
