@@ -23,6 +23,10 @@ SERIAL = frozenset({
     "test_failure_matrix.py", "test_drill.py", "test_failure_regressions.py", "test_conformance.py",
     "test_ray_controller.py", "test_watchdog.py", "test_worker_core.py", "test_shutdown_races.py",
     "test_collectives.py", "test_comm_setup.py",
+    # The NeMo-named shims' zmq test re-attaches both sides concurrently through the
+    # deprecated setters; under the other worker's load its connect once met the old
+    # socket (see the closing note): it runs alone until that race is fixed.
+    "test_generic_road.py",
 })
 
 
@@ -40,24 +44,7 @@ if _count > 1 and "POLICYWORKER_PORTS" not in os.environ:
     os.environ["POLICYWORKER_PORTS"] = f"{20000 + _index * _span}:{20000 + (_index + 1) * _span}"
 
 
-#: Roughly how long the longest modules take (seconds on 2 cores, alone). The parallel
-#: phase hands whole modules to its workers in collection order, so the longest go
-#: first (longest-first keeps the two workers' ends close); the rest keep their order.
-HEAVY = {
-    "test_nccl_reshard.py": 100, "test_vllm.py": 70, "test_relay.py": 70, "test_vllm_lora.py": 70,
-    "test_sglang_ipc.py": 60, "test_vllm_http_example.py": 60, "test_vllm_bench.py": 55,
-    "test_files_processes.py": 55, "test_vllm_delta.py": 55, "test_vllm_moe_ep.py": 50, "test_vllm_moe.py": 45,
-    "test_vllm_tp2.py": 45, "test_vllm_moe_tp2.py": 45, "test_vllm_overlap.py": 40,
-    "test_vllm_recovery_example.py": 40, "test_vllm_two_engines.py": 40, "test_vllm_trainer_api.py": 35,
-    "test_double_buffer.py": 30, "test_demo.py": 30, "test_delta_refit.py": 25, "test_fp8_refit.py": 25,
-    "test_vllm_fp8.py": 25,
-}
-
-
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if Path(str(item.fspath)).name in SERIAL:
             item.add_marker(pytest.mark.serial)
-    if getattr(config.option, "numprocesses", None):  # the parallel phase (xdist): longest modules first
-        order = {id(item): i for i, item in enumerate(items)}
-        items.sort(key=lambda item: (-HEAVY.get(Path(str(item.fspath)).name, 0), order[id(item)]))

@@ -299,9 +299,9 @@ class SglangSide(Side):
     transport = "sglang_ipc"
     MID = 2
     SIGINT_AT = 1  # rank 1 has few waits: interrupted later, its part may be complete already
-    # Its executor holds still after sending the signal: the interrupt lands mid-refit, never after
-    # rank 1 finished its part (which would let rank 0 complete the refit).
-    SIGINT_HOLD_S = 2.0
+    # Its executor holds still after sending the signal, past the refit deadline: the interrupt
+    # lands mid-refit, and rank 0 never sees rank 1's part complete (it would commit the refit).
+    SIGINT_HOLD_S = 4.5
 
     async def open(self, epoch: int) -> None:
         from policyworker.integrations.sglang.engine import InProcessSglangEngine

@@ -39,7 +39,7 @@ _log = logging.getLogger(__name__)
 class Deadline:
     """One armed refit deadline. States: armed → fired | disarmed (final)."""
 
-    __slots__ = ("label", "at", "owner", "_callbacks", "_state", "_seq", "__weakref__")
+    __slots__ = ("label", "at", "owner", "_callbacks", "_state", "_seq", "_done", "__weakref__")
 
     def __init__(self, label: str, at: float, callbacks: tuple[Callable[[], None], ...], seq: int,
                  owner: object = None) -> None:
@@ -49,6 +49,7 @@ class Deadline:
         self._callbacks = callbacks
         self._state = "armed"
         self._seq = seq
+        self._done = threading.Event()  # set once a fired deadline's callbacks returned
 
     @property
     def armed(self) -> bool:
@@ -72,6 +73,10 @@ class Deadline:
 
     def __repr__(self) -> str:
         return f"Deadline({self.label!r}, {self._state}, in {self.remaining():.3f}s)"
+
+
+#: How long disarming a fired deadline waits for its aborts to return.
+FIRE_JOIN_S = 5.0
 
 
 class RefitWatchdog:
@@ -104,13 +109,21 @@ class RefitWatchdog:
         return deadline
 
     def disarm(self, deadline: Deadline) -> bool:
-        """Disarm one deadline (refit finished). True if it was still armed."""
+        """Disarm one deadline (refit finished). True if it was still armed.
+
+        A deadline that fired runs its aborts on a thread of their own; disarming it waits
+        (at most ``FIRE_JOIN_S``) until they returned, so an abort lands in the refit it
+        ended and never in the next one (a refit that clears its abort flag on start would
+        otherwise take a late abort as its own)."""
         with self._lock:
-            if deadline._state != "armed":
-                return False
-            deadline._state = "disarmed"
-            self._armed.pop(deadline._seq, None)
-            return True
+            state = deadline._state
+            if state == "armed":
+                deadline._state = "disarmed"
+                self._armed.pop(deadline._seq, None)
+                return True
+        if state == "fired":
+            deadline._done.wait(FIRE_JOIN_S)
+        return False
 
     def stand_down(self, owner: object = None) -> int:
         """Disarm ``owner``'s armed deadlines without firing; return how many. Never blocks long.
@@ -154,11 +167,14 @@ class RefitWatchdog:
 
 
 def _fire(d: Deadline) -> None:
-    for cb in d._callbacks:
-        try:
-            cb()
-        except Exception:  # noqa: BLE001 - one failing abort must not stop the others; it is logged
-            _log.exception("watchdog abort callback failed for %r", d)
+    try:
+        for cb in d._callbacks:
+            try:
+                cb()
+            except Exception:  # noqa: BLE001 - one failing abort must not stop the others; it is logged
+                _log.exception("watchdog abort callback failed for %r", d)
+    finally:
+        d._done.set()
 
 
 _PROCESS_WATCHDOG: RefitWatchdog | None = None

@@ -84,12 +84,12 @@ AGREE_SLACK_S = 30.0
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: register backend ``"policyworker"`` (lazily), for
-    vLLM's workers and for its trainer API (:mod:`.vllm_trainer`), and ``"policyworker-lora"``
-    (:mod:`.vllm_lora`: refits of a LoRA adapter)."""
+    vLLM's workers and for its trainer API (:mod:`.trainer`), and ``"policyworker-lora"``
+    (:mod:`.lora`: refits of a LoRA adapter)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     for name, module, cls in ((BACKEND, __name__, "PolicyworkerWeightTransferEngine"),
-                              ("policyworker-lora", f"{__package__}.vllm_lora", "PolicyworkerLoraEngine")):
+                              ("policyworker-lora", f"{__package__}.lora", "PolicyworkerLoraEngine")):
         try:
             WeightTransferEngineFactory.register_engine(name, module, cls)
         except ValueError:

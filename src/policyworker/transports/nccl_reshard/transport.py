@@ -42,9 +42,7 @@ bucket is *torn* (the worker marks it and refuses to serve until a full refit).
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,104 +56,28 @@ from policyworker.errors import (
     ConfigError,
     PeerLost,
     PlanMismatch,
-    ProtocolError,
     RefitAborted,
-    RefitTimeout,
     TransportError,
-    translate_comm_error,
 )
-from policyworker.layout.apply import pack, unpack
+from policyworker.layout.apply import pack
 from policyworker.layout.plan import ReshardPlan
 from policyworker.transports.base import RefitReport, Transport, TransportContext
 from policyworker.transports.nccl_reshard.schedule import (
-    _HEADER_MAGIC,
     _DirectSpans,
-    _Msg,
-    _header_inbox,
     _header_rows,
     _schedule,
     plan_hash63,
     stage_members,
 )
 from policyworker.transports.nccl_reshard import delta as nccl_delta
+from policyworker.transports.nccl_reshard.attempts import check_fresh, spoil
+from policyworker.transports.nccl_reshard.receive import bucket_crc, recv_bulk
 from policyworker.transports.nccl_reshard.delta import DeltaSettings
 from policyworker.transports.nccl_reshard.verdict import exchange_leftovers
 
 __all__ = ["NcclReshardTransport", "exchange_leftovers", "stage_members"]
 
 _log = logging.getLogger(__name__)
-
-def _completed(work: Any) -> bool:
-    """Whether ``work`` delivered its bytes: a gloo work is a future (``CommGroup``'s
-    waiter completes it), an NCCL work answers ``is_completed``."""
-    is_completed = getattr(work, "is_completed", None)
-    if is_completed is None:  # a group's completion future (gloo point-to-point)
-        return work.done() and not work.cancelled() and work.exception() is None
-    try:
-        return bool(is_completed())
-    except RuntimeError:  # an aborted work: it delivered nothing more
-        return False
-
-
-#: Per group, in the group's store: how many refit attempts on it ended with messages
-#: still posted (a timeout, an abort, a lost peer). See ``_spoiled`` / ``_check_fresh``.
-_SPOILED_KEY = "nccl_reshard/spoiled_attempts"
-#: How long recording a failed attempt may wait for its group's store.
-_SPOIL_WRITE_S = 2.0
-#: How long reading the counts may wait for a store when the refit has no deadline.
-_SPOIL_READ_S = 30.0
-
-
-def _store_add(store: Any, value: int, timeout_s: float) -> int:
-    """``store.add(_SPOILED_KEY, value)`` that returns within ``timeout_s``.
-
-    A store's host may be a stopped process (SIGSTOP, a debugger, swapped out): its TCP
-    connection stays open and c10d's ``add`` then waits with no timeout of its own
-    (``set_timeout`` bounds ``get``/``wait`` only). The call runs on a daemon thread; past
-    ``timeout_s`` it raises ``TimeoutError`` and the thread is left to finish (or die
-    with the process) — it holds nothing of ours but the store.
-    """
-    box: list = []
-    done = threading.Event()
-
-    def call() -> None:
-        try:
-            box.append(("ok", int(store.add(_SPOILED_KEY, value))))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            box.append(("err", exc))
-        finally:
-            done.set()
-
-    threading.Thread(target=call, name="pw-store-add", daemon=True).start()
-    if not done.wait(max(timeout_s, 0.0)):
-        raise TimeoutError(f"the group's store did not answer in {timeout_s:.1f} s (its host is stopped or gone)")
-    kind, value = box[0]
-    if kind == "err":
-        raise value
-    return value
-
-
-def _spoiled_counts(groups: list, rank: int, deadline: float | None = None) -> list[int]:
-    """Each group's spoiled-attempt count, read from its store (``add(key, 0)`` reads
-    atomically), each read bounded by ``deadline`` (``time.monotonic()``)."""
-    counts = []
-    for g in groups:
-        left = (deadline - time.monotonic()) if deadline is not None else _SPOIL_READ_S
-        try:
-            counts.append(_store_add(g.store, 0, left))
-        except TimeoutError as exc:
-            raise RefitTimeout(f"reading the refit attempts of group {g.name!r}: {exc}", rank=rank,
-                               transport="nccl_reshard") from exc
-        except Exception as exc:  # the store raises DistStoreError/RuntimeError when its host is gone
-            raise translate_comm_error(exc, rank=rank, transport="nccl_reshard",
-                                       what="reading the groups' refit attempts") from exc
-    return counts
-
-
-def _crc(buf: torch.Tensor) -> int:
-    data = buf if buf.device.type == "cpu" else buf.cpu()
-    return zlib.crc32(memoryview(data.numpy())) & 0x7FFFFFFF
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NcclReshardSetup:
@@ -391,43 +313,12 @@ class NcclReshardTransport(Transport):
         update_group = ctx.state.get("update_group")
         return [*self._groups(ctx), *([update_group] if update_group is not None else [])]
 
-    # Stale attempts. A message posted by an attempt that then failed (a deadline, an
-    # abort, a lost peer) stays posted in the backend: a gloo send the peer never received
-    # is matched by that peer's *next* receive of the same (peer, tag), and its bytes would
-    # land in live weights as if they were the next refit's. Nothing in the bytes tells
-    # them apart, so the groups carry the fact instead: the failed attempt counts itself
-    # in each of its groups' stores and aborts its groups; every later connect or refit on
-    # those groups — on any rank, whatever it saw itself — reads the counts before it
-    # posts anything and refuses (RefitAborted, untouched) unless they are all zero. The
-    # recovery is the usual one: every side rebuilds its groups (new groups count from 0).
-    # A refit that failed cleanly (every rank reached the verdict) leaves nothing posted.
+    # Stale attempts: see attempts.py.
     def _spoiled(self, ctx: TransportContext, groups: list) -> None:
-        """An attempt failed with messages possibly still posted on ``groups``: count it there
-        and abort them. (A group aborted before the attempt began got nothing posted: the
-        group refuses every operation once aborted.)"""
-        for group in groups:
-            group.abort()
-        end = time.monotonic() + _SPOIL_WRITE_S  # one bound for all of them
-        for group in groups:
-            try:
-                # Bounded: the store's host may be the very peer that stalled (a stopped
-                # trainer hosts its group's store); its peers then learn of the failure
-                # as a lost or timed-out peer, and a rebuild replaces the group anyway.
-                _store_add(group.store, 1, end - time.monotonic())
-            except Exception as exc:  # the store's host is gone: its peers learn that as a lost peer
-                _log.warning("nccl_reshard rank %s: could not record a failed attempt on group %r: %s",
-                             ctx.rank, group.name, exc)
+        spoil(groups, ctx.rank)
 
     def _check_fresh(self, ctx: TransportContext) -> None:
-        """Refuse to post anything on groups where an attempt failed with messages in flight."""
-        groups = self._attempt_groups(ctx)
-        counts = _spoiled_counts(groups, ctx.rank, self._deadline(ctx))
-        if any(counts):
-            names = [g.name for g, n in zip(groups, counts) if n]
-            raise RefitAborted(
-                f"a refit attempt on group(s) {names} failed (on this rank or a peer) "
-                f"with messages still in flight; rebuild the groups on every side (init_collective, then the "
-                f"stage groups) before the next refit", rank=ctx.rank, transport=self.name)
+        check_fresh(self._attempt_groups(ctx), ctx.rank, self._deadline(ctx))
 
     def _refit(self, ctx: TransportContext, version: int | None) -> RefitReport:
         """One refit on the transport's own CUDA stream (CPU: no stream).
@@ -603,7 +494,7 @@ class NcclReshardTransport(Transport):
                 buf = self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0))
                 end = pack(plan, m.copies, params, buf)
                 if self.checksum:
-                    buf.narrow(0, end, 8).view(torch.int64).fill_(_crc(buf.narrow(0, 0, end)))
+                    buf.narrow(0, end, 8).view(torch.int64).fill_(bucket_crc(buf.narrow(0, 0, end)))
                     end += 8
                 batch.append((m, buf.narrow(0, 0, end), slot))
             total += m.nbytes
@@ -621,128 +512,7 @@ class NcclReshardTransport(Transport):
         return ctx.state["ring"][slot].narrow(0, 0, size)
 
     def _recv_bulk(self, ctx: TransportContext):
-        """Receive every scheduled message; returns (bytes, buckets, version, failure).
-
-        A protocol failure (bad header, checksum) does not stop the loop: the rest is
-        drained into the ring without touching the weights, so the senders finish and
-        every rank reaches the verdict round, where the failure is shared. A trainer
-        that is gone (``PeerLost``) is skipped the same way.
-        """
-        plan, params, ring = ctx.state.get("bulk_plan") or ctx.plan, ctx.params, ctx.state["ring"]
-        deadline = self._deadline(ctx)
-        hash63 = plan_hash63(plan)
-        schedule = ctx.state["schedule"]
-        inbox = _header_inbox(ctx, schedule)
-        spans = ctx.state.setdefault("direct_spans", _DirectSpans()).check(plan, params)
-        pending: deque = deque()  # (work, msg, tensor, slot or None), key order
-        batch: list = []
-        free = list(range(len(ring)))
-        total = buckets = 0
-        version: int | None = None
-        failure: ProtocolError | PlanMismatch | PeerLost | None = None
-        lost: set[int] = set()
-        expected = ctx.state["pair_bytes"]
-        # Torn accounting: a receive posted straight into a live tensor can be written only
-        # after its sender started this refit, i.e. after that sender's header arrived (one
-        # ordered connection per pair). So "touched" = a direct receive from a sender whose
-        # header completed — not merely posted: a refit that never came leaves v-1 intact.
-        direct_srcs: set[int] = set()
-        headers_seen: set[int] = set()
-
-        def check_header(m: _Msg, tensor: torch.Tensor) -> None:
-            nonlocal version
-            row = m.group.read(tensor, deadline=deadline, what="reading a refit header")
-            magic, v, nbytes, nb, h, ck = (int(x) for x in row.tolist())
-            src = m.key[1]
-            if magic != _HEADER_MAGIC:
-                raise ProtocolError(f"bad refit header from train rank {src}", rank=ctx.rank, transport=self.name)
-            if h != hash63:
-                raise PlanMismatch(f"train rank {src} sends by another plan", rank=ctx.rank, transport=self.name)
-            want = expected.get((src, m.key[2]), 0)
-            if nbytes != want or nb != m.nbytes or ck != int(self.checksum):
-                raise ProtocolError(
-                    f"train rank {src} announces {nbytes} B in {nb} buckets; expected {want} B in {m.nbytes}",
-                    rank=ctx.rank, transport=self.name,
-                )
-            if version is None:
-                version = v
-            elif v != version:
-                raise ProtocolError(f"train ranks disagree on the version ({version} vs {v})",
-                                    rank=ctx.rank, transport=self.name)
-
-        def finish() -> None:
-            nonlocal total, buckets, failure
-            work, m, tensor, slot = pending.popleft()
-            try:
-                m.group.wait(work, deadline=deadline, what="reshard receive")
-            except PeerLost as exc:
-                lost.add(m.key[1])
-                failure = failure if isinstance(failure, PeerLost) else exc
-            if slot is not None:
-                free.append(slot)
-            if failure is not None:
-                return  # draining: bytes are discarded
-            try:
-                if m.copies is None:
-                    headers_seen.add(m.key[1])
-                    if m.key[1] in direct_srcs:
-                        ctx.touched = True
-                    check_header(m, tensor)
-                    return
-                if slot is not None:
-                    if self.checksum:
-                        got = int(tensor.narrow(0, m.nbytes, 8).view(torch.int64).item())
-                        if got != _crc(tensor.narrow(0, 0, m.nbytes)):
-                            raise ProtocolError(
-                                f"checksum mismatch in bucket {m.key[0]} from train rank {m.key[1]}",
-                                rank=ctx.rank, transport=self.name,
-                            )
-                    ctx.touched = True
-                    unpack(plan, m.copies, tensor, params)
-            except (ProtocolError, PlanMismatch) as exc:
-                failure = exc
-                return
-            total += m.nbytes
-            buckets += 1
-
-        try:
-            for i, m in enumerate(schedule):
-                if m.key[1] in lost:
-                    continue
-                kind = m.copies is not None
-                self._make_room(batch, pending, kind, "recv", finish)
-                if not kind:
-                    batch.append((m, inbox[i], None))
-                    continue
-                direct = None if (self.checksum or failure is not None) else spans.get(plan, i, m.copies, params, "dst")
-                if direct is not None:
-                    direct_srcs.add(m.key[1])
-                    if m.key[1] in headers_seen:
-                        ctx.touched = True  # bytes land in the live tensor from here on
-                    batch.append((m, direct, None))
-                else:
-                    if not free:
-                        self._post(batch, "recv", pending)
-                        while not free:
-                            finish()
-                    slot = free.pop()
-                    batch.append((m, self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0)), slot))
-            if batch:
-                self._post(batch, "recv", pending)
-            while pending:
-                finish()
-        finally:
-            # Cut short (abort, deadline): a header that arrived but was not looked at yet
-            # still means its sender's bytes may be landing.
-            for work, m, _t, _slot in pending:
-                if m.copies is None and _completed(work):
-                    headers_seen.add(m.key[1])
-            if direct_srcs & headers_seen:
-                ctx.touched = True
-        want = sum(expected.values())
-        if failure is None and total != want:
-            failure = ProtocolError(f"refit received {total} of {want} bytes", rank=ctx.rank, transport=self.name)
-        return total, buckets, version, failure
+        return recv_bulk(self, ctx)
 
     async def aclose(self) -> None:
         self._closed = True

@@ -1,0 +1,163 @@
+"""The receiving side of one nccl_reshard refit's bulk: headers, buckets, direct receives.
+
+Split from the transport (``transport.py``) for size; ``t`` is the transport (its
+window, ring buffers, checksum setting and deadline).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from typing import Any
+
+import torch
+
+from policyworker.errors import PeerLost, PlanMismatch, ProtocolError
+from policyworker.layout.apply import unpack
+from policyworker.transports.base import TransportContext
+from policyworker.transports.nccl_reshard.schedule import _HEADER_MAGIC, _DirectSpans, _Msg, _header_inbox, plan_hash63
+
+__all__ = ["bucket_crc", "recv_bulk"]
+
+
+def bucket_crc(buf: torch.Tensor) -> int:
+    """crc32 of a bucket's bytes (``checksum=True``: the sender appends it, the receiver checks it)."""
+    data = buf if buf.device.type == "cpu" else buf.cpu()
+    return zlib.crc32(memoryview(data.numpy())) & 0x7FFFFFFF
+
+
+def _completed(work: Any) -> bool:
+    """Whether ``work`` delivered its bytes: a gloo work is a future (``CommGroup``'s
+    waiter completes it), an NCCL work answers ``is_completed``."""
+    is_completed = getattr(work, "is_completed", None)
+    if is_completed is None:  # a group's completion future (gloo point-to-point)
+        return work.done() and not work.cancelled() and work.exception() is None
+    try:
+        return bool(is_completed())
+    except RuntimeError:  # an aborted work: it delivered nothing more
+        return False
+
+
+def recv_bulk(t: Any, ctx: TransportContext):
+    """Receive every scheduled message; returns (bytes, buckets, version, failure).
+
+    A protocol failure (bad header, checksum) does not stop the loop: the rest is
+    drained into the ring without touching the weights, so the senders finish and
+    every rank reaches the verdict round, where the failure is shared. A trainer
+    that is gone (``PeerLost``) is skipped the same way.
+    """
+    plan, params, ring = ctx.state.get("bulk_plan") or ctx.plan, ctx.params, ctx.state["ring"]
+    deadline = t._deadline(ctx)
+    hash63 = plan_hash63(plan)
+    schedule = ctx.state["schedule"]
+    inbox = _header_inbox(ctx, schedule)
+    spans = ctx.state.setdefault("direct_spans", _DirectSpans()).check(plan, params)
+    pending: deque = deque()  # (work, msg, tensor, slot or None), key order
+    batch: list = []
+    free = list(range(len(ring)))
+    total = buckets = 0
+    version: int | None = None
+    failure: ProtocolError | PlanMismatch | PeerLost | None = None
+    lost: set[int] = set()
+    expected = ctx.state["pair_bytes"]
+    # Torn accounting: a receive posted straight into a live tensor can be written only
+    # after its sender started this refit, i.e. after that sender's header arrived (one
+    # ordered connection per pair). So "touched" = a direct receive from a sender whose
+    # header completed — not merely posted: a refit that never came leaves v-1 intact.
+    direct_srcs: set[int] = set()
+    headers_seen: set[int] = set()
+
+    def check_header(m: _Msg, tensor: torch.Tensor) -> None:
+        nonlocal version
+        row = m.group.read(tensor, deadline=deadline, what="reading a refit header")
+        magic, v, nbytes, nb, h, ck = (int(x) for x in row.tolist())
+        src = m.key[1]
+        if magic != _HEADER_MAGIC:
+            raise ProtocolError(f"bad refit header from train rank {src}", rank=ctx.rank, transport=t.name)
+        if h != hash63:
+            raise PlanMismatch(f"train rank {src} sends by another plan", rank=ctx.rank, transport=t.name)
+        want = expected.get((src, m.key[2]), 0)
+        if nbytes != want or nb != m.nbytes or ck != int(t.checksum):
+            raise ProtocolError(
+                f"train rank {src} announces {nbytes} B in {nb} buckets; expected {want} B in {m.nbytes}",
+                rank=ctx.rank, transport=t.name,
+            )
+        if version is None:
+            version = v
+        elif v != version:
+            raise ProtocolError(f"train ranks disagree on the version ({version} vs {v})",
+                                rank=ctx.rank, transport=t.name)
+
+    def finish() -> None:
+        nonlocal total, buckets, failure
+        work, m, tensor, slot = pending.popleft()
+        try:
+            m.group.wait(work, deadline=deadline, what="reshard receive")
+        except PeerLost as exc:
+            lost.add(m.key[1])
+            failure = failure if isinstance(failure, PeerLost) else exc
+        if slot is not None:
+            free.append(slot)
+        if failure is not None:
+            return  # draining: bytes are discarded
+        try:
+            if m.copies is None:
+                headers_seen.add(m.key[1])
+                if m.key[1] in direct_srcs:
+                    ctx.touched = True
+                check_header(m, tensor)
+                return
+            if slot is not None:
+                if t.checksum:
+                    got = int(tensor.narrow(0, m.nbytes, 8).view(torch.int64).item())
+                    if got != bucket_crc(tensor.narrow(0, 0, m.nbytes)):
+                        raise ProtocolError(
+                            f"checksum mismatch in bucket {m.key[0]} from train rank {m.key[1]}",
+                            rank=ctx.rank, transport=t.name,
+                        )
+                ctx.touched = True
+                unpack(plan, m.copies, tensor, params)
+        except (ProtocolError, PlanMismatch) as exc:
+            failure = exc
+            return
+        total += m.nbytes
+        buckets += 1
+
+    try:
+        for i, m in enumerate(schedule):
+            if m.key[1] in lost:
+                continue
+            kind = m.copies is not None
+            t._make_room(batch, pending, kind, "recv", finish)
+            if not kind:
+                batch.append((m, inbox[i], None))
+                continue
+            direct = None if (t.checksum or failure is not None) else spans.get(plan, i, m.copies, params, "dst")
+            if direct is not None:
+                direct_srcs.add(m.key[1])
+                if m.key[1] in headers_seen:
+                    ctx.touched = True  # bytes land in the live tensor from here on
+                batch.append((m, direct, None))
+            else:
+                if not free:
+                    t._post(batch, "recv", pending)
+                    while not free:
+                        finish()
+                slot = free.pop()
+                batch.append((m, t._buffer(ctx, slot, m.nbytes + (8 if t.checksum else 0)), slot))
+        if batch:
+            t._post(batch, "recv", pending)
+        while pending:
+            finish()
+    finally:
+        # Cut short (abort, deadline): a header that arrived but was not looked at yet
+        # still means its sender's bytes may be landing.
+        for work, m, _t, _slot in pending:
+            if m.copies is None and _completed(work):
+                headers_seen.add(m.key[1])
+        if direct_srcs & headers_seen:
+            ctx.touched = True
+    want = sum(expected.values())
+    if failure is None and total != want:
+        failure = ProtocolError(f"refit received {total} of {want} bytes", rank=ctx.rank, transport=t.name)
+    return total, buckets, version, failure
