@@ -28,7 +28,7 @@ from policyworker.layout.plan import ReshardPlan
 from policyworker.layout.planner import as_parallelism, plan_from_layouts
 from policyworker.layout.rules import dtype_name, rule_layout
 from policyworker.integrations.peft import LoraMeta
-from policyworker.integrations.vllm.plan import attach_trainer, publish
+from policyworker.integrations.vllm.plan import attach_trainer, publish, trainer_groups
 
 __all__ = ["ENGINE_KEY", "PLAN_KEY", "LoraEngineInfo", "LoraPlanInfo", "plan_for_vllm_lora",
            "prepare_vllm_lora_refit", "whole_layout"]
@@ -124,12 +124,7 @@ async def prepare_vllm_lora_refit(worker: Any, train_parallelism: Any, gen_world
     ``nccl_reshard`` with it and ``setup`` (as ``prepare_vllm_refit``). Then ``await worker.refit("nccl_reshard", ...)`` sends the
     adapter.
     """
-    group = worker.model_update_group
-    if group is None or worker.pp_comm_group is None:
-        raise ConfigError("join the update group and the stage group before prepare_vllm_lora_refit", rank=worker.rank)
-    if isinstance(gen_world_size, bool) or not isinstance(gen_world_size, int) or gen_world_size < 1:
-        raise ConfigError(f"gen_world_size must be an int >= 1, got {gen_world_size!r}")
-    train_world_size = worker.train_world_size if worker.train_world_size is not None else worker.world_size
+    group, train_world_size = trainer_groups(worker, gen_world_size, "prepare_vllm_lora_refit")
     src = worker.refit_source()
     source, config = src.model, src.gen_config
 

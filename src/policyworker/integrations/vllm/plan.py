@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from policyworker.config import positive_int
 from policyworker.runtime._aio import run_in_executor
 from policyworker.errors import ConfigError, PlanError, translate_comm_error
 from policyworker.layout.boxes import Layout, LocalSpec, Piece
@@ -194,6 +195,17 @@ def read_needs(store: Any, gen_world_size: int, *, what: str = "vLLM needs") -> 
     return out
 
 
+def trainer_groups(worker: Any, gen_world_size: int, caller: str) -> tuple[Any, int]:
+    """(the update group, the training world size) of a trainer about to plan into vLLM;
+    ``ConfigError`` before any store is read if it has not joined its groups or
+    ``gen_world_size`` is not an int >= 1."""
+    group = worker.model_update_group
+    if group is None or worker.pp_comm_group is None:
+        raise ConfigError(f"join the update group and the stage group before {caller}", rank=worker.rank)
+    positive_int(gen_world_size, "gen_world_size")
+    return group, worker.train_world_size if worker.train_world_size is not None else worker.world_size
+
+
 async def prepare_vllm_refit(worker: Any, train_parallelism: Any, gen_world_size: int, **setup: Any) -> dict:
     """Trainer side: plan this trainer's refits into vLLM and attach ``nccl_reshard`` with it.
 
@@ -208,12 +220,7 @@ async def prepare_vllm_refit(worker: Any, train_parallelism: Any, gen_world_size
     first time, inside its deadline, as the engines' first refit does. Returns the
     plan's info dict.
     """
-    group = worker.model_update_group
-    if group is None or worker.pp_comm_group is None:
-        raise ConfigError("join the update group and the stage group before prepare_vllm_refit", rank=worker.rank)
-    if isinstance(gen_world_size, bool) or not isinstance(gen_world_size, int) or gen_world_size < 1:
-        raise ConfigError(f"gen_world_size must be an int >= 1, got {gen_world_size!r}")
-    train_world_size = worker.train_world_size if worker.train_world_size is not None else worker.world_size
+    group, train_world_size = trainer_groups(worker, gen_world_size, "prepare_vllm_refit")
     src = worker.refit_source()
     source, dtype = src.model, src.dtype
 
