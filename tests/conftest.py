@@ -19,6 +19,8 @@ import pytest
 
 from policyworker.testing.fixtures import _private_runtime_dir, anyio_backend  # noqa: F401
 
+from .xdist_slot import worker_slot
+
 SERIAL = frozenset({
     "test_failure_matrix.py", "test_drill.py", "test_failure_regressions.py", "test_conformance.py",
     "test_ray_controller.py", "test_watchdog.py", "test_worker_core.py", "test_shutdown_races.py",
@@ -30,15 +32,7 @@ SERIAL = frozenset({
 })
 
 
-def _worker() -> tuple[int, int]:
-    """(this xdist worker's index, the number of workers); (0, 1) outside xdist."""
-    name = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if not name.startswith("gw"):
-        return 0, 1
-    return int(name[2:]), max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
-
-
-_index, _count = _worker()
+_index, _count = worker_slot()
 if _count > 1 and "POLICYWORKER_PORTS" not in os.environ:
     _span = (32768 - 20000) // _count
     os.environ["POLICYWORKER_PORTS"] = f"{20000 + _index * _span}:{20000 + (_index + 1) * _span}"

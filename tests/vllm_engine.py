@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from .xdist_slot import worker_slot
+
 from policyworker.integrations.vllm.errors import engine_error
 from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
 
@@ -30,8 +32,7 @@ TINY_QWEN3 = dict(vocab_size=500, hidden_size=128, intermediate_size=256, num_hi
 def omp_bind(tp: int) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for a tp-rank engine: rank i on core (xdist worker + i),
     so the suite's two parallel workers' tp=1 engines run on different cores."""
-    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+    index, _ = worker_slot()
     cpus = os.cpu_count() or 1
     return "|".join(str((index + i) % cpus) for i in range(tp))
 
