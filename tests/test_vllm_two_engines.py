@@ -5,7 +5,8 @@ Engine A holds generation rank 0, engine B rank 1 (``rank_offset``), both of
 rank receiving only its own bytes; after each refit both engines' greedy tokens equal
 Hugging Face transformers' with the same weights. Then engine B dies mid-refit: A
 raises a typed error and keeps serving the previous version, the controller re-forms
-the group without B and A commits the next version.
+the group without B and A commits the next version. Last, a replacement engine catches up
+to A's version in a group of its own (A receives nothing), and both refit the next one together.
 """
 
 from __future__ import annotations
@@ -79,6 +80,21 @@ def _model_bytes(spec: WorldSpec) -> int:
     return sum(p.numel() * p.element_size() for p in hf_model(spec, 0).parameters())
 
 
+def _start_llm(path: str, e: int) -> Any:
+    """A tp=1 engine on core ``e`` (mod the cores), backend policyworker."""
+    from vllm import LLM
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(e % (os.cpu_count() or 1))
+    return LLM(path, skip_tokenizer_init=True, tensor_parallel_size=1, dtype="float32", enforce_eager=True,
+               max_model_len=128, max_num_seqs=4, seed=0, weight_transfer_config={"backend": "policyworker"})
+
+
+def _shutdown(llm: Any) -> None:
+    shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     spec = WorldSpec(config=dict(TINY_QWEN3, num_key_value_heads=2), timeout_s=60.0, refit_timeout_s=60.0,
@@ -89,26 +105,21 @@ def engines(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"))
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             pool_future = ex.submit(TrainerPool, spec)
-            from vllm import LLM
-
             for e in range(2):
-                mp.setenv("VLLM_CPU_OMP_THREADS_BIND", str(e % (os.cpu_count() or 1)))
-                llms.append(LLM(path, skip_tokenizer_init=True, tensor_parallel_size=1, dtype="float32",
-                                enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0,
-                                weight_transfer_config={"backend": "policyworker"}))
+                llms.append(_start_llm(path, e))
             pool = pool_future.result(timeout=120)
         world = TwoEngines(llms, pool, spec)
+        world.path = path
         try:
             yield world
         finally:
             world.ex.shutdown(wait=False, cancel_futures=True)
             pool.close()
-            for llm in llms:
-                shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
-                if shutdown is not None:
-                    shutdown()
+            for llm in world.llms:
+                _shutdown(llm)
             del llms, world
             gc.collect()
 
@@ -177,4 +188,41 @@ def test_engine_killed_mid_refit_survivor_serves_no_mix_then_commits_alone(engin
     assert [r["bytes"] for r in replies] == [sum(r["send_bytes"].values()) for r in sends]
     assert _tokens(w.llms[0]) == w.oracle(v + 1) != w.oracle(v)
     assert w.llms[0].get_weight_version() == str(v + 1)
+    w.version = v + 1
+
+
+@pytest.mark.timeout(300)
+def test_replacement_engine_catches_up_alone_then_both_refit_together(engines):
+    """A replacement for the dead engine B catches up to the version A serves in a group
+    of its own (A is not a member: it receives nothing), then A and the replacement
+    refit the next version together."""
+    w = engines
+    if w.version == 0:
+        assert all(r["ok"] for r in w.connect(version=0, engines=[0, 1]))
+        assert w.refit(1, [0, 1])[0] == [None, None]
+        w.version = 1
+    v = w.version
+    served = w.llms[0].get_weight_version()
+    _shutdown(w.llms[1])  # B: dead after the previous test, or retired here
+    w.llms[1] = _start_llm(w.path, 1)
+    assert _tokens(w.llms[1]) == w.oracle(0)
+    sends = w.connect(version=v - 1, engines=[1])
+    assert all(r["ok"] for r in sends), sends
+    assert all(set(r["send_bytes"]) <= {0} for r in sends), sends  # the group's one rank: the replacement
+    assert sum(r["send_bytes"].get(0, 0) for r in sends) == _model_bytes(w.spec)
+    errors, replies = w.refit(v, [1])
+    assert errors == [None], errors
+    assert [r["version"] for r in replies] == [v, v], replies
+    assert w.llms[1].get_weight_version() == str(v)
+    assert _tokens(w.llms[1]) == w.oracle(v)
+    assert w.llms[0].get_weight_version() == served == str(v)  # the survivor: untouched
+    # Both engines in one group again; the next version lands on both.
+    sends = w.connect(version=v, engines=[0, 1])
+    assert all(r["ok"] for r in sends), sends
+    errors, replies = w.refit(v + 1, [0, 1])
+    assert errors == [None, None], errors
+    want = w.oracle(v + 1)
+    assert want != w.oracle(v)
+    assert [_tokens(llm) for llm in w.llms] == [want, want]
+    assert [llm.get_weight_version() for llm in w.llms] == [str(v + 1)] * 2
     w.version = v + 1

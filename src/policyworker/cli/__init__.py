@@ -84,6 +84,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from policyworker.errors import ConfigError
 
         raise ConfigError("bench --lora RANK refits into vLLM: add --engine vllm")
+    if args.engines != 1 and (args.engine != "vllm" or args.lora is not None or args.vllm_tp != 1):
+        from policyworker.errors import ConfigError
+
+        raise ConfigError("bench --engines 2 refits two tp=1 vLLM engines: add --engine vllm; "
+                          "--lora and --vllm-tp do not apply")
+    if args.engines == 2:
+        from policyworker.cli.vllm_engines_bench import run_vllm_engines_bench
+
+        result = run_vllm_engines_bench(preset=args.preset, train=args.vllm_train, rounds=args.refits,
+                                        dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20),
+                                        timeout_s=args.timeout, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        write_json(args.json, result, echo=True)
+        return 0 if all(result["tokens_match_hf_per_engine"]) or args.dtype != "float32" else 1
     if args.engine == "vllm" and args.lora is not None:
         from policyworker.cli.vllm_lora_bench import run_vllm_lora_bench
 
@@ -219,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "same-run gloo ceiling and a safetensors checkpoint + vLLM reload_weights")
     p.add_argument("--lora", type=int, metavar="RANK", help="--engine vllm: refit a rank-RANK LoRA adapter "
                    "(backend policyworker-lora) against full refits of the model, same run")
+    p.add_argument("--engines", type=int, choices=[1, 2], default=1, help="--engine vllm: 2 refits two tp=1 "
+                   "engines on one update group against one engine, same trainers, same run (--refits rounds)")
     p.add_argument("--vllm-train", default="tp=2", help="--engine vllm: trainer layout")
     p.add_argument("--vllm-tp", type=int, default=1, help="--engine vllm: vLLM tensor_parallel_size")
     p.add_argument("--vllm-executor", choices=["mp", "uni"], default="mp",
