@@ -117,3 +117,49 @@ def test_delta_settings_parse_from_plain_keywords():
     assert parse(NcclReshardOptions, {"delta": False}, what="t").delta is False
     with pytest.raises(ConfigError):
         parse(NcclReshardSetup, {"delta": "yes"}, what="t")
+
+
+
+# -- the Triton kernels (CUDA's path), in Triton's interpreter on CPU -------------------------
+@pytest.mark.timeout(120)
+def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in_the_interpreter():
+    # A fresh process: TRITON_INTERPRET is read when Triton's own jit functions are defined.
+    pytest.importorskip("triton")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from policyworker.testing.delta_check import ENCODE_CASES
+
+    src = str(Path(D.__file__).resolve().parents[2])
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-m", "policyworker.testing.delta_check", "--device", "cpu"], env=env,
+                         capture_output=True, text=True, timeout=100)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert lines, out.stdout[-2000:] + out.stderr[-4000:]
+    res = json.loads(lines[-1])
+    assert {k: v for k, v in res.items() if not v["ok"]} == {}
+    encodes = [v for k, v in res.items() if k.startswith("encode")]
+    assert len(encodes) == len(ENCODE_CASES) + 2 and len(res) >= len(encodes) + 8
+    assert {v["kind"] for v in encodes} == {D.NONE, D.SPARSE, D.BITMAP, D.RAW}
+    specials = [v for k, v in res.items() if "NaN" in k]
+    assert [v["count"] for v in specials] == [2100, 2100]  # -0.0, a NaN payload, +0.0 per 7; equal NaNs are not
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_encode_options_on_the_cpu_paths(monkeypatch):
+    # update_old / with_checksum mean the same without the kernels (numpy and torch paths)
+    for path in ("numpy", "torch"):
+        if path == "torch":
+            monkeypatch.setattr(D, "_numpy_ok", lambda t: False)
+        g = torch.Generator().manual_seed(9)
+        old = torch.randint(-(2**15), 2**15, (100_001,), dtype=torch.int16, generator=g)
+        new = old.clone()
+        new[::97] ^= 1
+        shadow = old.clone()
+        enc = D.encode(new, shadow, update_old=True, with_checksum=True)
+        assert torch.equal(shadow, new) and enc.checksum == D.checksum(new)
+        assert D.encode(new, old).checksum is None
