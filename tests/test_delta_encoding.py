@@ -150,6 +150,37 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+
+@pytest.mark.timeout(120)
+def test_kernels_compile_for_hopper_with_16_byte_loads_of_whole_tiles(monkeypatch):
+    # What the interpreter cannot show: the kernels compile (sm_90a, this machine's
+    # Triton) and a whole tile is read 16 bytes per access, whatever the stream's length.
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    from policyworker.ops import delta_triton as K
+
+    def ptx(fn, sig, consts):
+        sig = dict(sig) | {k: "constexpr" for k in consts}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        return triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+    bf16 = dict(T=K.tile_units(2), PER=4, UBITS=16, UDT=tl.uint16)
+    scan = ptx(K._scan_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "n": "i64", "counts_ptr": "*i32",
+                                "bits_ptr": "*u8", "part_ptr": "*i64"}, bf16)
+    sums = ptx(K._sum_kernel, {"x_ptr": "*i16", "seg_ptr": "*i64", "nseg": "i32", "part_ptr": "*i64"},
+               dict(bf16, LOG=12, ALIGN=8))
+    for code in (scan, sums):
+        assert "ld.global.v4.b32" in code and "mul.lo.s64" in code
+    gather = ptx(K._gather_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "counts_ptr": "*i32", "starts_ptr": "*i64",
+                                    "bits_ptr": "*u8", "val_ptr": "*i16", "off_ptr": "*i16"},
+                 dict(T=K.tile_units(2), OFFSETS=True, UPDATE=True))
+    assert "st.global.b16" in gather
+
 def test_encode_options_on_the_cpu_paths(monkeypatch):
     # update_old / with_checksum mean the same without the kernels (numpy and torch paths)
     for path in ("numpy", "torch"):

@@ -31,14 +31,14 @@ from policyworker.layout import delta as D
 #: (unit bytes, units, changed fraction, where the changes are)
 ENCODE_CASES = [
     (2, 200_003, 0.002, "random"),  # 4 blocks, a ragged last tile: sparse
-    (2, 131_072, 0.0, "random"),  # nothing changed
+    (2, 69_632, 0.0, "random"),  # nothing changed (whole tiles)
     (2, 70_001, 0.2, "random"),  # bitmap
     (2, 4_097, 1.0, "random"),  # raw
-    (2, 140_001, 0.0, "last"),
+    (2, 70_001, 0.0, "last"),
     (2, 65_537, 0.0, "block_end"),
     (1, 100_003, 0.002, "random"),
     (1, 30_001, 0.3, "random"),
-    (4, 70_003, 0.001, "random"),
+    (4, 40_003, 0.001, "random"),
     (4, 9_001, 0.15, "random"),
     (8, 12_289, 0.002, "random"),
     (8, 3_001, 0.0, "first"),
