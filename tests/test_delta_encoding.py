@@ -194,3 +194,14 @@ def test_encode_options_on_the_cpu_paths(monkeypatch):
         enc = D.encode(new, shadow, update_old=True, with_checksum=True)
         assert torch.equal(shadow, new) and enc.checksum == D.checksum(new)
         assert D.encode(new, old).checksum is None
+
+
+def test_kernel_settings_are_checked():
+    pytest.importorskip("triton")
+    from policyworker.ops import delta_triton as K
+
+    for bad in ({"tile_bytes": 3000}, {"tile_bytes": 512}, {"tile_bytes": 1 << 17}, {"num_warps": 3}):
+        with pytest.raises(ConfigError):
+            K.configure(**bad)
+    assert (K.TILE_BYTES, K.NUM_WARPS) == (8192, 4)
+    assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [8192, 4096, 2048, 1024]  # each divides a 65,536-unit block

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from policyworker.errors import ProtocolError
+from policyworker.errors import ConfigError, ProtocolError
 
 __all__ = ["TILE_BYTES", "NUM_WARPS", "checksums", "configure", "gather", "scan", "tile_units"]
 
@@ -46,11 +46,11 @@ def configure(*, tile_bytes: int | None = None, num_warps: int | None = None) ->
     global TILE_BYTES, NUM_WARPS
     if tile_bytes is not None:
         if tile_bytes < 1024 or tile_bytes > 65536 or tile_bytes & (tile_bytes - 1):
-            raise ProtocolError(f"delta kernels: tile_bytes {tile_bytes} is not a power of two in 1 KiB .. 64 KiB")
+            raise ConfigError(f"delta kernels: tile_bytes {tile_bytes} is not a power of two in 1 KiB .. 64 KiB")
         TILE_BYTES = tile_bytes
     if num_warps is not None:
         if num_warps not in (1, 2, 4, 8, 16):
-            raise ProtocolError(f"delta kernels: num_warps {num_warps} is not 1, 2, 4, 8 or 16")
+            raise ConfigError(f"delta kernels: num_warps {num_warps} is not 1, 2, 4, 8 or 16")
         NUM_WARPS = num_warps
 
 
