@@ -18,7 +18,8 @@ Before timing, at every fraction, the kernels' blob must be byte for byte the to
 path's (kind, count, bytes), their checksums the torch path's, the refreshed shadow
 the current bytes, and apply(old, blob) the current bytes: any mismatch, or kernels
 that cannot run on the device, exits 1. ``--sweep`` also times the kernels at 3%
-changed under a few tile sizes and warp counts (the defaults stay as they are).
+changed under a few tile sizes, warp counts and refreshing passes (each checked
+first; the library's defaults stay as they are).
 
 Usage: python benchmarks/bench_delta_encode.py --json out.json [--gib 2] [--reps 5] [--sweep]
 (``--device cpu`` with ``TRITON_INTERPRET=1`` and a small ``--gib`` runs the script's
@@ -37,7 +38,9 @@ import torch
 
 from policyworker.layout import delta
 
-_SWEEP = [(8192, 4), (4096, 4), (16384, 4), (16384, 8), (32768, 8)]
+#: (tile bytes, warps, refreshing pass) tried by --sweep; the first is the library's default
+_SWEEP = [(8192, 4, "gather"), (8192, 4, "scan"), (4096, 4, "gather"), (16384, 4, "gather"), (16384, 8, "gather"),
+          (32768, 8, "gather"), (32768, 8, "scan")]
 
 
 def _sync() -> None:
@@ -166,7 +169,8 @@ def main() -> int:
         work_kernels = med["copies_kernels"] + med["encode_kernels_refresh"] + med["apply"] + med["copies_kernels"]
         row = {
             "changed_fraction": frac, "changed_units": box["k"].count, "kind": box["k"].kind, "exact": exact,
-            "stream_bytes": full_bytes, "blob_bytes": blob, "blob_over_full": blob / full_bytes, "copies": len(segments),
+            "stream_bytes": full_bytes, "blob_bytes": blob, "blob_over_full": blob / full_bytes,
+            "copies": len(segments),
             **{f"{name}_s": v for name, v in med.items()},
             "copy_gbs": full_bytes / med["copy"] / 1e9,
             "encode_kernels_over_copy": med["encode_kernels"] / med["copy"],
@@ -189,7 +193,6 @@ def main() -> int:
               f"{med['copies_kernels'] * 1e3:.2f} ms | apply {med['apply'] * 1e3:.2f} ms | on {args.link_gbs:.0f} GB/s "
               f"delta {row['modelled_delta_kernels_over_full']:.3f} x full (torch path "
               f"{row['modelled_delta_torch_over_full']:.3f}) | exact={exact}", flush=True)
-        del cur, raw, dst, shadow, box
     sweep = []
     if args.sweep and not failures:
         sweep = _sweep(ops, old, n, gen, args.reps)
@@ -198,12 +201,12 @@ def main() -> int:
         ratio = goal[0]["encode_kernels_over_copy"]
         print(f"goal (encode at 3% changed <= 2 flat copies): {ratio:.2f} copies -> "
               f"{'met' if ratio <= 2 else 'NOT met'}", flush=True)
-    failures.update({f"sweep {r['tile_bytes']} B {r['num_warps']} warps": ["blob or checksum"]
-                     for r in sweep if not r["exact"]})
-    out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)", "torch": torch.__version__,
-           "triton": __import__("triton").__version__, "gib": args.gib, "reps": args.reps, "link_gbs": args.link_gbs,
-           "tile_bytes": ops.TILE_BYTES, "num_warps": ops.NUM_WARPS, "rows": rows, "sweep": sweep,
-           "failures": failures}
+    failures.update({f"sweep {r['tile_bytes']} B {r['num_warps']} warps {r['refresh']}":
+                     ["blob, checksum or refresh"] for r in sweep if not r["exact"]})
+    out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)",
+           "torch": torch.__version__, "triton": __import__("triton").__version__, "gib": args.gib, "reps": args.reps,
+           "link_gbs": args.link_gbs, "tile_bytes": ops.TILE_BYTES, "num_warps": ops.NUM_WARPS,
+           "refresh": ops.REFRESH, "rows": rows, "sweep": sweep, "failures": failures}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     if failures:
@@ -213,7 +216,7 @@ def main() -> int:
 
 
 def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int) -> list[dict]:
-    """The kernels at 3% changed under other tile sizes / warp counts (checked, then timed)."""
+    """The kernels at 3% changed under other tile sizes / warps / refreshing passes (checked, then timed)."""
     cur = old.clone()
     idx = torch.randperm(n, generator=gen, device=old.device)[:int(n * 0.03)]
     cur[idx] = cur[idx] ^ 1
@@ -222,29 +225,37 @@ def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int) -> l
     want = delta._encode_torch(cur, old)
     ref = delta._checksum_torch(raw)
     dst = torch.empty_like(old)
+    shadow = torch.empty_like(old)
     out = []
-    default = (ops.TILE_BYTES, ops.NUM_WARPS)
+    default = (ops.TILE_BYTES, ops.NUM_WARPS, ops.REFRESH)
     try:
-        for tile, warps in _SWEEP:
-            ops.configure(tile_bytes=tile, num_warps=warps)
-            got = delta._encode_fused(ops, cur, old, False, True)
-            ok = torch.equal(got.blob, want.blob) and got.checksum == ref and delta.checksum(raw) == ref
-            copy, enc, ck = [], [], []
+        for tile, warps, refresh in _SWEEP:
+            ops.configure(tile_bytes=tile, num_warps=warps, refresh=refresh)
+            shadow.copy_(old)
+            got = delta._encode_fused(ops, cur, shadow, True, True)
+            ok = (torch.equal(got.blob, want.blob) and got.checksum == ref and delta.checksum(raw) == ref
+                  and torch.equal(shadow, cur))
+            copy, enc, ref_s, ck = [], [], [], []
             for _ in range(reps):
                 copy += _timed(lambda: dst.copy_(cur))
                 enc += _timed(lambda: delta._encode_fused(ops, cur, old, False, True))
+                shadow.copy_(old)
+                ref_s += _timed(lambda: delta._encode_fused(ops, cur, shadow, True, True))
                 ck += _timed(lambda: delta.checksum(raw))
-            row = {"tile_bytes": tile, "num_warps": warps, "exact": bool(ok), "copy_s": statistics.median(copy),
-                   "encode_s": statistics.median(enc), "checksum_s": statistics.median(ck)}
+            row = {"tile_bytes": tile, "num_warps": warps, "refresh": refresh, "exact": bool(ok),
+                   "copy_s": statistics.median(copy), "encode_s": statistics.median(enc),
+                   "encode_refresh_s": statistics.median(ref_s), "checksum_s": statistics.median(ck)}
             row["encode_over_copy"] = row["encode_s"] / row["copy_s"]
+            row["encode_refresh_over_copy"] = row["encode_refresh_s"] / row["copy_s"]
             out.append(row)
-            print(f"  sweep tile {tile} B, {warps} warps: encode {row['encode_s'] * 1e3:.2f} ms "
-                  f"({row['encode_over_copy']:.2f} copies), checksum {row['checksum_s'] * 1e3:.2f} ms, exact={ok}",
+            print(f"  sweep tile {tile} B, {warps} warps, refresh in the {refresh}: encode "
+                  f"{row['encode_s'] * 1e3:.2f} ms "
+                  f"({row['encode_over_copy']:.2f} copies), with the refresh {row['encode_refresh_s'] * 1e3:.2f} ms "
+                  f"({row['encode_refresh_over_copy']:.2f}), checksum {row['checksum_s'] * 1e3:.2f} ms, exact={ok}",
                   flush=True)
     finally:
-        ops.configure(tile_bytes=default[0], num_warps=default[1])
+        ops.configure(tile_bytes=default[0], num_warps=default[1], refresh=default[2])
     return out
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -145,6 +145,8 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     encodes = [v for k, v in res.items() if k.startswith("encode")]
     assert len(encodes) == len(ENCODE_CASES) + 2 and len(res) >= len(encodes) + 8
     assert {v["kind"] for v in encodes} == {D.NONE, D.SPARSE, D.BITMAP, D.RAW}
+    assert {(v["kind"], v["refresh"]) for v in encodes} >= {(D.SPARSE, "gather"), (D.SPARSE, "scan"),
+                                                           (D.BITMAP, "gather"), (D.BITMAP, "scan")}
     specials = [v for k, v in res.items() if "NaN" in k]
     assert [v["count"] for v in specials] == [2100, 2100]  # -0.0, a NaN payload, +0.0 per 7; equal NaNs are not
     assert out.returncode == 0, out.stderr[-2000:]
@@ -171,7 +173,8 @@ def test_kernels_compile_for_hopper_with_16_byte_loads_of_whole_tiles(monkeypatc
 
     bf16 = dict(T=K.tile_units(2), PER=4, UBITS=16, UDT=tl.uint16)
     scan = ptx(K._scan_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "n": "i64", "counts_ptr": "*i32",
-                                "bits_ptr": "*u8", "part_ptr": "*i64"}, bf16)
+                                "bits_ptr": "*u8", "part_ptr": "*i64"}, dict(bf16, REFRESH=True))
+    assert "st.global.v4.b32" in scan  # the scan's refresh writes whole tiles 16 bytes at a time
     sums = ptx(K._sum_kernel, {"x_ptr": "*i16", "seg_ptr": "*i64", "nseg": "i32", "part_ptr": "*i64"},
                dict(bf16, LOG=12, ALIGN=8))
     for code in (scan, sums):
@@ -200,8 +203,9 @@ def test_kernel_settings_are_checked():
     pytest.importorskip("triton")
     from policyworker.ops import delta_triton as K
 
-    for bad in ({"tile_bytes": 3000}, {"tile_bytes": 512}, {"tile_bytes": 1 << 17}, {"num_warps": 3}):
+    for bad in ({"tile_bytes": 3000}, {"tile_bytes": 512}, {"tile_bytes": 1 << 17}, {"num_warps": 3},
+                {"refresh": "both"}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
-    assert (K.TILE_BYTES, K.NUM_WARPS) == (8192, 4)
+    assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH) == (8192, 4, "gather")
     assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [8192, 4096, 2048, 1024]  # each divides a 65,536-unit block

@@ -32,8 +32,6 @@ def test_cuda_tensors_take_the_kernels():
 
 @pytest.mark.parametrize("fraction", [0.0, 0.001, 0.03, 0.1, 0.5])
 def test_a_large_bf16_stream_encodes_as_the_torch_path(fraction):
-    from policyworker.ops import delta_triton as ops
-
     dev = torch.device("cuda:0")
     n = (64 << 20) + 12_345  # 128 MiB of bf16, a ragged end
     g = torch.Generator(device=dev).manual_seed(3)

@@ -138,7 +138,8 @@ def encode(cur: torch.Tensor, old: torch.Tensor, *, update_old: bool = False,
 def _encode_fused(ops, cur: torch.Tensor, old: torch.Tensor, update_old: bool, with_checksum: bool) -> Encoded:
     """The Triton path: one scan of both sides (counts, bitmap, checksum), one gather."""
     n, unit = cur.numel(), cur.element_size()
-    counts, bitmap, parts = ops.scan(cur, old, _BLOCK)
+    in_scan = update_old and ops.REFRESH == "scan"  # else the gather refreshes (changed units only)
+    counts, bitmap, parts = ops.scan(cur, old, _BLOCK, refresh=in_scan)
     k, words = torch.stack([counts.sum(dtype=torch.int64), parts.sum()]).tolist()  # one sync
     total = (words + n * unit) & _M64 if with_checksum else None
     if k == 0:
@@ -147,7 +148,7 @@ def _encode_fused(ops, cur: torch.Tensor, old: torch.Tensor, update_old: bool, w
     blob = torch.zeros(blob_bytes(kind, n, k, unit), dtype=torch.uint8, device=cur.device)
     if kind == RAW:
         blob.narrow(0, 0, n * unit).copy_(cur.view(torch.uint8))
-        if update_old:
+        if update_old and not in_scan:
             old.copy_(cur)
         return Encoded(RAW, k, blob, total)
     offsets = None
@@ -161,7 +162,8 @@ def _encode_fused(ops, cur: torch.Tensor, old: torch.Tensor, update_old: bool, w
         nbits = -(-n // 8)
         blob.narrow(0, 0, nbits).copy_(bitmap.narrow(0, 0, nbits))
         at = _pad8(nbits)
-    ops.gather(cur, old, counts, bitmap, blob.narrow(0, at, k * unit).view(cur.dtype), offsets, update_old)
+    ops.gather(cur, old, counts, bitmap, blob.narrow(0, at, k * unit).view(cur.dtype), offsets,
+               update_old and not in_scan)
     return Encoded(kind, k, blob, total)
 
 

@@ -12,8 +12,13 @@ so whole tiles make up each block of the sparse encoding).
   current bytes.
 * :func:`gather`, after a prefix sum of the counts: per tile with changes, reads its
   bitmap, loads only the changed units, and writes them (and, for the sparse encoding,
-  their offsets inside their block) at their places in the blob; optionally the same
-  units into the old tensor, which then equals the current one.
+  their offsets inside their block) at their places in the blob.
+
+The old tensor can be refreshed (made equal to the current one) on the way: by the
+gather, which writes the changed units only (``REFRESH = "gather"``, the default), or
+by the scan, which writes every tile it read whole (``"scan"``: one more write of the
+stream, but in full 16-byte stores rather than scattered 2-byte ones; it can win when
+many units change). ``benchmarks/bench_delta_encode.py --sweep`` times both.
 * :func:`checksums`, one read: the checksum's word sums of byte segments of one
   buffer (every copy of a transfer in one launch).
 
@@ -32,18 +37,24 @@ import triton.language as tl
 
 from policyworker.errors import ConfigError, ProtocolError
 
-__all__ = ["TILE_BYTES", "NUM_WARPS", "checksums", "configure", "gather", "scan", "tile_units"]
+__all__ = ["NUM_WARPS", "REFRESH", "TILE_BYTES", "checksums", "configure", "gather", "scan", "tile_units"]
 
 #: Bytes of one stream a program covers (a power of two, 1 KiB .. 64 KiB), and warps per program.
 TILE_BYTES = 8192
 NUM_WARPS = 4
+#: Which pass refreshes the old tensor when asked: "gather" (changed units) or "scan" (whole tiles).
+REFRESH = "gather"
 _GROUP = 1 << 16  # units per block of the sparse encoding: a tile never straddles one
 _UNSIGNED = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 
 
-def configure(*, tile_bytes: int | None = None, num_warps: int | None = None) -> None:
-    """Set the tile size and warps (the benchmark's sweep; the defaults suit an H200)."""
-    global TILE_BYTES, NUM_WARPS
+def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, refresh: str | None = None) -> None:
+    """Set the tile size, warps and refreshing pass (the benchmark's sweep)."""
+    global TILE_BYTES, NUM_WARPS, REFRESH
+    if refresh is not None:
+        if refresh not in ("gather", "scan"):
+            raise ConfigError(f"delta kernels: refresh {refresh!r} is not 'gather' or 'scan'")
+        REFRESH = refresh
     if tile_bytes is not None:
         if tile_bytes < 1024 or tile_bytes > 65536 or tile_bytes & (tile_bytes - 1):
             raise ConfigError(f"delta kernels: tile_bytes {tile_bytes} is not a power of two in 1 KiB .. 64 KiB")
@@ -82,15 +93,19 @@ def _tile_sum(x, first_row, T: tl.constexpr, PER: tl.constexpr, UBITS: tl.conste
 
 @triton.jit
 def _scan_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: tl.constexpr, PER: tl.constexpr,
-                 UBITS: tl.constexpr, UDT: tl.constexpr):
+                 UBITS: tl.constexpr, UDT: tl.constexpr, REFRESH: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = t * T + tl.arange(0, T)
     if t * T + T <= n:  # a whole tile: no mask, so the loads are vectorized whatever n is
         a = tl.load(cur_ptr + offs)
         b = tl.load(old_ptr + offs)
+        if REFRESH:
+            tl.store(old_ptr + offs, a)
     else:
         a = tl.load(cur_ptr + offs, mask=offs < n, other=0)
         b = tl.load(old_ptr + offs, mask=offs < n, other=0)
+        if REFRESH:
+            tl.store(old_ptr + offs, a, mask=offs < n)
     changed = (a != b).to(tl.int32)  # integer units: bit patterns, never values
     tl.store(counts_ptr + t, tl.sum(changed, axis=0))
     weights = 7 - tl.arange(0, 8)  # the first unit of a byte is its top bit (packbits)
@@ -149,8 +164,10 @@ def _consts(units: torch.Tensor) -> dict:
     return dict(PER=8 // unit, UBITS=8 * unit, UDT=_UNSIGNED[unit])
 
 
-def scan(cur: torch.Tensor, old: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(counts, bitmap, partial sums) of two contiguous 1-D unit tensors of one length.
+def scan(cur: torch.Tensor, old: torch.Tensor, group: int,
+         refresh: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(counts, bitmap, partial sums) of two contiguous 1-D unit tensors of one length;
+    with ``refresh``, ``old`` is overwritten with ``cur`` tile by tile as it is read.
 
     ``counts`` (int32, one per tile, zero-padded to whole ``group``s of units),
     ``bitmap`` (uint8, 1 bit per unit, packbits order, zero past the end; whole tiles),
@@ -162,7 +179,8 @@ def scan(cur: torch.Tensor, old: torch.Tensor, group: int) -> tuple[torch.Tensor
     bitmap = torch.empty(tiles * t // 8, dtype=torch.uint8, device=cur.device)
     parts = torch.empty(tiles, dtype=torch.int64, device=cur.device)
     if tiles:
-        _scan_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, T=t, num_warps=NUM_WARPS, **_consts(cur))
+        _scan_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, T=t, REFRESH=refresh, num_warps=NUM_WARPS,
+                               **_consts(cur))
     return counts, bitmap, parts
 
 

@@ -7,7 +7,8 @@ process) or ``--device cuda`` prints one JSON object, per case whether:
 * encode: :mod:`policyworker.ops.delta_triton`'s encoding (through
   ``layout.delta``'s fused path) has the numpy path's kind and count and its blob is
   byte for byte the numpy path's and the torch path's; its checksum is the torch
-  path's; the old tensor, refreshed in the same pass, equals the new one; ``apply``
+  path's; the old tensor, refreshed on the way (by the gather or by the scan, case by
+  case), equals the new one; ``apply``
   of the blob onto the old units gives the new ones;
 * checksums: the kernel's checksum of each byte segment equals the torch path's.
 
@@ -69,20 +70,26 @@ def _specials(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return new.view(unit), old.view(unit)
 
 
-def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device) -> dict:
+def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device, refresh: str = "gather") -> dict:
+    """One case; ``refresh``: which kernel pass refreshes the old tensor (both must)."""
     n, unit = new.numel(), new.element_size()
     want = D._encode_np(new, old, n, unit)
     cur, base = new.to(device), old.to(device)
     by_torch = D._encode_torch(cur, base)
     shadow = base.clone()
-    got = D._encode_fused(ops, cur, shadow, True, True)
+    default = ops.REFRESH
+    ops.configure(refresh=refresh)
+    try:
+        got = D._encode_fused(ops, cur, shadow, True, True)
+    finally:
+        ops.configure(refresh=default)
     applied = base.clone()
     D.apply(applied, got.kind, got.count, got.blob)
     ok = ((got.kind, got.count) == (want.kind, want.count) and torch.equal(got.blob.cpu(), want.blob)
           and torch.equal(by_torch.blob.cpu(), want.blob)
           and got.checksum == D._checksum_torch(new.view(torch.uint8))
           and torch.equal(shadow, cur) and torch.equal(applied, cur))
-    return {"ok": bool(ok), "kind": got.kind, "count": got.count}
+    return {"ok": bool(ok), "kind": got.kind, "count": got.count, "refresh": refresh}
 
 
 def check_checksums(ops, raw: torch.Tensor, segments: list[tuple[int, int]]) -> bool:
@@ -94,11 +101,13 @@ def run(device: torch.device, scale: int = 1) -> dict:
     from policyworker.ops import delta_triton as ops
 
     out = {}
-    for unit, n, fraction, where in ENCODE_CASES:
+    for i, (unit, n, fraction, where) in enumerate(ENCODE_CASES):  # the two refreshing passes in turn
         new, old = _case(n * scale, unit, fraction, seed=n + unit, where=where)
-        out[f"encode unit={unit} n={n * scale} changed={fraction} {where}"] = check_encode(ops, new, old, device)
-    for dtype in (torch.bfloat16, torch.float32):
-        out[f"encode {dtype} signed zeros and NaN payloads"] = check_encode(ops, *_specials(dtype), device)
+        out[f"encode unit={unit} n={n * scale} changed={fraction} {where}"] = check_encode(
+            ops, new, old, device, ("gather", "scan")[i % 2])
+    for i, dtype in enumerate((torch.bfloat16, torch.float32)):
+        out[f"encode {dtype} signed zeros and NaN payloads"] = check_encode(ops, *_specials(dtype), device,
+                                                                            ("gather", "scan")[i])
     g = torch.Generator().manual_seed(5)
     size = 150_011 * scale
     raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).to(device)
