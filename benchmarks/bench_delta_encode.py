@@ -1,17 +1,29 @@
-"""The delta path's device work on a GPU, against a flat copy of the same bytes.
+"""The delta path's device work on a GPU: the Triton kernels against the torch path and a flat copy.
 
-A delta refit does, per stream of a bucket, on the trainer: compare with the shadow
-(``encode``), then update the shadow; on the receiver: ``apply`` the blob, then
-``checksum`` the result. On CPU loopback these cost more than moving every byte (see
-RESULTS.md, "Delta refits"); the question for a real link is what they cost at GPU
-memory speed. This measures, on one CUDA device, for a bf16 stream of ``--gib`` GiB and
-each changed fraction: encode, apply and checksum times, the blob's bytes, and in the
-same run (interleaved) the flat device copy of the whole stream (the ceiling of any
-full refit's local work). From them it reports the wire time a delta saves on a link of
-``--link-gbs`` GB/s against the device time it adds. The encoding is checked exact
-(apply(old, blob) == cur, bit for bit) at every fraction; a mismatch exits 1.
+A delta refit does, per stream of a bucket, on the trainer: a checksum per copy, the
+encoding against the shadow, the shadow refresh; on the receiver: ``apply`` the blob,
+then a checksum per copy. This measures, on one CUDA device, for a bf16 stream of
+``--gib`` GiB and each changed fraction, interleaved within each repetition:
 
-Usage: python benchmarks/bench_delta_encode.py --json out.json [--gib 1] [--reps 5]
+* ``copy``: one flat device copy of the whole stream (the ceiling of any full refit's
+  local work, and the unit of the encode goal: at 3% changed, encode <= 2 copies);
+* ``encode``: the torch path (compare, ``nonzero``, gather) and the kernels (one scan
+  of both sides with the checksum of the current bytes, one gather), and each with
+  the shadow refresh (torch: ``apply`` onto the shadow; kernels: in the gather);
+* ``checksum``: of the whole stream and per copy (``--copies`` copies of random sizes,
+  one launch with the kernels, one call each on the torch path);
+* ``apply`` (torch; the receiver's step).
+
+Before timing, at every fraction, the kernels' blob must be byte for byte the torch
+path's (kind, count, bytes), their checksums the torch path's, the refreshed shadow
+the current bytes, and apply(old, blob) the current bytes: any mismatch, or kernels
+that cannot run on the device, exits 1. ``--sweep`` also times the kernels at 3%
+changed under a few tile sizes, warp counts and refreshing passes (each checked
+first; the library's defaults stay as they are).
+
+Usage: python benchmarks/bench_delta_encode.py --json out.json [--gib 2] [--reps 5] [--sweep]
+(``--device cpu`` with ``TRITON_INTERPRET=1`` and a small ``--gib`` runs the script's
+logic in Triton's interpreter: a dry run, its times mean nothing.)
 """
 
 from __future__ import annotations
@@ -26,16 +38,61 @@ import torch
 
 from policyworker.layout import delta
 
+#: (tile bytes, warps, refreshing pass) tried by --sweep; the first is the library's default
+_SWEEP = [(8192, 4, "gather"), (8192, 4, "scan"), (4096, 4, "gather"), (16384, 4, "gather"), (16384, 8, "gather"),
+          (32768, 8, "gather"), (32768, 8, "scan")]
 
-def _timed(fn, reps: int) -> list[float]:
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn, reps: int = 1) -> list[float]:
     out = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def _segments(nbytes: int, copies: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    """``copies`` back-to-back byte ranges of random (even) sizes covering the stream."""
+    cuts = sorted({int(c) * 2 for c in torch.randint(1, nbytes // 2, (copies - 1,), generator=gen)})
+    bounds = [0, *cuts, nbytes]
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+def _torch_refresh(cur: torch.Tensor, shadow: torch.Tensor) -> None:
+    """The torch path's encode then shadow refresh (``apply`` of the blob onto it)."""
+    enc = delta._encode_torch(cur, shadow)
+    delta.apply(shadow, enc.kind, enc.count, enc.blob)
+
+
+def _check(ops, cur, old, raw, segments) -> list[str]:
+    """Mismatches of the kernels against the torch path (empty: bit for bit equal)."""
+    bad = []
+    want = delta._encode_torch(cur, old)
+    shadow = old.clone()
+    got = delta._encode_fused(ops, cur, shadow, True, True)
+    if (got.kind, got.count) != (want.kind, want.count) or not torch.equal(got.blob, want.blob):
+        bad.append(f"blob: kernels {got.kind}/{got.count}/{got.blob.numel()} B, torch {want.kind}/{want.count}/"
+                   f"{want.blob.numel()} B")
+    ref = delta._checksum_torch(raw)
+    if got.checksum != ref or delta._checksums_fused(ops, raw, [(0, raw.numel())])[0] != ref:
+        bad.append("stream checksum")
+    if not torch.equal(shadow, cur):
+        bad.append("shadow refresh")
+    base = old.clone()
+    delta.apply(base, got.kind, got.count, got.blob)
+    if not torch.equal(base, cur):
+        bad.append("apply(old, blob) != cur")
+    if delta._checksums_fused(ops, raw, segments) != [delta._checksum_torch(raw.narrow(0, a, n)) for a, n in segments]:
+        bad.append("per-copy checksums")
+    return bad
 
 
 def main() -> int:
@@ -43,62 +100,162 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--link-gbs", type=float, default=50.0, help="link speed for the modelled wire time (GB/s)")
-    ap.add_argument("--fractions", default="0.001,0.01,0.05,0.1")
+    ap.add_argument("--fractions", default="0.001,0.01,0.03,0.1")
+    ap.add_argument("--copies", type=int, default=400, help="copies per stream for the per-copy checksums")
+    ap.add_argument("--sweep", action="store_true", help="also time a few tile sizes / warp counts at 3%%")
+    ap.add_argument("--device", default="cuda", help="cuda (cpu: a dry run in Triton's interpreter)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_delta_encode: needs a CUDA device (the comparison it promises is on GPU memory)", file=sys.stderr)
         return 1
-    dev = torch.device("cuda")
+    try:
+        from policyworker.ops import delta_triton as ops
+    except ImportError as exc:
+        print(f"bench_delta_encode: the Triton kernels do not import ({exc}); nothing to compare", file=sys.stderr)
+        return 1
+    dev = torch.device(args.device)
+    if dev.type == "cpu":
+        delta._fused = lambda *ts: ops  # the dry run: CPU tensors through the interpreted kernels
     n = int(args.gib * (1 << 30)) // 2
     gen = torch.Generator(device=dev).manual_seed(0)
     old = torch.randn(n, generator=gen, device=dev, dtype=torch.float32).to(torch.bfloat16).view(torch.int16)
-    rows = []
+    segments = _segments(2 * n, args.copies, torch.Generator().manual_seed(1))
+    if delta._fused(old, old) is not ops:
+        print("bench_delta_encode: layout.delta does not pick the kernels for CUDA tensors", file=sys.stderr)
+        return 1
+    rows, failures = [], {}
     for frac in (float(f) for f in args.fractions.split(",")):
         cur = old.clone()
         k = max(1, int(n * frac))
         idx = torch.randperm(n, generator=gen, device=dev)[:k]
         cur[idx] = cur[idx] ^ 1  # flip the lowest mantissa bit: a real, small change
+        del idx
+        raw = cur.view(torch.uint8)
+        bad = _check(ops, cur, old, raw, segments)  # compiles the kernels too
+        if bad:
+            failures[f"{frac}"] = bad
+            print(f"{frac:>6.3%}: KERNELS DIFFER FROM THE TORCH PATH: {bad}", flush=True)
+            continue
         dst = torch.empty_like(old)
-        copy_s, enc_s, apply_s, sum_s = [], [], [], []
-        encoded = None
-        for _ in range(args.reps):  # interleaved: ceiling, then each phase, per repetition
-            copy_s += _timed(lambda: dst.copy_(cur), 1)
-            box = {}
-            enc_s += _timed(lambda: box.setdefault("e", delta.encode(cur, old)), 1)
-            encoded = box["e"]
+        shadow = torch.empty_like(old)
+        s = {name: [] for name in ("copy", "encode_torch", "encode_kernels", "encode_torch_refresh",
+                                   "encode_kernels_refresh", "apply", "checksum_torch", "checksum_kernels",
+                                   "copies_torch", "copies_kernels")}
+        box = {}
+        for _ in range(args.reps):  # interleaved: the ceiling, then each step, per repetition
+            s["copy"] += _timed(lambda: dst.copy_(cur))
+            s["encode_torch"] += _timed(lambda: box.__setitem__("t", delta._encode_torch(cur, old)))
+            s["encode_kernels"] += _timed(lambda: box.__setitem__("k", delta._encode_fused(ops, cur, old, False, True)))
+            shadow.copy_(old)
+            s["encode_torch_refresh"] += _timed(lambda: _torch_refresh(cur, shadow))
+            shadow.copy_(old)
+            s["encode_kernels_refresh"] += _timed(lambda: delta._encode_fused(ops, cur, shadow, True, True))
+            enc = box["k"]
             dst.copy_(old)
-            apply_s += _timed(lambda: delta.apply(dst, encoded.kind, encoded.count, encoded.blob), 1)
-            sum_s += _timed(lambda: delta.checksum(dst), 1)
-        exact = bool(torch.equal(dst, cur)) and delta.checksum(dst) == delta.checksum(cur)
-        full_bytes = n * 2
-        blob = int(encoded.blob.numel())
-        med = {k2: statistics.median(v) for k2, v in
-               (("copy", copy_s), ("encode", enc_s), ("apply", apply_s), ("checksum", sum_s))}
+            s["apply"] += _timed(lambda: delta.apply(dst, enc.kind, enc.count, enc.blob))
+            s["checksum_torch"] += _timed(lambda: delta._checksum_torch(raw))
+            s["checksum_kernels"] += _timed(lambda: delta.checksum(raw))
+            s["copies_torch"] += _timed(lambda: [delta._checksum_torch(raw.narrow(0, a, b)) for a, b in segments])
+            s["copies_kernels"] += _timed(lambda: delta.checksums(raw, segments))
+        exact = bool(torch.equal(dst, cur)) and torch.equal(shadow, cur)
+        med = {name: statistics.median(v) for name, v in s.items()}
+        full_bytes = 2 * n
+        blob = int(box["k"].blob.numel())
         wire_full = full_bytes / (args.link_gbs * 1e9)
         wire_delta = blob / (args.link_gbs * 1e9)
-        delta_total = wire_delta + med["encode"] + med["apply"] + med["checksum"]
-        rows.append({
-            "changed_fraction": frac, "changed_units": encoded.count, "kind": encoded.kind, "exact": exact,
+        # the device work of one delta, both sides: trainer checksums + encode (+ refresh), receiver apply + checksums
+        work_torch = med["copies_torch"] + med["encode_torch_refresh"] + med["apply"] + med["copies_torch"]
+        work_kernels = med["copies_kernels"] + med["encode_kernels_refresh"] + med["apply"] + med["copies_kernels"]
+        row = {
+            "changed_fraction": frac, "changed_units": box["k"].count, "kind": box["k"].kind, "exact": exact,
             "stream_bytes": full_bytes, "blob_bytes": blob, "blob_over_full": blob / full_bytes,
-            "copy_s": med["copy"], "copy_gbs": full_bytes / med["copy"] / 1e9,
-            "encode_s": med["encode"], "apply_s": med["apply"], "checksum_s": med["checksum"],
-            "encode_over_copy": med["encode"] / med["copy"],
-            "modelled_full_s": wire_full + med["copy"], "modelled_delta_s": delta_total,
-            "modelled_delta_over_full": delta_total / (wire_full + med["copy"]),
-            "samples": {"copy": copy_s, "encode": enc_s, "apply": apply_s, "checksum": sum_s},
-        })
-        print(f"{frac:>6.3%}: blob {blob / full_bytes:.4f} x, encode {med['encode'] * 1e3:.2f} ms, "
-              f"apply {med['apply'] * 1e3:.2f} ms, checksum {med['checksum'] * 1e3:.2f} ms, "
-              f"copy {med['copy'] * 1e3:.2f} ms ({full_bytes / med['copy'] / 1e9:.0f} GB/s); "
-              f"on {args.link_gbs:.0f} GB/s: delta {delta_total / (wire_full + med['copy']):.3f} x full; "
-              f"exact={exact}", flush=True)
-    out = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "gib": args.gib,
-           "reps": args.reps, "link_gbs": args.link_gbs, "rows": rows}
+            "copies": len(segments),
+            **{f"{name}_s": v for name, v in med.items()},
+            "copy_gbs": full_bytes / med["copy"] / 1e9,
+            "encode_kernels_over_copy": med["encode_kernels"] / med["copy"],
+            "encode_kernels_refresh_over_copy": med["encode_kernels_refresh"] / med["copy"],
+            "encode_torch_over_copy": med["encode_torch"] / med["copy"],
+            "checksum_kernels_gbs": full_bytes / med["checksum_kernels"] / 1e9,
+            "device_work_torch_s": work_torch, "device_work_kernels_s": work_kernels,
+            "modelled_full_s": wire_full + med["copy"],
+            "modelled_delta_torch_over_full": (wire_delta + work_torch) / (wire_full + med["copy"]),
+            "modelled_delta_kernels_over_full": (wire_delta + work_kernels) / (wire_full + med["copy"]),
+            "samples": s,
+        }
+        rows.append(row)
+        print(f"{frac:>6.3%}: blob {blob / full_bytes:.4f} x | copy {med['copy'] * 1e3:.2f} ms "
+              f"({row['copy_gbs']:.0f} GB/s) | encode torch {med['encode_torch'] * 1e3:.2f} ms, kernels "
+              f"{med['encode_kernels'] * 1e3:.2f} ms ({row['encode_kernels_over_copy']:.2f} copies; with the shadow "
+              f"refresh {med['encode_kernels_refresh'] * 1e3:.2f} ms, torch {med['encode_torch_refresh'] * 1e3:.2f}) "
+              f"| checksum torch {med['checksum_torch'] * 1e3:.2f} ms, kernels {med['checksum_kernels'] * 1e3:.2f} ms; "
+              f"{len(segments)} copies torch {med['copies_torch'] * 1e3:.2f} ms, kernels "
+              f"{med['copies_kernels'] * 1e3:.2f} ms | apply {med['apply'] * 1e3:.2f} ms | on {args.link_gbs:.0f} GB/s "
+              f"delta {row['modelled_delta_kernels_over_full']:.3f} x full (torch path "
+              f"{row['modelled_delta_torch_over_full']:.3f}) | exact={exact}", flush=True)
+    sweep = []
+    if args.sweep and not failures:
+        sweep = _sweep(ops, old, n, gen, args.reps)
+    goal = [r for r in rows if abs(r["changed_fraction"] - 0.03) < 1e-9]
+    if goal:
+        ratio = goal[0]["encode_kernels_over_copy"]
+        print(f"goal (encode at 3% changed <= 2 flat copies): {ratio:.2f} copies -> "
+              f"{'met' if ratio <= 2 else 'NOT met'}", flush=True)
+    failures.update({f"sweep {r['tile_bytes']} B {r['num_warps']} warps {r['refresh']}":
+                     ["blob, checksum or refresh"] for r in sweep if not r["exact"]})
+    out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)",
+           "torch": torch.__version__, "triton": __import__("triton").__version__, "gib": args.gib, "reps": args.reps,
+           "link_gbs": args.link_gbs, "tile_bytes": ops.TILE_BYTES, "num_warps": ops.NUM_WARPS,
+           "refresh": ops.REFRESH, "rows": rows, "sweep": sweep, "failures": failures}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
+    if failures:
+        print(f"bench_delta_encode: the kernels differ from the torch path at {sorted(failures)}", file=sys.stderr)
+        return 1
     return 0 if all(r["exact"] for r in rows) else 1
 
+
+def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int) -> list[dict]:
+    """The kernels at 3% changed under other tile sizes / warps / refreshing passes (checked, then timed)."""
+    cur = old.clone()
+    idx = torch.randperm(n, generator=gen, device=old.device)[:int(n * 0.03)]
+    cur[idx] = cur[idx] ^ 1
+    del idx
+    raw = cur.view(torch.uint8)
+    want = delta._encode_torch(cur, old)
+    ref = delta._checksum_torch(raw)
+    dst = torch.empty_like(old)
+    shadow = torch.empty_like(old)
+    out = []
+    default = (ops.TILE_BYTES, ops.NUM_WARPS, ops.REFRESH)
+    try:
+        for tile, warps, refresh in _SWEEP:
+            ops.configure(tile_bytes=tile, num_warps=warps, refresh=refresh)
+            shadow.copy_(old)
+            got = delta._encode_fused(ops, cur, shadow, True, True)
+            ok = (torch.equal(got.blob, want.blob) and got.checksum == ref and delta.checksum(raw) == ref
+                  and torch.equal(shadow, cur))
+            copy, enc, ref_s, ck = [], [], [], []
+            for _ in range(reps):
+                copy += _timed(lambda: dst.copy_(cur))
+                enc += _timed(lambda: delta._encode_fused(ops, cur, old, False, True))
+                shadow.copy_(old)
+                ref_s += _timed(lambda: delta._encode_fused(ops, cur, shadow, True, True))
+                ck += _timed(lambda: delta.checksum(raw))
+            row = {"tile_bytes": tile, "num_warps": warps, "refresh": refresh, "exact": bool(ok),
+                   "copy_s": statistics.median(copy), "encode_s": statistics.median(enc),
+                   "encode_refresh_s": statistics.median(ref_s), "checksum_s": statistics.median(ck)}
+            row["encode_over_copy"] = row["encode_s"] / row["copy_s"]
+            row["encode_refresh_over_copy"] = row["encode_refresh_s"] / row["copy_s"]
+            out.append(row)
+            print(f"  sweep tile {tile} B, {warps} warps, refresh in the {refresh}: encode "
+                  f"{row['encode_s'] * 1e3:.2f} ms "
+                  f"({row['encode_over_copy']:.2f} copies), with the refresh {row['encode_refresh_s'] * 1e3:.2f} ms "
+                  f"({row['encode_refresh_over_copy']:.2f}), checksum {row['checksum_s'] * 1e3:.2f} ms, exact={ok}",
+                  flush=True)
+    finally:
+        ops.configure(tile_bytes=default[0], num_warps=default[1], refresh=default[2])
+    return out
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -117,3 +117,95 @@ def test_delta_settings_parse_from_plain_keywords():
     assert parse(NcclReshardOptions, {"delta": False}, what="t").delta is False
     with pytest.raises(ConfigError):
         parse(NcclReshardSetup, {"delta": "yes"}, what="t")
+
+
+
+# -- the Triton kernels (CUDA's path), in Triton's interpreter on CPU -------------------------
+@pytest.mark.timeout(120)
+def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in_the_interpreter():
+    # A fresh process: TRITON_INTERPRET is read when Triton's own jit functions are defined.
+    pytest.importorskip("triton")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from policyworker.testing.delta_check import ENCODE_CASES
+
+    src = str(Path(D.__file__).resolve().parents[2])
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-m", "policyworker.testing.delta_check", "--device", "cpu"], env=env,
+                         capture_output=True, text=True, timeout=100)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert lines, out.stdout[-2000:] + out.stderr[-4000:]
+    res = json.loads(lines[-1])
+    assert {k: v for k, v in res.items() if not v["ok"]} == {}
+    encodes = [v for k, v in res.items() if k.startswith("encode")]
+    assert len(encodes) == len(ENCODE_CASES) + 2 and len(res) >= len(encodes) + 8
+    assert {v["kind"] for v in encodes} == {D.NONE, D.SPARSE, D.BITMAP, D.RAW}
+    assert {(v["kind"], v["refresh"]) for v in encodes} >= {(D.SPARSE, "gather"), (D.SPARSE, "scan"),
+                                                           (D.BITMAP, "gather"), (D.BITMAP, "scan")}
+    specials = [v for k, v in res.items() if "NaN" in k]
+    assert [v["count"] for v in specials] == [2100, 2100]  # -0.0, a NaN payload, +0.0 per 7; equal NaNs are not
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+
+@pytest.mark.timeout(120)
+def test_kernels_compile_for_hopper_with_16_byte_loads_of_whole_tiles(monkeypatch):
+    # What the interpreter cannot show: the kernels compile (sm_90a, this machine's
+    # Triton) and a whole tile is read 16 bytes per access, whatever the stream's length.
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    from policyworker.ops import delta_triton as K
+
+    def ptx(fn, sig, consts):
+        sig = dict(sig) | {k: "constexpr" for k in consts}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        return triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+    bf16 = dict(T=K.tile_units(2), PER=4, UBITS=16, UDT=tl.uint16)
+    scan = ptx(K._scan_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "n": "i64", "counts_ptr": "*i32",
+                                "bits_ptr": "*u8", "part_ptr": "*i64"}, dict(bf16, REFRESH=True))
+    assert "st.global.v4.b32" in scan  # the scan's refresh writes whole tiles 16 bytes at a time
+    sums = ptx(K._sum_kernel, {"x_ptr": "*i16", "seg_ptr": "*i64", "nseg": "i32", "part_ptr": "*i64"},
+               dict(bf16, LOG=12, ALIGN=8))
+    for code in (scan, sums):
+        assert "ld.global.v4.b32" in code and "mul.lo.s64" in code
+    gather = ptx(K._gather_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "counts_ptr": "*i32", "starts_ptr": "*i64",
+                                    "bits_ptr": "*u8", "val_ptr": "*i16", "off_ptr": "*i16"},
+                 dict(T=K.tile_units(2), OFFSETS=True, UPDATE=True))
+    assert "st.global.b16" in gather
+
+def test_encode_options_on_the_cpu_paths(monkeypatch):
+    # update_old / with_checksum mean the same without the kernels (numpy and torch paths)
+    for path in ("numpy", "torch"):
+        if path == "torch":
+            monkeypatch.setattr(D, "_numpy_ok", lambda t: False)
+        g = torch.Generator().manual_seed(9)
+        old = torch.randint(-(2**15), 2**15, (100_001,), dtype=torch.int16, generator=g)
+        new = old.clone()
+        new[::97] ^= 1
+        shadow = old.clone()
+        enc = D.encode(new, shadow, update_old=True, with_checksum=True)
+        assert torch.equal(shadow, new) and enc.checksum == D.checksum(new)
+        assert D.encode(new, old).checksum is None
+
+
+def test_kernel_settings_are_checked():
+    pytest.importorskip("triton")
+    from policyworker.ops import delta_triton as K
+
+    for bad in ({"tile_bytes": 3000}, {"tile_bytes": 512}, {"tile_bytes": 1 << 17}, {"num_warps": 3},
+                {"refresh": "both"}):
+        with pytest.raises(ConfigError):
+            K.configure(**bad)
+    assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH) == (8192, 4, "gather")
+    assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [8192, 4096, 2048, 1024]  # each divides a 65,536-unit block

@@ -23,6 +23,11 @@ depend on the word's position. A change of any one word always changes it (an od
 weight times a non-zero difference is non-zero mod 2**64), swaps and shifts change it
 unless weights collide; it is a matrix-vector product, ~5 GB/s on one CPU core
 (crc32 is ~2 GB/s). It proves a receiver's bytes equal the sender's after a delta.
+
+On CUDA tensors, when Triton imports, :func:`encode` and :func:`checksum` /
+:func:`checksums` run :mod:`policyworker.ops.delta_triton`'s kernels (one read of
+both sides for the encoding, its checksum and the shadow refresh included; one read
+for a checksum); the blobs and checksums are bit for bit the other paths'.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ import torch
 
 from policyworker.errors import ProtocolError
 
-__all__ = ["BITMAP", "NONE", "RAW", "SPARSE", "Encoded", "apply", "changed_fraction", "checksum", "encode",
-           "unit_dtype"]
+__all__ = ["BITMAP", "NONE", "RAW", "SPARSE", "Encoded", "apply", "changed_fraction", "checksum", "checksums",
+           "encode", "unit_dtype"]
 
 NONE, SPARSE, BITMAP, RAW = 0, 1, 2, 3
 _BLOCK_BITS = 16
@@ -48,6 +53,22 @@ _M64 = (1 << 64) - 1
 def _numpy_ok(t: torch.Tensor) -> bool:
     """CPU tensors take numpy's paths (faster on one core); others torch's (same results)."""
     return t.device.type == "cpu"
+
+
+@functools.cache
+def _triton_ops():
+    try:
+        from policyworker.ops import delta_triton
+    except ImportError:  # no Triton: the torch path
+        return None
+    return delta_triton
+
+
+def _fused(*ts: torch.Tensor):
+    """The Triton kernels' module when every tensor is a contiguous CUDA tensor, else None."""
+    if not all(t.is_cuda and t.is_contiguous() for t in ts):
+        return None
+    return _triton_ops()
 
 
 def unit_dtype(size: int) -> torch.dtype:
@@ -64,11 +85,13 @@ def _pad8(n: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Encoded:
-    """The changed units of one stream: ``kind``, ``count`` changed units, ``blob`` (uint8)."""
+    """The changed units of one stream: ``kind``, ``count`` changed units, ``blob`` (uint8);
+    ``checksum``: :func:`checksum` of the stream when asked for, else None."""
 
     kind: int
     count: int
     blob: torch.Tensor
+    checksum: int | None = None
 
 
 def blob_bytes(kind: int, n: int, k: int, unit: int) -> int:
@@ -92,11 +115,61 @@ def _changed_index(cur: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return (cur != old).nonzero().squeeze(1)
 
 
-def encode(cur: torch.Tensor, old: torch.Tensor) -> Encoded:
-    """The units of ``cur`` that differ from ``old`` (1-D unit tensors of one length)."""
+def encode(cur: torch.Tensor, old: torch.Tensor, *, update_old: bool = False,
+           with_checksum: bool = False) -> Encoded:
+    """The units of ``cur`` that differ from ``old`` (1-D unit tensors of one length).
+
+    ``update_old``: ``old`` then holds ``cur``'s units (a sender's shadow refresh; on
+    CUDA in the pass that writes the blob). ``with_checksum``: ``Encoded.checksum`` is
+    ``checksum(cur)`` (on CUDA from the encoding's own read of ``cur``).
+    """
     n, unit = cur.numel(), cur.element_size()
-    if _numpy_ok(cur):
-        return _encode_np(cur, old, n, unit)
+    ops = _fused(cur, old) if n and cur.dtype == old.dtype and old.numel() == n else None
+    if ops is not None:
+        return _encode_fused(ops, cur, old, update_old, with_checksum)
+    enc = _encode_np(cur, old, n, unit) if _numpy_ok(cur) else _encode_torch(cur, old)
+    if with_checksum:
+        enc = Encoded(enc.kind, enc.count, enc.blob, checksum(cur))
+    if update_old:
+        apply(old, enc.kind, enc.count, enc.blob)
+    return enc
+
+
+def _encode_fused(ops, cur: torch.Tensor, old: torch.Tensor, update_old: bool, with_checksum: bool) -> Encoded:
+    """The Triton path: one scan of both sides (counts, bitmap, checksum), one gather."""
+    n, unit = cur.numel(), cur.element_size()
+    in_scan = update_old and ops.REFRESH == "scan"  # else the gather refreshes (changed units only)
+    counts, bitmap, parts = ops.scan(cur, old, _BLOCK, refresh=in_scan)
+    k, words = torch.stack([counts.sum(dtype=torch.int64), parts.sum()]).tolist()  # one sync
+    total = (words + n * unit) & _M64 if with_checksum else None
+    if k == 0:
+        return Encoded(NONE, 0, torch.empty(0, dtype=torch.uint8, device=cur.device), total)
+    kind = _smallest(n, k, unit)
+    blob = torch.zeros(blob_bytes(kind, n, k, unit), dtype=torch.uint8, device=cur.device)
+    if kind == RAW:
+        blob.narrow(0, 0, n * unit).copy_(cur.view(torch.uint8))
+        if update_old and not in_scan:
+            old.copy_(cur)
+        return Encoded(RAW, k, blob, total)
+    offsets = None
+    if kind == SPARSE:
+        nblocks = -(-n // _BLOCK)
+        blob.narrow(0, 0, 4 * nblocks).view(torch.int32).copy_(counts.view(nblocks, -1).sum(1, dtype=torch.int32))
+        at = _pad8(4 * nblocks)
+        offsets = blob.narrow(0, at, 2 * k).view(torch.int16)
+        at += _pad8(2 * k)
+    else:
+        nbits = -(-n // 8)
+        blob.narrow(0, 0, nbits).copy_(bitmap.narrow(0, 0, nbits))
+        at = _pad8(nbits)
+    ops.gather(cur, old, counts, bitmap, blob.narrow(0, at, k * unit).view(cur.dtype), offsets,
+               update_old and not in_scan)
+    return Encoded(kind, k, blob, total)
+
+
+def _encode_torch(cur: torch.Tensor, old: torch.Tensor) -> Encoded:
+    """The torch path (any device): compare, ``nonzero``, gather."""
+    n, unit = cur.numel(), cur.element_size()
     idx = _changed_index(cur, old)
     k = idx.numel()
     if k == 0:
@@ -319,8 +392,38 @@ def _weights(n: int, salt: int, device: torch.device) -> torch.Tensor:
 
 
 def checksum(data: torch.Tensor) -> int:
-    """64-bit linear hash of the bytes of a contiguous tensor (see the module docstring)."""
+    """64-bit linear hash of the bytes of a tensor (see the module docstring)."""
     raw = data.reshape(-1).view(torch.uint8) if data.is_contiguous() else data.contiguous().reshape(-1).view(torch.uint8)
+    ops = _fused(raw)
+    if ops is not None:
+        return _checksums_fused(ops, raw, [(0, raw.numel())])[0]
+    return _checksum_torch(raw)
+
+
+def checksums(raw: torch.Tensor, segments: list[tuple[int, int]]) -> list[int]:
+    """``checksum(raw[at:at + n])`` for each ``(at, n)`` of a 1-D uint8 tensor (one launch on CUDA)."""
+    ops = _fused(raw)
+    if ops is not None:
+        return _checksums_fused(ops, raw, segments)
+    return [_checksum_torch(raw.narrow(0, at, n)) for at, n in segments]
+
+
+def _checksums_fused(ops, raw: torch.Tensor, segments: list[tuple[int, int]]) -> list[int]:
+    live = [(at, n) for at, n in segments if n]
+    if not live:
+        return [0] * len(segments)
+    lo, hi = min(at for at, _ in live), max(at + n for at, n in live)
+    unit = 8  # the widest unit every segment is made of (and the pointer is aligned to)
+    while unit > 1 and ((raw.data_ptr() + lo) % unit or (raw.storage_offset() + lo) % unit or (hi - lo) % unit
+                        or any((at - lo) % unit or n % unit for at, n in live)):
+        unit //= 2
+    units = raw.narrow(0, lo, hi - lo).view(unit_dtype(unit))
+    sums = ops.checksums(units, [((at - lo) // unit, n // unit) if n else (0, 0) for at, n in segments]).tolist()
+    return [(s + n) & _M64 for s, (_, n) in zip(sums, segments)]
+
+
+def _checksum_torch(raw: torch.Tensor) -> int:
+    """The torch path of :func:`checksum` on a 1-D uint8 tensor."""
     n = raw.numel()
     words = n // 8
     if n % 8 or raw.storage_offset() % 8:

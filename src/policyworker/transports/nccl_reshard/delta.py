@@ -182,8 +182,7 @@ def _signed(x: int) -> int:
 
 def checksums(units: torch.Tensor, s: _Stream) -> list[int]:
     """One checksum per copy of the stream (signed 64-bit, for an int64 tensor)."""
-    raw = units.view(torch.uint8)
-    return [_signed(_delta.checksum(raw.narrow(0, at, n))) for at, n in s.segments]
+    return [_signed(x) for x in _delta.checksums(units.view(torch.uint8), s.segments)]
 
 
 # -- the refit -------------------------------------------------------------------------------
@@ -346,10 +345,9 @@ def _send(ctx: TransportContext, st: _State, streams, version: int, deadline: fl
     for key, s in streams.items():
         units, _ = _units(s, ctx, "src")
         shadow = s.shadow.view(units.dtype)
-        enc = _delta.encode(units, shadow)
         sums = torch.tensor(checksums(units, s), dtype=torch.int64).view(torch.uint8)
+        enc = _delta.encode(units, shadow, update_old=True)  # the shadow is now what is sent
         payload = torch.cat([sums.to(dev), enc.blob.to(dev)])
-        _delta.apply(shadow, enc.kind, enc.count, enc.blob)  # the shadow is now what was sent
         encoded[key] = (enc, payload)
     members = stage_members(plan)
     n_train = len(members[ctx.state["stage"]])

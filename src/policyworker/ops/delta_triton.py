@@ -1,0 +1,223 @@
+"""Delta encoding and its checksum on CUDA: Triton kernels that read each input once.
+
+:mod:`policyworker.layout.delta` decides the encodings and lays out the blobs; these
+kernels only scan, compact and sum, so the blob a receiver gets is byte for byte the one
+the torch/numpy paths build. A stream is a contiguous 1-D tensor of integer *units*
+(1, 2, 4 or 8 bytes), cut into tiles of ``tile_bytes`` (a tile's units divide 65,536,
+so whole tiles make up each block of the sparse encoding).
+
+* :func:`scan`, one read of the current and the old units, per tile: the count of
+  changed units, the tile's changed-unit bitmap (numpy ``packbits`` order: the
+  encoding's bitmap section as it is) and the tile's share of the checksum of the
+  current bytes.
+* :func:`gather`, after a prefix sum of the counts: per tile with changes, reads its
+  bitmap, loads only the changed units, and writes them (and, for the sparse encoding,
+  their offsets inside their block) at their places in the blob.
+
+The old tensor can be refreshed (made equal to the current one) on the way: by the
+gather, which writes the changed units only (``REFRESH = "gather"``, the default), or
+by the scan, which writes every tile it read whole (``"scan"``: one more write of the
+stream, but in full 16-byte stores rather than scattered 2-byte ones; it can win when
+many units change). ``benchmarks/bench_delta_encode.py --sweep`` times both.
+* :func:`checksums`, one read: the checksum's word sums of byte segments of one
+  buffer (every copy of a transfer in one launch).
+
+The checksum is layout.delta's: the bytes as little-endian 64-bit words ``x_j``, the
+tail zero-padded, ``sum(rw(j mod 128) * W2(j // 128) * x_j) + nbytes`` mod 2**64, where
+``rw = _hash(., 1)`` and ``W2 = _hash(., 2)`` are the same odd weights as layout.delta's
+numpy formula. Every product and sum is unsigned 64-bit, which wraps, so the value is
+bit for bit the CPU path's (tests check it in Triton's interpreter and on the GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from policyworker.errors import ConfigError, ProtocolError
+
+__all__ = ["NUM_WARPS", "REFRESH", "TILE_BYTES", "checksums", "configure", "gather", "scan", "tile_units"]
+
+#: Bytes of one stream a program covers (a power of two, 1 KiB .. 64 KiB), and warps per program.
+TILE_BYTES = 8192
+NUM_WARPS = 4
+#: Which pass refreshes the old tensor when asked: "gather" (changed units) or "scan" (whole tiles).
+REFRESH = "gather"
+_GROUP = 1 << 16  # units per block of the sparse encoding: a tile never straddles one
+_UNSIGNED = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
+
+
+def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, refresh: str | None = None) -> None:
+    """Set the tile size, warps and refreshing pass (the benchmark's sweep)."""
+    global TILE_BYTES, NUM_WARPS, REFRESH
+    if refresh is not None:
+        if refresh not in ("gather", "scan"):
+            raise ConfigError(f"delta kernels: refresh {refresh!r} is not 'gather' or 'scan'")
+        REFRESH = refresh
+    if tile_bytes is not None:
+        if tile_bytes < 1024 or tile_bytes > 65536 or tile_bytes & (tile_bytes - 1):
+            raise ConfigError(f"delta kernels: tile_bytes {tile_bytes} is not a power of two in 1 KiB .. 64 KiB")
+        TILE_BYTES = tile_bytes
+    if num_warps is not None:
+        if num_warps not in (1, 2, 4, 8, 16):
+            raise ConfigError(f"delta kernels: num_warps {num_warps} is not 1, 2, 4, 8 or 16")
+        NUM_WARPS = num_warps
+
+
+def tile_units(unit: int) -> int:
+    """Units per tile for ``unit``-byte units (divides 65,536; a multiple of 128 words)."""
+    return min(TILE_BYTES // unit, _GROUP)
+
+
+@triton.jit
+def _hash(i, salt: tl.constexpr):
+    # layout.delta._weights: odd pseudo-random weights by position, uint64 wrapping.
+    w = ((i + salt) * 0x9E3779B97F4A7C15) ^ (i >> 3)
+    return (w * 0xBF58476D1CE4E5B9) | 1
+
+
+@triton.jit
+def _tile_sum(x, first_row, T: tl.constexpr, PER: tl.constexpr, UBITS: tl.constexpr, UDT: tl.constexpr):
+    """A tile's share of the checksum: ``x`` is T units (zero past the end), words from
+    row ``first_row`` (128 words a row) on."""
+    ROWS: tl.constexpr = T // PER // 128
+    u = x.to(UDT, bitcast=True).to(tl.uint64)
+    lanes = (tl.arange(0, PER) * UBITS).to(tl.uint64)
+    words = tl.sum(tl.reshape(u, (T // PER, PER)) << lanes[None, :], axis=1)  # disjoint bits: sum == or
+    col = _hash(tl.arange(0, 128).to(tl.uint64), 1)
+    per_row = tl.sum(tl.reshape(words, (ROWS, 128)) * col[None, :], axis=1)
+    rows = (first_row + tl.arange(0, ROWS)).to(tl.uint64)
+    return tl.sum(per_row * _hash(rows, 2), axis=0)
+
+
+@triton.jit
+def _scan_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: tl.constexpr, PER: tl.constexpr,
+                 UBITS: tl.constexpr, UDT: tl.constexpr, REFRESH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = t * T + tl.arange(0, T)
+    if t * T + T <= n:  # a whole tile: no mask, so the loads are vectorized whatever n is
+        a = tl.load(cur_ptr + offs)
+        b = tl.load(old_ptr + offs)
+        if REFRESH:
+            tl.store(old_ptr + offs, a)
+    else:
+        a = tl.load(cur_ptr + offs, mask=offs < n, other=0)
+        b = tl.load(old_ptr + offs, mask=offs < n, other=0)
+        if REFRESH:
+            tl.store(old_ptr + offs, a, mask=offs < n)
+    changed = (a != b).to(tl.int32)  # integer units: bit patterns, never values
+    tl.store(counts_ptr + t, tl.sum(changed, axis=0))
+    weights = 7 - tl.arange(0, 8)  # the first unit of a byte is its top bit (packbits)
+    packed = tl.sum(tl.reshape(changed, (T // 8, 8)) << weights[None, :], axis=1)
+    tl.store(bits_ptr + t * (T // 8) + tl.arange(0, T // 8), packed.to(tl.uint8))
+    part = _tile_sum(a, t * (T // PER // 128), T, PER, UBITS, UDT)
+    tl.store(part_ptr + t, part.to(tl.int64, bitcast=True))
+
+
+@triton.jit
+def _gather_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_ptr, off_ptr, T: tl.constexpr,
+                   OFFSETS: tl.constexpr, UPDATE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    if tl.load(counts_ptr + t) > 0:
+        start = tl.load(starts_ptr + t)
+        packed = tl.load(bits_ptr + t * (T // 8) + tl.arange(0, T // 8)).to(tl.int32)
+        shifts = 7 - tl.arange(0, 8)
+        bit = tl.reshape((packed[:, None] >> shifts[None, :]) & 1, (T,))
+        at = start + (tl.cumsum(bit, axis=0) - bit).to(tl.int64)  # exclusive: this unit's place
+        offs = t * T + tl.arange(0, T)
+        hit = bit != 0
+        v = tl.load(cur_ptr + offs, mask=hit)  # only the changed units are read
+        tl.store(val_ptr + at, v, mask=hit)
+        if OFFSETS:
+            tl.store(off_ptr + at, (offs & 65535).to(tl.int16), mask=hit)  # low 16 bits: the offset in its block
+        if UPDATE:
+            tl.store(old_ptr + offs, v, mask=hit)
+
+
+@triton.jit
+def _sum_kernel(x_ptr, seg_ptr, nseg, part_ptr, T: tl.constexpr, PER: tl.constexpr, UBITS: tl.constexpr,
+                UDT: tl.constexpr, LOG: tl.constexpr, ALIGN: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    lo = p * 0
+    hi = lo + nseg - 1
+    for _ in tl.static_range(LOG):  # the last segment whose first tile is <= p
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(seg_ptr + 3 * mid + 2) <= p
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    start = tl.multiple_of(tl.load(seg_ptr + 3 * lo), ALIGN)
+    length = tl.load(seg_ptr + 3 * lo + 1)
+    i = p - tl.load(seg_ptr + 3 * lo + 2)
+    offs = i * T + tl.arange(0, T)
+    if i * T + T <= length:
+        x = tl.load(x_ptr + start + offs)
+    else:
+        x = tl.load(x_ptr + start + offs, mask=offs < length, other=0)
+    tl.store(part_ptr + p, _tile_sum(x, i * (T // PER // 128), T, PER, UBITS, UDT).to(tl.int64, bitcast=True))
+
+
+def _consts(units: torch.Tensor) -> dict:
+    unit = units.element_size()
+    if unit not in _UNSIGNED:
+        raise ProtocolError(f"delta kernels: no {unit}-byte unit")
+    return dict(PER=8 // unit, UBITS=8 * unit, UDT=_UNSIGNED[unit])
+
+
+def scan(cur: torch.Tensor, old: torch.Tensor, group: int,
+         refresh: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(counts, bitmap, partial sums) of two contiguous 1-D unit tensors of one length;
+    with ``refresh``, ``old`` is overwritten with ``cur`` tile by tile as it is read.
+
+    ``counts`` (int32, one per tile, zero-padded to whole ``group``s of units),
+    ``bitmap`` (uint8, 1 bit per unit, packbits order, zero past the end; whole tiles),
+    ``partial sums`` (int64, one per tile, their wrapping sum is the checksum's word sum).
+    """
+    n, t = cur.numel(), tile_units(cur.element_size())
+    tiles = -(-n // t)
+    counts = torch.zeros(-(-n // group) * (group // t), dtype=torch.int32, device=cur.device)
+    bitmap = torch.empty(tiles * t // 8, dtype=torch.uint8, device=cur.device)
+    parts = torch.empty(tiles, dtype=torch.int64, device=cur.device)
+    if tiles:
+        _scan_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, T=t, REFRESH=refresh, num_warps=NUM_WARPS,
+                               **_consts(cur))
+    return counts, bitmap, parts
+
+
+def gather(cur: torch.Tensor, old: torch.Tensor, counts: torch.Tensor, bitmap: torch.Tensor,
+           values: torch.Tensor, offsets: torch.Tensor | None, update_old: bool) -> None:
+    """Write the changed units of ``cur`` (marked in ``scan``'s ``bitmap``) into ``values``
+    in order, their low 16 index bits into ``offsets`` (int16) when given, and into
+    ``old`` when ``update_old``."""
+    t = tile_units(cur.element_size())
+    tiles = -(-cur.numel() // t)
+    starts = torch.cumsum(counts, 0, dtype=torch.int64) - counts
+    _gather_kernel[(tiles,)](cur, old, counts, starts, bitmap, values, values if offsets is None else offsets,
+                             T=t, OFFSETS=offsets is not None, UPDATE=update_old, num_warps=NUM_WARPS)
+
+
+def checksums(units: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+    """Word sums (int64, one per segment, wrapping) of ``(start, length)`` unit segments
+    of a contiguous 1-D unit tensor; add the byte count for the checksum."""
+    t = tile_units(units.element_size())
+    nseg = len(segments)
+    table, first = [], 0
+    align = 16 // units.element_size()
+    for start, length in segments:
+        table += [start, length, first]
+        first += -(-length // t)
+        while start % align:
+            align //= 2
+    dev = units.device
+    out = torch.zeros(nseg, dtype=torch.int64, device=dev)
+    if first == 0:
+        return out
+    seg = torch.tensor(table, dtype=torch.int64).to(dev)
+    parts = torch.empty(first, dtype=torch.int64, device=dev)
+    _sum_kernel[(first,)](units, seg, nseg, parts, T=t, LOG=-(-nseg.bit_length() // 4) * 4, ALIGN=align,
+                          num_warps=NUM_WARPS, **_consts(units))
+    # Per segment: a difference of the running sum at its last and before its first tile.
+    tiles = seg.view(nseg, 3)[:, 2]
+    ends = torch.cat([tiles[1:], torch.tensor([first], dtype=torch.int64, device=dev)])
+    run = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), torch.cumsum(parts, 0)])
+    return run[ends] - run[tiles]

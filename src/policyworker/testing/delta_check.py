@@ -1,0 +1,137 @@
+"""Exactness of the delta kernels against the torch and numpy paths, on any device.
+
+``python -m policyworker.testing.delta_check --device cpu`` (with ``TRITON_INTERPRET=1``:
+it must be set before Triton is imported, hence a module of its own run in a fresh
+process) or ``--device cuda`` prints one JSON object, per case whether:
+
+* encode: :mod:`policyworker.ops.delta_triton`'s encoding (through
+  ``layout.delta``'s fused path) has the numpy path's kind and count and its blob is
+  byte for byte the numpy path's and the torch path's; its checksum is the torch
+  path's; the old tensor, refreshed on the way (by the gather or by the scan, case by
+  case), equals the new one; ``apply``
+  of the blob onto the old units gives the new ones;
+* checksums: the kernel's checksum of each byte segment equals the torch path's.
+
+Cases: 1-, 2-, 4- and 8-byte units; lengths that end inside a tile and inside a
+65,536-unit block; nothing, one unit (the first, the last, a block's last), a few,
+many and all units changed; bf16 and float32 ``-0.0`` vs ``0.0`` and NaN payloads;
+segments at odd addresses, of odd lengths, empty. ``--scale`` multiplies the lengths
+(the GPU test uses it for many tiles and blocks). Exit status 1 if any case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from policyworker.layout import delta as D
+
+#: (unit bytes, units, changed fraction, where the changes are)
+ENCODE_CASES = [
+    (2, 200_003, 0.002, "random"),  # 4 blocks, a ragged last tile: sparse
+    (2, 69_632, 0.0, "random"),  # nothing changed (whole tiles)
+    (2, 70_001, 0.2, "random"),  # bitmap
+    (2, 4_097, 1.0, "random"),  # raw
+    (2, 70_001, 0.0, "last"),
+    (2, 65_537, 0.0, "block_end"),
+    (1, 100_003, 0.002, "random"),
+    (1, 30_001, 0.3, "random"),
+    (4, 40_003, 0.001, "random"),
+    (4, 9_001, 0.15, "random"),
+    (8, 12_289, 0.002, "random"),
+    (8, 3_001, 0.0, "first"),
+    (8, 1, 1.0, "random"),
+]
+
+
+def _case(n: int, unit: int, fraction: float, seed: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randint(0, 256, (n * unit,), dtype=torch.uint8, generator=g).view(D.unit_dtype(unit))
+    new = old.clone()
+    if where == "random":
+        mask = torch.rand(n, generator=g) < fraction
+    else:  # one unit: the first, the last (a ragged tile's end), the last of the first block
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[{"first": 0, "last": n - 1, "block_end": min(n, 1 << 16) - 1}[where]] = True
+    new[mask] = new[mask] ^ 1
+    return new, old
+
+
+def _specials(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    old = torch.tensor([0.0, 1.0, float("nan"), 2.0, float("nan"), -0.0, 3.0] * 700, dtype=dtype)
+    new = old.clone()
+    unit = D.unit_dtype(old.element_size())
+    new[0::7] = -0.0  # equal as values, other bits
+    new.view(unit)[4::7] ^= 1  # other NaN payloads
+    new[5::7] = 0.0
+    return new.view(unit), old.view(unit)
+
+
+def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device, refresh: str = "gather") -> dict:
+    """One case; ``refresh``: which kernel pass refreshes the old tensor (both must)."""
+    n, unit = new.numel(), new.element_size()
+    want = D._encode_np(new, old, n, unit)
+    cur, base = new.to(device), old.to(device)
+    by_torch = D._encode_torch(cur, base)
+    shadow = base.clone()
+    default = ops.REFRESH
+    ops.configure(refresh=refresh)
+    try:
+        got = D._encode_fused(ops, cur, shadow, True, True)
+    finally:
+        ops.configure(refresh=default)
+    applied = base.clone()
+    D.apply(applied, got.kind, got.count, got.blob)
+    ok = ((got.kind, got.count) == (want.kind, want.count) and torch.equal(got.blob.cpu(), want.blob)
+          and torch.equal(by_torch.blob.cpu(), want.blob)
+          and got.checksum == D._checksum_torch(new.view(torch.uint8))
+          and torch.equal(shadow, cur) and torch.equal(applied, cur))
+    return {"ok": bool(ok), "kind": got.kind, "count": got.count, "refresh": refresh}
+
+
+def check_checksums(ops, raw: torch.Tensor, segments: list[tuple[int, int]]) -> bool:
+    want = [D._checksum_torch(raw.narrow(0, a, n).cpu()) for a, n in segments]
+    return D._checksums_fused(ops, raw, segments) == want
+
+
+def run(device: torch.device, scale: int = 1) -> dict:
+    from policyworker.ops import delta_triton as ops
+
+    out = {}
+    for i, (unit, n, fraction, where) in enumerate(ENCODE_CASES):  # the two refreshing passes in turn
+        new, old = _case(n * scale, unit, fraction, seed=n + unit, where=where)
+        out[f"encode unit={unit} n={n * scale} changed={fraction} {where}"] = check_encode(
+            ops, new, old, device, ("gather", "scan")[i % 2])
+    for i, dtype in enumerate((torch.bfloat16, torch.float32)):
+        out[f"encode {dtype} signed zeros and NaN payloads"] = check_encode(ops, *_specials(dtype), device,
+                                                                            ("gather", "scan")[i])
+    g = torch.Generator().manual_seed(5)
+    size = 150_011 * scale
+    raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).to(device)
+    half = size // 2
+    cases = {"whole": [(0, size)],
+             "copies": [(0, 8192), (8192, 24), (8216, 0), (8216, half), (8216 + half, size - 8216 - half)],
+             "odd starts": [(1, 9), (10, 30_001), (30_011, 1)], "2-byte starts": [(6, 65_538), (65_544, 2)],
+             "empty": [(3, 0)], "one block": [(0, 65_536)], "odd address": [(5, size - 10)]}
+    for name, segments in cases.items():
+        out[f"checksums {name}"] = {"ok": check_checksums(ops, raw, segments)}
+    words = torch.randint(-(2**62), 2**62, (17_000 * scale,), dtype=torch.int64, generator=g).to(device)
+    out["checksums int64 words"] = {"ok": check_checksums(ops, words.view(torch.uint8), [(0, words.numel() * 8)])}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--scale", type=int, default=1)
+    args = p.parse_args(argv)
+    res = run(torch.device(args.device), args.scale)
+    print(json.dumps(res))
+    return 0 if all(r["ok"] for r in res.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
