@@ -31,6 +31,9 @@ BAD = [
     (["plan", "--model", "/nonexistent/config.json", "--train", "tp=2", "--gen", "tp=1"],
      "ConfigError: model config '/nonexistent/config.json' does not exist"),
     (["drill", "--jobs", "0"], "--jobs: 0 is below the minimum 1"),
+    (["bench", "--transport", "nccl_reshard", "--engines", "2"], "ConfigError: bench --engines 2 refits two tp=1"),
+    (["bench", "--engine", "vllm", "--engines", "2", "--vllm-tp", "2"], "ConfigError: bench --engines 2 refits two"),
+    (["bench", "--engine", "vllm", "--engines", "3"], "--engines: invalid choice: 3"),
 ]
 
 
