@@ -8,9 +8,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider)
-"${PYTEST[@]}" -m serial "$@"
+"${PYTEST[@]}" -m serial --durations=25 "$@"
 serial=$?
-"${PYTEST[@]}" -m "not serial" -n 2 --dist loadfile "$@"
+"${PYTEST[@]}" -m "not serial" -n 2 --dist loadfile --durations=40 "$@"
 parallel=$?
 if [ "$serial" -eq 5 ] && [ "$parallel" -eq 5 ]; then
     echo "test.sh: pytest ran no tests; failing" >&2

@@ -30,6 +30,7 @@ BAD = [
      "--json: directory '/nonexistent' does not exist"),
     (["plan", "--model", "/nonexistent/config.json", "--train", "tp=2", "--gen", "tp=1"],
      "ConfigError: model config '/nonexistent/config.json' does not exist"),
+    (["bench"], "ConfigError: bench needs --transport"),
     (["drill", "--jobs", "0"], "--jobs: 0 is below the minimum 1"),
     (["bench", "--transport", "nccl_reshard", "--engines", "2"], "ConfigError: bench --engines 2 refits two tp=1"),
     (["bench", "--engine", "vllm", "--engines", "2", "--vllm-tp", "2"], "ConfigError: bench --engines 2 refits two"),

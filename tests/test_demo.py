@@ -9,6 +9,7 @@ import pytest
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
+@pytest.mark.timeout(300)  # the subprocess's own bound (240 s) fires first
 def test_demo_refits_bit_exact_and_writes_json(tmp_path):
     out = tmp_path / "demo.json"
     proc = subprocess.run(
@@ -38,6 +39,7 @@ def test_demo_refits_bit_exact_and_writes_json(tmp_path):
     assert "refit v3" in proc.stdout and "ceiling" in proc.stdout
 
 
+@pytest.mark.timeout(300)
 def test_bench_prints_json():
     proc = subprocess.run(
         [sys.executable, "-m", "policyworker.cli", "bench", "--transport", "nccl_reshard", "--preset", "tiny",
@@ -50,6 +52,7 @@ def test_bench_prints_json():
     assert data["ring_bytes_per_process"] <= data["bucket_x_staging"] + 8 * data["staging"]
 
 
+@pytest.mark.timeout(300)
 def test_zmq_bench_interleaves_ceiling_and_refit(tmp_path):
     out = tmp_path / "zmq.json"
     proc = subprocess.run(
@@ -73,10 +76,3 @@ def test_zmq_bench_interleaves_ceiling_and_refit(tmp_path):
     # The NeMo-protocol baseline ships with the command and runs in the same processes.
     assert data["baseline_bit_exact"] is True and len(data["baseline_refits"]) == 3
     assert data["speedup_vs_baseline"] > 0
-
-
-def test_bench_without_a_transport_or_engine_is_a_config_error():
-    proc = subprocess.run([sys.executable, "-m", "policyworker.cli", "bench"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "ConfigError: bench needs --transport" in proc.stderr
