@@ -166,7 +166,8 @@ def check_engines(engines: Sequence[LoraEngineInfo], base_hash: str, meta: LoraM
 
 
 def _check_same_base(store: Any, rank: int, base_hash: str) -> None:
-    """A trainer other than rank 0: rank 0 (whose plan sends the base) holds this rank's base."""
+    """A trainer other than rank 0, when the base may be sent: rank 0 (whose published plan
+    the engines follow) holds this rank's base, so their shards make one base."""
     try:
         data = store.get(PLAN_KEY)
     except Exception as exc:  # the store raises DistStoreError/RuntimeError on timeouts
@@ -216,7 +217,7 @@ async def prepare_vllm_lora_refit(worker: Any, train_parallelism: Any, gen_world
                                 base_plan=None if first is None else first.to_wire())
             publish(group.store, PLAN_KEY, encode(info), worker.rank, "the vLLM LoRA plan")
         check_engines(engines, mine, worker.meta, base)
-        if first is not None and worker.rank != 0:
+        if base == "send_if_different" and worker.rank != 0:
             _check_same_base(group.store, worker.rank, mine)
         return plan, first
 
