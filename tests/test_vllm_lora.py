@@ -180,6 +180,8 @@ def test_another_base_is_refused_by_default_and_sent_once_when_asked(world):
         assert error is None and [r["version"] for r in replies] == [version, version], replies
         assert sum(r["base_bytes"] for r in replies) == base_sent
         assert sum(r["bytes"] for r in replies) == base_sent + adapter
+        # What vLLM swapped in: the whole base once (tp=1, float32 as sent), then nothing of it.
+        assert world.llm.collective_rpc(lambda worker: worker.weight_transfer_engine.last_base_bytes) == [base_sent]
         got = world.tokens()
         assert got == world.oracle(version) and got != world.history[version - 1]
         assert world.tokens(lora=False) == other_base
