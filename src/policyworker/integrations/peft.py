@@ -206,6 +206,8 @@ class LoraPolicyWorker(TorchPolicyWorker):
             self._after_base[name] = (reattach, int(base_bytes))
 
     async def refit(self, name: str, /, **kwargs: Any) -> RefitReport:
+        """The road's refit; after the one that carried the base, the adapter-only plan
+        (see :meth:`after_base_refit`) and ``base_bytes`` in its report."""
         report = await super().refit(name, **kwargs)
         then = self._after_base.pop(name, None)
         if then is None:

@@ -120,6 +120,7 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         self._pending: PendingBase | None = None
         #: Bytes of the base the last commit swapped in (0: it installed an adapter only).
         self.last_base_bytes = 0
+        self._base_prepack: Any = None  # a committed base's background prepack (cpu_linear="background")
         self._loop: Loop | None = None
         self._joined: Joined | None = None
         self._info: PolicyworkerInitInfo | None = None
@@ -211,8 +212,6 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
 
     def _attach_base_plan(self, first: ReshardPlan, base_hash: str, factors: dict[str, Any]) -> None:
         """Attach the trainers' first plan: the base (into a staging set of its own) and the factors."""
-        from policyworker.integrations.vllm.backend import PolicyworkerWeightTransferEngine
-
         rank = self._joined.worker.rank
         targets, needs, refusal = self._base_targets
         if needs is None:
@@ -296,6 +295,7 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         with self.ledger.transaction(version) as tx:
             if base is not None:
                 tx.touched = True  # the swap moves live layers onto the trainers' base
+                self._base_prepack = base.stage.prepack
                 base.commit(prepared)
                 self._base_hash, self._pending = base.base_hash, None
             try:
@@ -365,6 +365,8 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
                     joined.close()
 
     def shutdown(self) -> None:
+        if self._base_prepack is not None:
+            self._base_prepack.stop()
         self._close_worker()
         if self._loop is not None:
             self._loop.close()
