@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 import torch
 
@@ -146,15 +147,57 @@ def test_vllm_plan_moves_the_adapter_once_and_the_base_hash_is_the_checkpoints(t
     meta = LoraPolicyWorker(model, timeout_s=5.0)
     try:
         good = LoraEngineInfo(rank=0, tp_size=1, base_hash=base_hash(model), max_lora_rank=8)
-        check_engines([good], base_hash(model), meta.meta)
-        with pytest.raises(PlanMismatch, match="another base"):
-            check_engines([LoraEngineInfo(rank=0, tp_size=1, base_hash="0" * 64, max_lora_rank=8)],
-                          base_hash(model), meta.meta)
+        assert check_engines([good], base_hash(model), meta.meta) is False
+        other = LoraEngineInfo(rank=0, tp_size=1, base_hash="0" * 64, max_lora_rank=8)
+        with pytest.raises(PlanMismatch, match="another base.*send_if_different"):
+            check_engines([other], base_hash(model), meta.meta)
         with pytest.raises(ConfigError, match="max_lora_rank"):
             check_engines([LoraEngineInfo(rank=0, tp_size=1, base_hash=good.base_hash, max_lora_rank=2)],
                           base_hash(model), meta.meta)
+        # Asked to, the trainers send their base to an engine on another base, if it can take it.
+        with pytest.raises(ConfigError, match="cannot receive the trainers' base: block-FP8"):
+            check_engines([msgspec.structs.replace(other, base_refusal="block-FP8")], base_hash(model), meta.meta,
+                          "send_if_different")
+        needs = _whole_needs(meta.base_specs(), 0)
+        assert check_engines([msgspec.structs.replace(other, base_needs=needs)], base_hash(model), meta.meta,
+                             "send_if_different") is True
+        assert check_engines([good], base_hash(model), meta.meta, "send_if_different") is False
+        with pytest.raises(ConfigError, match="base must be one of"):
+            check_engines([good], base_hash(model), meta.meta, "always")
     finally:
         asyncio.run(meta.shutdown())
+
+
+def _whole_needs(base_specs, rank: int):
+    from policyworker.integrations.vllm.plan import Need, Needs
+
+    return Needs(rank=rank, tp_rank=0, tp_size=1, dtype="float32",
+                 needs=[Need(n, tuple(s), (0,) * len(s), tuple(s)) for n, (s, _) in base_specs.items()])
+
+
+def test_the_first_plan_that_sends_the_base_moves_base_and_adapter_each_byte_once(tmp_path):
+    spec = _spec()
+    model = peft_model(spec, 1)
+    specs = {n: (tuple(t.shape), t.dtype) for n, t in adapter_tensors(model).items()}
+    base_specs = {n: (tuple(t.shape), t.dtype) for n, t in base_tensors(model).items()}
+    config = ModelConfig.from_hf(model.get_base_model().config)
+    adapter = sum(t.numel() * t.element_size() for t in adapter_tensors(model).values())
+    base = sum(t.numel() * t.element_size() for t in base_tensors(model).values())
+    for n_gen in (1, 2):  # two engines of tp=1: each receives the whole base and the whole adapter
+        needs = [_whole_needs(base_specs, g) for g in range(n_gen)]
+        first = plan_for_vllm_lora(specs, config, "tp=2", N_TRAIN, n_gen, base=(base_specs, needs))
+        only = plan_for_vllm_lora(specs, config, "tp=2", N_TRAIN, n_gen)
+        assert first.total_bytes == n_gen * (base + adapter) and only.total_bytes == n_gen * adapter
+        # The factors travel as in the adapter-only plan; each trainer sends its shard of the base.
+        def boxes(plan, g):
+            return {n: (t.shape, t.dtype, [(p.start, p.stop) for p in t.pieces])
+                    for n, t in plan.local_tensors("dst", g).items() if n in specs}
+
+        for g in range(n_gen):
+            assert boxes(first, g) == boxes(only, g) and len(boxes(only, g)) == len(specs)
+        assert sum(t.nbytes for t in first.sends(0)) == sum(t.nbytes for t in first.sends(1))
+    with pytest.raises(PolicyWorkerError, match="names both"):
+        plan_for_vllm_lora(specs, config, "tp=2", N_TRAIN, 1, base=({**base_specs, **specs}, [needs[0]]))
 
 
 def test_merge_is_peft_exact_in_float32_and_within_one_rounding_in_bf16():

@@ -2,8 +2,10 @@
 
 Proof by generation: after each refit vLLM's greedy tokens with the adapter equal
 Hugging Face PEFT's greedy tokens with the same adapter weights (float32), and vLLM's
-tokens without the adapter stay the base model's. Skipped only when vLLM or PEFT is not
-importable (scripts/setup.sh installs both).
+tokens without the adapter stay the base model's. An engine on another base than the
+trainers' is refused by default; asked to, the trainers send their base once, with the
+first adapter refit (then vLLM's tokens are PEFT's on the trainers' base). Skipped only
+when vLLM or PEFT is not importable (scripts/setup.sh installs both).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("peft")
 
+from policyworker.integrations.peft import base_tensors  # noqa: E402
 from policyworker.integrations.vllm.lora import BACKEND_LORA, lora_request  # noqa: E402
 from policyworker.testing.vllm_lora_world import LoraWorldSpec, adapter_weights, peft_model  # noqa: E402
 from policyworker.testing.vllm_world import greedy_tokens, hf_model  # noqa: E402
@@ -38,7 +41,13 @@ class LoraWorld(VllmWorld):
         return greedy_tokens(peft_model(self.spec, version), PROMPTS, MAX_TOKENS)
 
     def base_oracle(self) -> list[list[int]]:
-        return greedy_tokens(hf_model(self.spec, 0), PROMPTS, MAX_TOKENS)
+        return greedy_tokens(hf_model(self.spec, self.spec.base_seed), PROMPTS, MAX_TOKENS)
+
+    def connect(self, version: int, prepare: dict | None = None) -> list[dict]:
+        """As VllmWorld's; ``prepare``: more arguments of the trainers' prepare_vllm_lora_refit."""
+        info = self.pool.connect(gen_world_size=self.tp, version=version, train=self.spec.train, prepare=prepare)
+        self.llm.init_weight_transfer_engine({"init_info": info})
+        return self.pool.replies(self.spec.timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -114,36 +123,68 @@ def test_trainer_killed_mid_adapter_refit_keeps_previous_adapter(world):
     world.version, world.history[v + 1] = v + 1, got
 
 
-def _restart_trainer0(world, spec) -> None:
-    world.pool.send({"cmd": "stop"}, [0])
-    assert world.pool.reply(0, 30.0)["ok"]
-    world.pool.wait_dead(0, 30.0)
+def _restart_trainers(world, spec, ranks: list[int]) -> None:
+    world.pool.send({"cmd": "stop"}, ranks)
+    for rank in ranks:
+        assert world.pool.reply(rank, 30.0)["ok"]
+        world.pool.wait_dead(rank, 30.0)
     world.pool.spec = spec
-    world.pool.start(0)
+    for rank in ranks:
+        world.pool.start(rank)
+
+
+def _base_bytes(spec) -> int:
+    return sum(t.numel() * t.element_size() for t in base_tensors(peft_model(spec, None)).values())
 
 
 @pytest.mark.timeout(300)
-def test_a_trainer_on_another_base_is_refused_at_connect_and_nothing_changes(world):
+def test_another_base_is_refused_by_default_and_sent_once_when_asked(world):
+    """vLLM serves its checkpoint's base (seed 0); the trainers' base is seed 7's."""
     import dataclasses
 
     _served_at_least_v1(world)
     v = world.version
-    _restart_trainer0(world, dataclasses.replace(world.spec, base_seed=7))
-    try:
-        replies = world.connect(version=v)
-        # Trainer 0 (another base) refuses; trainer 1 holds vLLM's base and has nothing to refuse.
-        assert replies[0].get("error") == "PlanMismatch" and replies[1]["ok"], replies
-        # vLLM refuses trainer 0's plan too (it carries that base's hash), before a byte moves.
-        with pytest.raises(Exception, match=r"PlanMismatch: .*base"):
-            world.llm.start_weight_update()
-        assert world.tokens() == world.history[v]
-        assert world.llm.get_weight_version() == str(v)
-    finally:
-        _restart_trainer0(world, world.spec)
+    other = dataclasses.replace(world.spec, base_seed=7)
+    _restart_trainers(world, other, [0, 1])
+    # By default another base is refused at connect, by every side, before a byte moves.
     replies = world.connect(version=v)
+    assert [r.get("error") for r in replies] == ["PlanMismatch", "PlanMismatch"], replies
+    with pytest.raises(Exception, match=r"PlanMismatch: .*base"):
+        world.llm.start_weight_update()
+    assert world.tokens() == world.history[v] and world.llm.get_weight_version() == str(v)
+
+    # Asked to, the trainers send their base with the first refit. A trainer killed in the
+    # middle of it: PeerLost, and nothing of the base (nor of v + 1) is served.
+    send = {"base": "send_if_different"}
+    replies = world.connect(version=v, prepare=send)
     assert all(r["ok"] for r in replies), replies
-    error, replies = world.refit(v + 1)
-    assert error is None and [r["version"] for r in replies] == [v + 1, v + 1], replies
-    got = world.tokens()
-    assert got == world.oracle(v + 1) and got != world.history[v]
-    world.version, world.history[v + 1] = v + 1, got
+    base, adapter = _base_bytes(other), _adapter_bytes(world)
+    assert replies[0]["total_bytes"] == base + adapter
+    error, replies = world.refit(v + 1, die={1: 2})
+    assert error is not None and "PeerLost" in type(error).__name__ + str(error), error
+    assert replies[0]["ok"] is False and replies[0]["error"] == "PeerLost", replies
+    assert world.pool.wait_dead(1, 10.0) == -9
+    assert world.tokens() == world.history[v] and world.tokens(lora=False) == world.base
+    assert world.llm.get_weight_version() == str(v)
+
+    # vLLM still serves its own base, so the next connect sends the base again; the refit
+    # after that moves the adapter only. HF PEFT on the trainers' base is the oracle.
+    world.pool.start(1)
+    world.spec = other
+    replies = world.connect(version=v, prepare=send)
+    assert all(r["ok"] for r in replies), replies
+    other_base = world.base_oracle()
+    assert other_base != world.base
+    for version, base_sent in ((v + 1, base), (v + 2, 0)):
+        error, replies = world.refit(version)
+        assert error is None and [r["version"] for r in replies] == [version, version], replies
+        assert sum(r["base_bytes"] for r in replies) == base_sent
+        assert sum(r["bytes"] for r in replies) == base_sent + adapter
+        # What vLLM swapped in: the whole base once (tp=1, float32 as sent), then nothing of it.
+        assert world.llm.collective_rpc(lambda worker: worker.weight_transfer_engine.last_base_bytes) == [base_sent]
+        got = world.tokens()
+        assert got == world.oracle(version) and got != world.history[version - 1]
+        assert world.tokens(lora=False) == other_base
+        assert world.llm.get_weight_version() == str(version)
+        world.version, world.history[version] = version, got
+    world.base = other_base  # the engine serves the trainers' base from now on

@@ -15,7 +15,9 @@ factors; the scaling (``lora_alpha / r``, or ``/ sqrt(r)`` for rsLoRA) is metada
 :class:`LoraPolicyWorker` is a ``TorchPolicyWorker`` whose refits move only the
 adapter. Its base is checked, never assumed: :func:`base_hash` hashes the base tensors
 by name, dtype, shape and bytes, and a receiver that loaded its base elsewhere (vLLM
-from a checkpoint) compares the hash at connect.
+from a checkpoint) compares the hash at connect. A receiver on another base may be sent
+this base once, along with the first adapter refit (a plan that carries both, then the
+adapter-only plan: :meth:`LoraPolicyWorker.after_base_refit`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -31,9 +33,11 @@ import torch
 from torch import nn
 
 from policyworker.errors import ConfigError
+from policyworker.layout.local import shard_views
 from policyworker.layout.plan import ReshardPlan
 from policyworker.layout.planner import as_parallelism, plan_from_layouts
 from policyworker.layout.rules import dtype_name, rule_layout
+from policyworker.transports.base import RefitReport
 from policyworker.workers.torch_trainer import TorchPolicyWorker
 
 __all__ = ["LoraMerger", "LoraMeta", "LoraPolicyWorker", "adapter_tensors", "base_hash", "base_tensors", "lora_meta",
@@ -160,8 +164,11 @@ class LoraPolicyWorker(TorchPolicyWorker):
     def __init__(self, model: nn.Module, *, adapter: str = "default", **kwargs: Any) -> None:
         self.adapter = adapter
         self._adapter = adapter_tensors(model, adapter)
+        self._base = base_tensors(model)
         self.meta = lora_meta(model, adapter)
         self._base_hash: str | None = None
+        #: transport name -> (re-attach with the adapter-only plan, this rank's base bytes)
+        self._after_base: dict[str, tuple[Callable[[], Awaitable[Any]], int]] = {}
         super().__init__(model, **kwargs)
 
     def base_hash(self) -> str:
@@ -173,8 +180,41 @@ class LoraPolicyWorker(TorchPolicyWorker):
     def adapter_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._adapter.values())
 
+    def base_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The base's ``{checkpoint name: (shape, dtype)}`` (what a plan that sends the base places)."""
+        return {name: (tuple(t.shape), t.dtype) for name, t in self._base.items()}
+
     def _named_tensors(self) -> Mapping[str, torch.Tensor]:
         return self._adapter
+
+    def _plan_tensors(self, plan: ReshardPlan) -> Mapping[str, torch.Tensor]:
+        if all(p.name in self._adapter for p in plan.params):
+            return super()._plan_tensors(plan)
+        # A plan that sends the base too: this rank's shards of both (views of the full tensors).
+        rank = 0 if plan.body.train_world_size == 1 else self.rank
+        return shard_views(plan, rank, {**self._base, **self._adapter})
+
+    def after_base_refit(self, name: str, reattach: Callable[[], Awaitable[Any]] | None, *,
+                         base_bytes: int = 0) -> None:
+        """Transport ``name``'s attached plan sends the base too: after its next successful
+        refit, ``await reattach()`` (attach the adapter-only plan, connected at the refit
+        after) and report ``base_bytes`` (this rank's) in that refit's report. A failed
+        refit changes nothing: the next one sends the base again. None forgets it."""
+        if reattach is None:
+            self._after_base.pop(name, None)
+        else:
+            self._after_base[name] = (reattach, int(base_bytes))
+
+    async def refit(self, name: str, /, **kwargs: Any) -> RefitReport:
+        """The road's refit; after the one that carried the base, the adapter-only plan
+        (see :meth:`after_base_refit`) and ``base_bytes`` in its report."""
+        report = await super().refit(name, **kwargs)
+        then = self._after_base.pop(name, None)
+        if then is None:
+            return report
+        reattach, base_bytes = then
+        await reattach()
+        return msgspec.structs.replace(report, base_bytes=base_bytes)
 
     def _refit_model_source(self) -> Any:
         return {name: (tuple(t.shape), t.dtype) for name, t in self._adapter.items()}

@@ -46,10 +46,11 @@ class LoraWorldSpec(WorldSpec):
             for name, value in adapter_weights(self, version, worker.model).items():
                 live[name].copy_(value)
 
-    async def prepare(self, worker: Any, gen_world_size: int, train: str | None = None) -> dict:
+    async def prepare(self, worker: Any, gen_world_size: int, train: str | None = None, **options: Any) -> dict:
         from policyworker.integrations.vllm.lora_plan import prepare_vllm_lora_refit
 
-        return await prepare_vllm_lora_refit(worker, self.train, gen_world_size, **self.reshard_options)
+        return await prepare_vllm_lora_refit(worker, self.train, gen_world_size,
+                                             **{**self.reshard_options, **options})
 
 
 def adapter_weights(spec: LoraWorldSpec, version: int, model: Any) -> dict[str, Any]:

@@ -59,10 +59,12 @@ class WorldSpec:
 
         _load(worker.model, hf_model(self, version), torch)
 
-    async def prepare(self, worker: Any, gen_world_size: int, train: str | None = None) -> dict:
+    async def prepare(self, worker: Any, gen_world_size: int, train: str | None = None, **options: Any) -> dict:
+        """Plan the worker's refits (``options``: more keyword arguments of the prepare call)."""
         from policyworker.integrations.vllm.plan import prepare_vllm_refit
 
-        return await prepare_vllm_refit(worker, train or self.train, gen_world_size, **self.reshard_options)
+        return await prepare_vllm_refit(worker, train or self.train, gen_world_size,
+                                        **{**self.reshard_options, **options})
 
 
 def hf_config(spec: WorldSpec) -> Any:
@@ -130,7 +132,7 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                                         train_world_size=spec.n_train)
                 await w.init_nccl_reshard_comm_group(["127.0.0.1"], [cmd["stage_port"]], 1, 0,
                                                      spec.n_train + cmd["gen_world_size"], rank)
-                info = await spec.prepare(w, cmd["gen_world_size"], cmd.get("train"))
+                info = await spec.prepare(w, cmd["gen_world_size"], cmd.get("train"), **cmd.get("prepare", {}))
                 plan = w.attachment("nccl_reshard").plan
                 replies.put({"ok": True, "hash": info["hash"], "total_bytes": plan.total_bytes,
                              "send_bytes": {t.dst: t.nbytes for t in plan.sends(rank)}})
@@ -155,7 +157,7 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                                     kv_scales=cmd.get("kv_scales"))
                 replies.put({"ok": True, "version": rep.version, "bytes": rep.bytes, "seconds": rep.seconds,
                              "wall": time.perf_counter() - t0, "notes": list(rep.notes),
-                             "wire_bytes": rep.wire_bytes, "kv_scales": rep.kv_scales})
+                             "wire_bytes": rep.wire_bytes, "kv_scales": rep.kv_scales, "base_bytes": rep.base_bytes})
             else:
                 replies.put({"ok": False, "error": "ValueError", "message": f"unknown command {kind!r}"})
         except PolicyWorkerError as exc:
@@ -240,13 +242,16 @@ class TrainerPool:
     def replies(self, timeout_s: float, ranks: list[int] | None = None) -> list[dict[str, Any]]:
         return [self.reply(r, timeout_s) for r in (range(self.spec.n_train) if ranks is None else ranks)]
 
-    def connect(self, gen_world_size: int, version: int, train: str | None = None) -> dict[str, Any]:
+    def connect(self, gen_world_size: int, version: int, train: str | None = None,
+                prepare: dict[str, Any] | None = None) -> dict[str, Any]:
         """Fresh ports; tell every trainer to join them. Returns the ``init_info`` for vLLM.
 
-        ``train``: plan from this trainer layout (same world size) instead of the spec's."""
+        ``train``: plan from this trainer layout (same world size) instead of the spec's;
+        ``prepare``: more keyword arguments of the trainers' prepare call."""
         update_port, stage_port = free_port(), free_port()
         self.send({"cmd": "connect", "update_port": update_port, "stage_port": stage_port,
-                   "gen_world_size": gen_world_size, "version": version, "train": train})
+                   "gen_world_size": gen_world_size, "version": version, "train": train,
+                   "prepare": dict(prepare or {})})
         return {"host": "127.0.0.1", "update_port": update_port, "stage_ports": [stage_port],
                 "trainers_per_stage": [self.spec.n_train], "timeout_s": self.spec.timeout_s,
                 "refit_timeout_s": self.spec.refit_timeout_s, "reshard_options": dict(self.spec.reshard_options)}

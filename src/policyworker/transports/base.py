@@ -144,7 +144,9 @@ class RefitReport(msgspec.Struct, frozen=True, kw_only=True):
     lands and verifies ``bytes`` but moves only the changed elements); ``shadow_bytes``:
     memory the sender keeps across refits to know what changed. ``kv_scales``: the
     FP8 kv-cache scales (name → float) trainer rank 0 sent with this refit, as every
-    rank of it received them (None: none were sent).
+    rank of it received them (None: none were sent). ``base_bytes``: of ``bytes``, those
+    of a LoRA adapter's base model, sent along with the adapter once to an engine that
+    held another base (``seconds`` is then the whole refit's, base and adapter).
     """
 
     transport: str
@@ -158,6 +160,7 @@ class RefitReport(msgspec.Struct, frozen=True, kw_only=True):
     wire_bytes: int | None = None
     shadow_bytes: int = 0
     kv_scales: dict[str, float] | None = None
+    base_bytes: int = 0
 
     @property
     def gbps(self) -> float:

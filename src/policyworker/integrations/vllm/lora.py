@@ -8,15 +8,18 @@ weight_transfer_config={"backend": "policyworker-lora"})``), the trainers being
 
 ``init_weight_transfer_engine(init_info)``
     Hashes the base checkpoint vLLM loaded (once), joins the groups, publishes this
-    rank's :class:`~.vllm_lora_plan.LoraEngineInfo` (base hash, ``max_lora_rank``).
+    rank's :class:`~.vllm_lora_plan.LoraEngineInfo` (base hash, ``max_lora_rank``, the
+    boxes of the base its layers load).
 ``start_weight_update()``
     Reads the trainers' plan and the adapter's metadata (once per connect) and checks
-    them: the same base (``PlanMismatch`` otherwise), every factor whole on this rank,
+    them: the same base, or a first plan that sends the trainers' base
+    (:mod:`.lora_base`; ``PlanMismatch`` otherwise), every factor whole on this rank,
     every factor a module vLLM's LoRA layers serve. Nothing moves before that.
 ``update_weights({"version": v})``
-    Receives the factors into a staging set nothing in vLLM references.
+    Receives the factors (and, once, the base) into staging nothing in vLLM references.
 ``finish_weight_update()``
-    Commits: builds vLLM's own ``LoRAModel`` from copies of the staged factors
+    Commits: swaps a received base in first (vLLM's post-processing ran off the live
+    layers before), then builds vLLM's own ``LoRAModel`` from copies of the staged factors
     (``LoRAModel.from_lora_tensors``, the adapter's PEFT config), then, between two
     engine steps, replaces the adapter registered under the stable id by it and
     activates it (vLLM's ``set_lora`` writes each slot's buffers). The previous version's
@@ -31,7 +34,8 @@ adapter to serve: do not send requests naming it yet (vLLM would try to load it 
 its placeholder path and fail the engine). All-or-nothing: a refit that fails to arrive
 changes nothing vLLM serves; everything that can fail in the install (metadata,
 names, rank) is checked before the old adapter is removed, and a failure after it puts
-the previous ``LoRAModel`` back (torn only if even that fails).
+the previous ``LoRAModel`` back (torn only if even that fails, or if a base was swapped
+in: the previous adapter then runs on another base).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import os
 import time
 from typing import Any
 
+import msgspec
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
@@ -50,6 +55,7 @@ from policyworker.layout.plan import ReshardPlan
 from policyworker.ledger import WeightLedger
 from policyworker.integrations.vllm.backend import PolicyworkerInitInfo, PolicyworkerUpdateInfo, PolicyworkerWeightTransferEngine, _marked
 from policyworker.integrations.vllm.join import Joined, Loop, join
+from policyworker.integrations.vllm.lora_base import PendingBase, base_needs
 from policyworker.integrations.vllm.lora_plan import ENGINE_KEY, PLAN_KEY, LoraEngineInfo, LoraPlanInfo, decode, encode
 
 __all__ = ["BACKEND_LORA", "LORA_ID", "LORA_NAME", "PolicyworkerLoraEngine", "checkpoint_hash", "lora_request"]
@@ -107,7 +113,14 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         self._committed: Any = None
         self._vllm_remove_all = self.manager.remove_all_adapters
         self.manager.remove_all_adapters = self._remove_all_adapters
+        #: The content hash of the base vLLM serves (its checkpoint's, until a base is sent).
         self._base_hash: str | None = None
+        self._base_targets: Any = None  # (targets, needs, refusal) of the base, read once
+        #: The trainers' base while it is on its way (None: none is being sent).
+        self._pending: PendingBase | None = None
+        #: Bytes of the base the last commit swapped in (0: it installed an adapter only).
+        self.last_base_bytes = 0
+        self._base_prepack: Any = None  # a committed base's background prepack (cpu_linear="background")
         self._loop: Loop | None = None
         self._joined: Joined | None = None
         self._info: PolicyworkerInitInfo | None = None
@@ -132,13 +145,20 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
     def init_transfer_engine(self, init_info: PolicyworkerInitInfo) -> None:
         if self._base_hash is None:
             self._base_hash = checkpoint_hash(self.vllm_config.model_config.model)
+        if self._base_targets is None:
+            self._base_targets = base_needs(self.model, rank=self.tp_rank, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                            dtype=self.vllm_config.model_config.dtype)
         if self._loop is None:
             self._loop = Loop()
         self._close_worker()
+        self._pending = None  # a base received but not committed: the trainers send it again
         gen_world = init_info.gen_world_size or self.tp_size
         rank = init_info.rank_offset + self.tp_rank
+        _, needs, refusal = self._base_targets
         me = LoraEngineInfo(rank=rank, tp_size=self.tp_size, base_hash=self._base_hash,
-                            max_lora_rank=int(self.lora_config.max_lora_rank))
+                            max_lora_rank=int(self.lora_config.max_lora_rank),
+                            base_needs=None if needs is None else msgspec.structs.replace(needs, rank=rank),
+                            base_refusal=refusal)
         device = "cpu" if self.device.type == "cpu" else self.device
         self._joined = self._call(join(init_info, rank=rank, gen_world_size=gen_world, device=device,
                                        key=ENGINE_KEY.format(rank=rank), note=encode(me)),
@@ -160,10 +180,10 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         except Exception as exc:  # the store raises DistStoreError/RuntimeError on timeouts
             raise translate_comm_error(exc, rank=worker.rank, what="reading the trainers' LoRA plan") from exc
         info: LoraPlanInfo = decode(data, LoraPlanInfo)
-        if info.base_hash != self._base_hash:
+        if info.base_hash != self._base_hash and info.base_plan is None:
             raise PlanMismatch(f"vLLM rank {worker.rank}: the trainers' base hashes to {info.base_hash[:12]}…, the "
-                               f"checkpoint vLLM loaded to {self._base_hash[:12]}…; no adapter of theirs fits it",
-                               rank=worker.rank)
+                               f"base vLLM serves to {self._base_hash[:12]}…; no adapter of theirs fits it (the "
+                               "trainers send their base with base='send_if_different')", rank=worker.rank)
         plan = ReshardPlan.from_wire(info.plan)
         mine = plan.local_tensors("dst", worker.rank)
         known = self._known_modules()
@@ -184,8 +204,29 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
             raise ConfigError(f"vLLM refuses the adapter's config: {exc}", rank=worker.rank) from exc
         self._staging = {name: torch.empty(local.shape, dtype=getattr(torch, local.dtype), device=self.device)
                          for name, local in mine.items()}
-        self._call(self._joined.attach(plan, self._staging), self._info.timeout_s)  # checked once, here
+        if info.base_plan is None:
+            self._call(self._joined.attach(plan, self._staging), self._info.timeout_s)  # checked once, here
+        else:
+            self._attach_base_plan(ReshardPlan.from_wire(info.base_plan), info.base_hash, mine)
         self._plan, self._helper = plan, helper
+
+    def _attach_base_plan(self, first: ReshardPlan, base_hash: str, factors: dict[str, Any]) -> None:
+        """Attach the trainers' first plan: the base (into a staging set of its own) and the factors."""
+        rank = self._joined.worker.rank
+        targets, needs, refusal = self._base_targets
+        if needs is None:
+            raise PlanMismatch(f"the trainers send their base, which vLLM rank {rank} cannot receive: {refusal}",
+                               rank=rank)
+        extra = sorted(set(first.local_tensors("dst", rank)) - set(factors) - {n.name for n in needs.needs})
+        if extra:
+            raise PlanMismatch(f"the trainers' base plan gives vLLM rank {rank} {extra[0]!r}, which it does not "
+                               "load", rank=rank, param=extra[0])
+        self._pending = PendingBase(
+            self.model, targets, needs, first, base_hash, rank=rank, device=self.device,
+            cpu_linear=self._info.cpu_linear,
+            copy_into_live=PolicyworkerWeightTransferEngine._copy_into_live(self, self._info.commit))
+        self._call(self._joined.attach(first, {**self._staging, **self._pending.receive_views()}),
+                   self._info.timeout_s)
 
     # -- one update -------------------------------------------------------------------
     def _require_worker(self) -> Any:
@@ -217,6 +258,12 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
                               f"rank {worker.rank} serves ({served}); nothing received", rank=worker.rank)
         timeout = update_info.refit_timeout_s or self._info.refit_timeout_s
         report = self._call(self._joined.refit(timeout), timeout if timeout is not None else self._info.timeout_s)
+        pending = self._pending
+        if pending is not None and not pending.received:
+            # Every rank's verdict was good: the trainers attach the adapter-only plan now
+            # (connected at the next refit); so does this rank. The base waits for the commit.
+            pending.received = True
+            self._call(self._joined.attach(self._plan, self._staging), self._info.timeout_s)
         self.kv_scales = report.kv_scales
         if report.version != update_info.version:
             raise ProtocolError(f"the trainers sent version {report.version}, update_info says "
@@ -241,15 +288,26 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         lora = LoRAModel.from_lora_tensors(LORA_ID, tensors, self._helper, device=str(self.device),
                                            dtype=self.lora_config.lora_dtype,
                                            model_vocab_size=self.vllm_config.model_config.get_vocab_size())
+        base = self._pending if self._pending is not None and self._pending.received else None
+        # vLLM's post-processing of the base runs off the live layers: a failure here changes nothing.
+        prepared = base.prepare() if base is not None else None
         previous = self.manager.get_adapter(LORA_ID)
         with self.ledger.transaction(version) as tx:
+            if base is not None:
+                tx.touched = True  # the swap moves live layers onto the trainers' base
+                self._base_prepack = base.stage.prepack
+                base.commit(prepared)
+                self._base_hash, self._pending = base.base_hash, None
             try:
                 self._install(lora)
             except BaseException:
-                tx.touched = not self._restore(previous)  # torn unless the previous adapter is back
+                restored = self._restore(previous)
+                # Torn unless the previous adapter is back on the base it was served on.
+                tx.touched = base is not None or not restored
                 raise
             tx.commit()
         self._committed = lora
+        self.last_base_bytes = base.nbytes if base is not None else 0
         self.last_install_s = time.perf_counter() - t0
 
     def _remove_all_adapters(self) -> None:
@@ -257,7 +315,8 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
 
         vLLM's worker resets its LoRA state after every ``finish_weight_update`` and
         every base reload (``reset_lora_state``: it assumes the base changed). This
-        backend never changes the base, and the committed adapter exists only in
+        backend changes the base only together with the adapter (the committed one was
+        installed for the base now served), and the committed adapter exists only in
         memory: were it dropped, a request naming it would make vLLM try to load it
         from its (placeholder) path and fail the engine.
         """
@@ -306,6 +365,8 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
                     joined.close()
 
     def shutdown(self) -> None:
+        if self._base_prepack is not None:
+            self._base_prepack.stop()
         self._close_worker()
         if self._loop is not None:
             self._loop.close()

@@ -103,9 +103,15 @@ class VllmStage:
 
     ``targets``: `vllm_targets(model)` (what each rank loads and where). Built once per
     engine (it allocates both sets); :meth:`set_wire_dtypes` follows the trainers' plan.
+    ``sets=1``: one set serves as both (half the memory) for a stage that receives and
+    commits once and is then dropped (a LoRA engine's base): after its commit the live
+    layers may reference it, so nothing may receive into it again.
     """
 
-    def __init__(self, model: torch.nn.Module, targets: Sequence[Any], *, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, targets: Sequence[Any], *, device: torch.device,
+                 sets: int = 2) -> None:
+        if sets not in (1, 2):
+            raise ConfigError(f"a VllmStage holds 1 or 2 staging sets, not {sets!r}")
         self.model = model
         self.device = device
         self.wire_dtypes: dict[str, str] = {}
@@ -130,8 +136,9 @@ class VllmStage:
                 slot = slots.get(id(param))
                 if slot is None:
                     meta = _loaded_form(module, pname, param)
-                    sets = (_materialize(meta, module, device), _materialize(meta, module, device))
-                    slot = slots[id(param)] = _Slot([], meta, sets)
+                    first = _materialize(meta, module, device)
+                    pair = (first, first if sets == 1 else _materialize(meta, module, device))
+                    slot = slots[id(param)] = _Slot([], meta, pair)
                 if (module, pname) not in slot.owners:
                     slot.owners.append((module, pname))
         self._slots = list(slots.values())
@@ -225,14 +232,15 @@ class VllmStage:
                         loader(scratch, carrier) if t.shard is None else loader(scratch, carrier, t.shard)
                 for k in (0, 1):
                     self._views[k][t.need.name].copy_(box)
+            # bit for bit (float8 has no torch.equal on CPU); both sets before zeroing (they may be one)
+            same = all(stage.dtype == scratch.dtype and torch.equal(stage.view(torch.uint8), scratch.view(torch.uint8))
+                       for stage in slot.sets)
             for stage in slot.sets:
-                # bit for bit (float8 has no torch.equal on CPU)
-                same = stage.dtype == scratch.dtype and torch.equal(stage.view(torch.uint8), scratch.view(torch.uint8))
                 stage.zero_()
-                if not same:
-                    name = slot.targets[0].need.name if slot.targets else "?"
-                    raise PlanMismatch(f"vLLM's loader places {name} (and its fused members) elsewhere than the "
-                                       "policyworker backend receives it; this layer is not supported")
+            if not same:
+                name = slot.targets[0].need.name if slot.targets else "?"
+                raise PlanMismatch(f"vLLM's loader places {name} (and its fused members) elsewhere than the "
+                                   "policyworker backend receives it; this layer is not supported")
 
     # -- prepare and commit --------------------------------------------------------------
     def prepare(self) -> Prepared:

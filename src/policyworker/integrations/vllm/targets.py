@@ -115,8 +115,10 @@ def vllm_targets(model: torch.nn.Module) -> list[Target]:
     indices (vLLM pads it; only real rows are needed), row-parallel inputs by
     ``input_size_per_partition``; norms whole; block-FP8 linear layers' weights as fp8
     boxes plus their derived block scales (:mod:`.vllm_fp8`); routed experts (``FusedMoE``)
-    per local expert (:mod:`.vllm_moe`). Layers it does not know (other quantized or
-    LoRA-wrapped layers, quantized or padded experts) are a ConfigError naming them.
+    per local expert (:mod:`.vllm_moe`). A layer vLLM wrapped for LoRA
+    (``<layer>.base_layer``) loads what the layer itself loads, under the checkpoint's
+    names. Layers it does not know (other quantized layers, quantized or padded
+    experts) are a ConfigError naming them.
     """
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import LinearBase
@@ -124,9 +126,11 @@ def vllm_targets(model: torch.nn.Module) -> list[Target]:
 
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     targets: list[Target] = []
-    for name, param in model.named_parameters():
-        mod_name, _, pname = name.rpartition(".")
+    for real, param in model.named_parameters():
+        mod_name, _, pname = real.rpartition(".")
         module = model.get_submodule(mod_name)
+        checkpoint_mod = _checkpoint_module(model, mod_name)
+        name = f"{checkpoint_mod}.{pname}" if checkpoint_mod else pname  # the Need's (checkpoint) name
         if is_routed_experts(module):  # FusedMoE's experts: each local expert's boxes
             targets += expert_targets(module, mod_name, pname, Target)
             continue
@@ -136,7 +140,7 @@ def vllm_targets(model: torch.nn.Module) -> list[Target]:
             raise ConfigError(f"{mod_name} is quantized ({type(module.quant_method).__name__}); the policyworker "
                               "backend moves unquantized weights and block-FP8 linear layers only", param=name)
         if isinstance(module, LinearBase):
-            parent, _, leaf = mod_name.rpartition(".")
+            parent, _, leaf = checkpoint_mod.rpartition(".")
             base = f"{parent}." if parent else ""
             pairs = _linear_needs(module, pname, packed.get(leaf, [leaf]), base)
             if quantized:  # block-FP8 (else a ConfigError naming the layer)
@@ -156,6 +160,16 @@ def vllm_targets(model: torch.nn.Module) -> list[Target]:
             raise ConfigError(f"vLLM layer {type(module).__name__} ({mod_name}) is not supported by the "
                               "policyworker backend yet", param=name)
     return targets
+
+
+def _checkpoint_module(model: torch.nn.Module, mod_name: str) -> str:
+    """``mod_name`` as the checkpoint names it: vLLM's LoRA wrappers hold the layer they
+    wrap as ``<wrapper>.base_layer`` (the wrapper has the layer's own name)."""
+    parent, _, leaf = mod_name.rpartition(".")
+    if leaf == "base_layer" and parent and \
+            getattr(model.get_submodule(parent), "base_layer", None) is model.get_submodule(mod_name):
+        return parent
+    return mod_name
 
 
 def needs_of(targets: list[Target], *, rank: int, tp_rank: int, tp_size: int, dtype: Any) -> Needs:
