@@ -77,11 +77,16 @@ class _Engines:
             raise RuntimeError(f"trainers failed to connect: {bad}")
         return replies
 
-    def _update(self, e: int, version: int) -> None:
+    def _update(self, e: int, version: int) -> dict[str, float]:
         llm = self.llms[e]
+        t0 = time.perf_counter()
         llm.start_weight_update()
+        t1 = time.perf_counter()
         llm.update_weights({"update_info": {"version": version}})
+        t2 = time.perf_counter()
         llm.finish_weight_update(weight_version=str(version))
+        t3 = time.perf_counter()
+        return {"start_seconds": t1 - t0, "transfer_seconds": t2 - t1, "apply_seconds": t3 - t2}
 
     def refit(self, version: int, engines: list[int]) -> dict[str, Any]:
         """Load ``version`` into the trainers (untimed), then one timed refit into ``engines``."""
@@ -92,8 +97,7 @@ class _Engines:
         self.pool.send({"cmd": "refit", "version": version, "load": False})
         t0 = time.perf_counter()
         futs = [self.ex.submit(self._update, e, version) for e in engines]
-        for f in futs:
-            f.result(timeout=self.spec.refit_timeout_s)
+        per_engine = [f.result(timeout=self.spec.refit_timeout_s) for f in futs]
         seconds = time.perf_counter() - t0
         for e in engines:
             self.llms[e].reset_prefix_cache()
@@ -102,7 +106,8 @@ class _Engines:
         if bad:
             raise RuntimeError(f"trainers failed refit {version}: {bad}")
         return {"version": version, "engines": len(engines), "seconds": seconds,
-                "bytes": sum(r["bytes"] for r in replies)}
+                "bytes": sum(r["bytes"] for r in replies), "per_engine": per_engine,
+                "trainer_send_seconds": max(r["seconds"] for r in replies)}
 
     def tokens(self, e: int) -> list[list[int]]:
         from vllm import SamplingParams
@@ -151,8 +156,10 @@ def run_vllm_engines_bench(*, preset: str = "small", train: str = "tp=2", rounds
                     raise PlanError(f"refit {version} moved {row['bytes']} bytes, the plan {total}")
                 row["cold"] = r == 0
                 rows.append(row)
+                parts = "; ".join(f"transfer {p['transfer_seconds']:.3f} s, apply {p['apply_seconds']:.3f} s"
+                                  for p in row["per_engine"])
                 log(f"round {r + 1}, {len(engines)} engine(s): refit {version} {row['seconds']:.3f} s, "
-                    f"{row['bytes'] / 1e6:.1f} MB{' (cold)' if r == 0 else ''}")
+                    f"{row['bytes'] / 1e6:.1f} MB ({parts}){' (cold)' if r == 0 else ''}")
         want = greedy_tokens(hf_model(spec, version), PROMPTS, 8)
         match = [world.tokens(e) == want for e in (0, 1)]
     finally:
