@@ -171,6 +171,31 @@ def _gather_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_ptr, 
 
 
 @triton.jit
+def _scan_words(a, b, t, counts_ptr, bits_ptr, part_ptr, T: tl.constexpr, PER: tl.constexpr, UBITS: tl.constexpr,
+                LOW: tl.constexpr, HIGH: tl.constexpr, PACK: tl.constexpr, ONES: tl.constexpr):
+    """A tile's count, bitmap bytes and checksum share from its [R, C, WPR] current / old words
+    (called in each branch of the scan: one layout each, no conversion between them)."""
+    WPR: tl.constexpr = 8 // PER
+    C: tl.constexpr = 128 // WPR
+    R: tl.constexpr = T // PER // 128
+    r = tl.arange(0, R)[:, None, None]
+    k = tl.arange(0, WPR)[None, None, :]
+    d = a ^ b
+    top = ((((d & LOW) + LOW) | d) & HIGH) >> (UBITS - 1)  # bit 0 of each lane: the lane changed
+    tl.store(counts_ptr + t, tl.sum(((top * ONES) >> (64 - UBITS)).to(tl.int32)))  # lanes' sum in the top lane
+    bits = (top * PACK) >> (64 - PER)  # the lanes' bits gathered, lane 0 highest (packbits order)
+    byte = tl.sum(bits << ((WPR - 1 - k) * PER).to(tl.uint64), axis=2)
+    rr = tl.arange(0, R)[:, None]
+    cc = tl.arange(0, C)[None, :]
+    tl.store(bits_ptr + t * (T // 8) + rr * C + cc, byte.to(tl.uint8))
+    # checksum: word (row t*R + r, column c*WPR + k) weighs rw(column) * W2(row)
+    rows = _hash((t * R + r).to(tl.uint64), 2)
+    cols = _hash((tl.arange(0, C)[:, None] * WPR + tl.arange(0, WPR)[None, :]).to(tl.uint64), 1)
+    part = tl.sum(tl.sum(a * rows, axis=0) * cols)
+    tl.store(part_ptr + t, part.to(tl.int64, bitcast=True))
+
+
+@triton.jit
 def _scan_words_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: tl.constexpr, PER: tl.constexpr,
                        UBITS: tl.constexpr, UDT: tl.constexpr, REFRESH: tl.constexpr, LOW: tl.constexpr,
                        HIGH: tl.constexpr, PACK: tl.constexpr, ONES: tl.constexpr):
@@ -191,6 +216,7 @@ def _scan_words_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: t
         b = tl.load(ow + w)
         if REFRESH:
             tl.store(ow + w, a)
+        _scan_words(a, b, t, counts_ptr, bits_ptr, part_ptr, T, PER, UBITS, LOW, HIGH, PACK, ONES)
     else:  # the ragged last tile: words built from units, zero past the end
         j = tl.arange(0, PER)[None, None, None, :]
         u = t * T + w[:, :, :, None] * PER + j
@@ -202,19 +228,7 @@ def _scan_words_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: t
         lanes = (j * UBITS).to(tl.uint64)
         a = tl.sum(au.to(UDT, bitcast=True).to(tl.uint64) << lanes, axis=3)  # disjoint bits: sum == or
         b = tl.sum(bu.to(UDT, bitcast=True).to(tl.uint64) << lanes, axis=3)
-    d = a ^ b
-    top = ((((d & LOW) + LOW) | d) & HIGH) >> (UBITS - 1)  # bit 0 of each lane: the lane changed
-    tl.store(counts_ptr + t, tl.sum(((top * ONES) >> (64 - UBITS)).to(tl.int32)))  # lanes' sum in the top lane
-    bits = (top * PACK) >> (64 - PER)  # the lanes' bits gathered, lane 0 highest (packbits order)
-    byte = tl.sum(bits << ((WPR - 1 - k) * PER).to(tl.uint64), axis=2)
-    rr = tl.arange(0, R)[:, None]
-    cc = tl.arange(0, C)[None, :]
-    tl.store(bits_ptr + t * (T // 8) + rr * C + cc, byte.to(tl.uint8))
-    # checksum: word (row t*R + r, column c*WPR + k) weighs rw(column) * W2(row)
-    rows = _hash((t * R + r).to(tl.uint64), 2)
-    cols = _hash((tl.arange(0, C)[:, None] * WPR + tl.arange(0, WPR)[None, :]).to(tl.uint64), 1)
-    part = tl.sum(tl.sum(a * rows, axis=0) * cols)
-    tl.store(part_ptr + t, part.to(tl.int64, bitcast=True))
+        _scan_words(a, b, t, counts_ptr, bits_ptr, part_ptr, T, PER, UBITS, LOW, HIGH, PACK, ONES)
 
 
 @triton.jit
