@@ -223,6 +223,7 @@ def main() -> int:
             "modelled_delta_torch_over_full": (wire_delta + work_torch) / (wire_full + med["copy"]),
             "modelled_delta_kernels_over_full": (wire_delta + work_kernels) / (wire_full + med["copy"]),
             "steps_s": steps, "steps_refresh_s": steps_refresh,
+            "steps_over_copy": {k: v / med["copy"] for k, v in steps.items()},
             "samples": s,
         }
         rows.append(row)
@@ -236,7 +237,8 @@ def main() -> int:
               f"delta {row['modelled_delta_kernels_over_full']:.3f} x full (torch path "
               f"{row['modelled_delta_torch_over_full']:.3f}) | exact={exact}", flush=True)
         if steps:
-            print("        steps (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in steps.items())
+            print("        steps (ms, in copies): " + ", ".join(f"{k} {v * 1e3:.3f} ({v / med['copy']:.2f})"
+                                                         for k, v in steps.items())
                   + " | with the refresh: " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in steps_refresh.items()),
                   flush=True)
     sweep = []
@@ -302,6 +304,7 @@ def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, frac
                    "encode_refresh_s": statistics.median(ref_s), "checksum_s": statistics.median(ck),
                    "steps_s": steps}
             row["encode_over_copy"] = row["encode_s"] / row["copy_s"]
+            row["steps_over_copy"] = {k: v / row["copy_s"] for k, v in steps.items()}
             row["encode_refresh_over_copy"] = row["encode_refresh_s"] / row["copy_s"]
             out.append(row)
             print(f"  sweep {fraction:.1%}: tile {tile} B, {warps} warps, refresh in the {refresh}, scan {scan}, "
