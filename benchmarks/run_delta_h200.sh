@@ -3,7 +3,8 @@
 # paths, bit for bit), then bench_delta_encode.py on a 2 GiB bf16 stream: each changed fraction
 # with the encoding step by step (scan, sums + the one host sync, the blob's glue, prefix sum,
 # gather; CUDA events), and the sweep of tile sizes / warps / kernel forms at SWEEP_FRACTIONS,
-# the fastest named. Usage (from the repository root): bash benchmarks/run_delta_h200.sh OUTDIR
+# the fastest named. Usage (from the repository root, wheels for pyzmq/msgspec in .whl/):
+# bash benchmarks/run_delta_h200.sh OUTDIR
 # GIB (2), REPS (5), SWEEP_FRACTIONS (0.03,0.001).
 set -u
 OUT=${1:-out}
