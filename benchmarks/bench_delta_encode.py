@@ -17,9 +17,13 @@ then a checksum per copy. This measures, on one CUDA device, for a bf16 stream o
 Before timing, at every fraction, the kernels' blob must be byte for byte the torch
 path's (kind, count, bytes), their checksums the torch path's, the refreshed shadow
 the current bytes, and apply(old, blob) the current bytes: any mismatch, or kernels
-that cannot run on the device, exits 1. ``--sweep`` also times the kernels at 3%
-changed under a few tile sizes, warp counts and refreshing passes (each checked
-first; the library's defaults stay as they are).
+that cannot run on the device, exits 1. Each row also gives the kernels' encoding
+step by step (CUDA events: the scan, the sums and the one host sync, the blob's glue,
+the prefix sum, the gather). ``--sweep`` also times the kernels at
+``--sweep-fractions`` changed (3%) under tile sizes, warp counts, refreshing passes and
+the passes' forms (``words``/``units`` scan, ``bits``/``units`` gather; each variant
+checked first, then timed with its steps; the library's defaults stay as they are) and
+names the fastest.
 
 Usage: python benchmarks/bench_delta_encode.py --json out.json [--gib 2] [--reps 5] [--sweep]
 (``--device cpu`` with ``TRITON_INTERPRET=1`` and a small ``--gib`` runs the script's
@@ -38,9 +42,18 @@ import torch
 
 from policyworker.layout import delta
 
-#: (tile bytes, warps, refreshing pass) tried by --sweep; the first is the library's default
-_SWEEP = [(8192, 4, "gather"), (8192, 4, "scan"), (4096, 4, "gather"), (16384, 4, "gather"), (16384, 8, "gather"),
-          (32768, 8, "gather"), (32768, 8, "scan")]
+#: (tile bytes, warps, refreshing pass, scan form, gather form) tried by --sweep; the first is the
+#: library's default, the "units"/"units" rows are the first kernels
+_SWEEP = [(8192, 4, "gather", "words", "bits"), (8192, 4, "scan", "words", "bits"),
+          (4096, 4, "gather", "words", "bits"), (16384, 4, "gather", "words", "bits"),
+          (16384, 8, "gather", "words", "bits"), (32768, 8, "gather", "words", "bits"),
+          (65536, 8, "gather", "words", "bits"), (65536, 16, "gather", "words", "bits"),
+          (8192, 8, "gather", "words", "bits"), (4096, 2, "gather", "words", "bits"),
+          (8192, 4, "gather", "words", "units"), (8192, 4, "gather", "units", "bits"),
+          (8192, 4, "gather", "units", "units"), (32768, 8, "scan", "units", "units")]
+#: the encoding's steps, as layout.delta marks them: (name, from mark, to mark)
+_STEPS = [("scan", "start", "scan"), ("sums_sync", "scan", "sync"), ("blob_glue", "sync", "glue"),
+          ("prefix", "glue", "prefix"), ("gather", "prefix", "gather")]
 
 
 def _sync() -> None:
@@ -57,6 +70,29 @@ def _timed(fn, reps: int = 1) -> list[float]:
         _sync()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def _steps(ops, fn, reps: int, setup=None) -> dict:
+    """Median device time (s) of each step of the kernels' encoding (CUDA events that
+    ``layout.delta`` records when ``ops.PROFILE`` is a list), and of the whole on the host
+    (``wall``); ``setup`` runs before each repetition, untimed."""
+    if not torch.cuda.is_available():
+        return {}
+    got = {name: [] for name, _, _ in _STEPS}
+    got["wall"] = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        ops.PROFILE = []
+        try:
+            got["wall"] += _timed(fn)
+            at = dict(ops.PROFILE)
+        finally:
+            ops.PROFILE = None
+        for name, a, b in _STEPS:
+            if a in at and b in at:
+                got[name].append(at[a].elapsed_time(at[b]) / 1e3)
+    return {name: statistics.median(v) for name, v in got.items() if v}
 
 
 def _segments(nbytes: int, copies: int, gen: torch.Generator) -> list[tuple[int, int]]:
@@ -102,7 +138,9 @@ def main() -> int:
     ap.add_argument("--link-gbs", type=float, default=50.0, help="link speed for the modelled wire time (GB/s)")
     ap.add_argument("--fractions", default="0.001,0.01,0.03,0.1")
     ap.add_argument("--copies", type=int, default=400, help="copies per stream for the per-copy checksums")
-    ap.add_argument("--sweep", action="store_true", help="also time a few tile sizes / warp counts at 3%%")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time a few tile sizes / warp counts / kernel forms (at --sweep-fractions)")
+    ap.add_argument("--sweep-fractions", default="0.03")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a dry run in Triton's interpreter)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
@@ -132,7 +170,10 @@ def main() -> int:
         cur[idx] = cur[idx] ^ 1  # flip the lowest mantissa bit: a real, small change
         del idx
         raw = cur.view(torch.uint8)
-        bad = _check(ops, cur, old, raw, segments)  # compiles the kernels too
+        try:
+            bad = _check(ops, cur, old, raw, segments)  # compiles the kernels too
+        except Exception as exc:  # a kernel that does not compile or run here: reported, the sweep still runs
+            bad = [f"{type(exc).__name__}: {exc}"[:2000]]
         if bad:
             failures[f"{frac}"] = bad
             print(f"{frac:>6.3%}: KERNELS DIFFER FROM THE TORCH PATH: {bad}", flush=True)
@@ -160,6 +201,9 @@ def main() -> int:
             s["copies_kernels"] += _timed(lambda: delta.checksums(raw, segments))
         exact = bool(torch.equal(dst, cur)) and torch.equal(shadow, cur)
         med = {name: statistics.median(v) for name, v in s.items()}
+        steps = _steps(ops, lambda: delta._encode_fused(ops, cur, old, False, True), args.reps)
+        steps_refresh = _steps(ops, lambda: delta._encode_fused(ops, cur, shadow, True, True), args.reps,
+                               setup=lambda: shadow.copy_(old))
         full_bytes = 2 * n
         blob = int(box["k"].blob.numel())
         wire_full = full_bytes / (args.link_gbs * 1e9)
@@ -181,6 +225,8 @@ def main() -> int:
             "modelled_full_s": wire_full + med["copy"],
             "modelled_delta_torch_over_full": (wire_delta + work_torch) / (wire_full + med["copy"]),
             "modelled_delta_kernels_over_full": (wire_delta + work_kernels) / (wire_full + med["copy"]),
+            "steps_s": steps, "steps_refresh_s": steps_refresh,
+            "steps_over_copy": {k: v / med["copy"] for k, v in steps.items()},
             "samples": s,
         }
         rows.append(row)
@@ -193,20 +239,32 @@ def main() -> int:
               f"{med['copies_kernels'] * 1e3:.2f} ms | apply {med['apply'] * 1e3:.2f} ms | on {args.link_gbs:.0f} GB/s "
               f"delta {row['modelled_delta_kernels_over_full']:.3f} x full (torch path "
               f"{row['modelled_delta_torch_over_full']:.3f}) | exact={exact}", flush=True)
+        if steps:
+            print("        steps (ms, in copies): " + ", ".join(f"{k} {v * 1e3:.3f} ({v / med['copy']:.2f})"
+                                                         for k, v in steps.items())
+                  + " | with the refresh: " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in steps_refresh.items()),
+                  flush=True)
     sweep = []
-    if args.sweep and not failures:
-        sweep = _sweep(ops, old, n, gen, args.reps)
+    if args.sweep:  # every variant is checked before it is timed
+        for frac in (float(f) for f in args.sweep_fractions.split(",")):
+            sweep += _sweep(ops, old, n, gen, args.reps, frac)
     goal = [r for r in rows if abs(r["changed_fraction"] - 0.03) < 1e-9]
     if goal:
         ratio = goal[0]["encode_kernels_over_copy"]
         print(f"goal (encode at 3% changed <= 2 flat copies): {ratio:.2f} copies -> "
               f"{'met' if ratio <= 2 else 'NOT met'}", flush=True)
-    failures.update({f"sweep {r['tile_bytes']} B {r['num_warps']} warps {r['refresh']}":
-                     ["blob, checksum or refresh"] for r in sweep if not r["exact"]})
+    failures.update({f"sweep {r['changed_fraction']} {r['tile_bytes']} B {r['num_warps']} warps {r['refresh']} "
+                     f"{r['scan']}/{r['gather']}": [r.get("error", "blob, checksum or refresh")]
+                     for r in sweep if not r["exact"]})
+    best = min((r for r in sweep if r["exact"]), key=lambda r: r["encode_over_copy"], default=None)
+    if best is not None:
+        print(f"best of the sweep: tile {best['tile_bytes']} B, {best['num_warps']} warps, scan {best['scan']}, "
+              f"gather {best['gather']}: {best['encode_over_copy']:.2f} copies", flush=True)
     out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)",
            "torch": torch.__version__, "triton": __import__("triton").__version__, "gib": args.gib, "reps": args.reps,
            "link_gbs": args.link_gbs, "tile_bytes": ops.TILE_BYTES, "num_warps": ops.NUM_WARPS,
-           "refresh": ops.REFRESH, "rows": rows, "sweep": sweep, "failures": failures}
+           "refresh": ops.REFRESH, "scan": ops.SCAN, "gather": ops.GATHER, "rows": rows, "sweep": sweep,
+           "sweep_best": best, "failures": failures}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     if failures:
@@ -215,10 +273,11 @@ def main() -> int:
     return 0 if all(r["exact"] for r in rows) else 1
 
 
-def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int) -> list[dict]:
-    """The kernels at 3% changed under other tile sizes / warps / refreshing passes (checked, then timed)."""
+def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, fraction: float) -> list[dict]:
+    """The kernels at ``fraction`` changed under other tile sizes / warps / refreshing passes /
+    forms (each checked against the torch path, then timed, step by step too)."""
     cur = old.clone()
-    idx = torch.randperm(n, generator=gen, device=old.device)[:int(n * 0.03)]
+    idx = torch.randperm(n, generator=gen, device=old.device)[:max(1, int(n * fraction))]
     cur[idx] = cur[idx] ^ 1
     del idx
     raw = cur.view(torch.uint8)
@@ -227,12 +286,20 @@ def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int) -> l
     dst = torch.empty_like(old)
     shadow = torch.empty_like(old)
     out = []
-    default = (ops.TILE_BYTES, ops.NUM_WARPS, ops.REFRESH)
+    default = (ops.TILE_BYTES, ops.NUM_WARPS, ops.REFRESH, ops.SCAN, ops.GATHER)
     try:
-        for tile, warps, refresh in _SWEEP:
-            ops.configure(tile_bytes=tile, num_warps=warps, refresh=refresh)
+        for tile, warps, refresh, scan, gather in _SWEEP:
+            ops.configure(tile_bytes=tile, num_warps=warps, refresh=refresh, scan=scan, gather=gather)
             shadow.copy_(old)
-            got = delta._encode_fused(ops, cur, shadow, True, True)
+            try:
+                got = delta._encode_fused(ops, cur, shadow, True, True)
+            except Exception as exc:  # this variant does not compile or run here: a failure row, the rest go on
+                out.append({"changed_fraction": fraction, "tile_bytes": tile, "num_warps": warps, "refresh": refresh,
+                            "scan": scan, "gather": gather, "exact": False,
+                            "error": f"{type(exc).__name__}: {exc}"[:2000]})
+                print(f"  sweep {fraction:.1%}: tile {tile} B, {warps} warps, {refresh}, {scan}/{gather}: "
+                      f"FAILED {out[-1]['error'][:300]}", flush=True)
+                continue
             ok = (torch.equal(got.blob, want.blob) and got.checksum == ref and delta.checksum(raw) == ref
                   and torch.equal(shadow, cur))
             copy, enc, ref_s, ck = [], [], [], []
@@ -242,20 +309,27 @@ def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int) -> l
                 shadow.copy_(old)
                 ref_s += _timed(lambda: delta._encode_fused(ops, cur, shadow, True, True))
                 ck += _timed(lambda: delta.checksum(raw))
-            row = {"tile_bytes": tile, "num_warps": warps, "refresh": refresh, "exact": bool(ok),
+            steps = _steps(ops, lambda: delta._encode_fused(ops, cur, old, False, True), reps)
+            row = {"changed_fraction": fraction, "tile_bytes": tile, "num_warps": warps, "refresh": refresh,
+                   "scan": scan, "gather": gather, "exact": bool(ok),
                    "copy_s": statistics.median(copy), "encode_s": statistics.median(enc),
-                   "encode_refresh_s": statistics.median(ref_s), "checksum_s": statistics.median(ck)}
+                   "encode_refresh_s": statistics.median(ref_s), "checksum_s": statistics.median(ck),
+                   "steps_s": steps}
             row["encode_over_copy"] = row["encode_s"] / row["copy_s"]
+            row["steps_over_copy"] = {k: v / row["copy_s"] for k, v in steps.items()}
             row["encode_refresh_over_copy"] = row["encode_refresh_s"] / row["copy_s"]
             out.append(row)
-            print(f"  sweep tile {tile} B, {warps} warps, refresh in the {refresh}: encode "
-                  f"{row['encode_s'] * 1e3:.2f} ms "
+            print(f"  sweep {fraction:.1%}: tile {tile} B, {warps} warps, refresh in the {refresh}, scan {scan}, "
+                  f"gather {gather}: encode {row['encode_s'] * 1e3:.2f} ms "
                   f"({row['encode_over_copy']:.2f} copies), with the refresh {row['encode_refresh_s'] * 1e3:.2f} ms "
-                  f"({row['encode_refresh_over_copy']:.2f}), checksum {row['checksum_s'] * 1e3:.2f} ms, exact={ok}",
+                  f"({row['encode_refresh_over_copy']:.2f}), checksum {row['checksum_s'] * 1e3:.2f} ms, exact={ok}"
+                  + ("; steps (ms) " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in steps.items()) if steps else ""),
                   flush=True)
     finally:
-        ops.configure(tile_bytes=default[0], num_warps=default[1], refresh=default[2])
+        ops.configure(tile_bytes=default[0], num_warps=default[1], refresh=default[2], scan=default[3],
+                      gather=default[4])
     return out
+
 
 if __name__ == "__main__":
     sys.exit(main())

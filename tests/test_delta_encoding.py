@@ -131,7 +131,7 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     import sys
     from pathlib import Path
 
-    from policyworker.testing.delta_check import ENCODE_CASES
+    from policyworker.testing.delta_check import ENCODE_CASES, FORMS
 
     src = str(Path(D.__file__).resolve().parents[2])
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
@@ -143,7 +143,10 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     res = json.loads(lines[-1])
     assert {k: v for k, v in res.items() if not v["ok"]} == {}
     encodes = [v for k, v in res.items() if k.startswith("encode")]
-    assert len(encodes) == len(ENCODE_CASES) + 2 and len(res) >= len(encodes) + 8
+    assert len(encodes) == len(ENCODE_CASES) + 3 and len(res) >= len(encodes) + 8
+    assert {tuple(v["forms"]) for v in encodes} == set(FORMS)
+    assert {v["kind"] for v in encodes if tuple(v["forms"]) == FORMS[0]} >= {D.SPARSE, D.BITMAP, D.NONE}
+    assert any(v["offset"] for v in encodes)  # an unaligned stream: the units scan under the words form
     assert {v["kind"] for v in encodes} == {D.NONE, D.SPARSE, D.BITMAP, D.RAW}
     assert {(v["kind"], v["refresh"]) for v in encodes} >= {(D.SPARSE, "gather"), (D.SPARSE, "scan"),
                                                            (D.BITMAP, "gather"), (D.BITMAP, "scan")}
@@ -179,6 +182,14 @@ def test_kernels_compile_for_hopper_with_16_byte_loads_of_whole_tiles(monkeypatc
                dict(bf16, LOG=12, ALIGN=8))
     for code in (scan, sums):
         assert "ld.global.v4.b32" in code and "mul.lo.s64" in code
+    words = ptx(K._scan_words_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "n": "i64", "counts_ptr": "*i32",
+                                       "bits_ptr": "*u8", "part_ptr": "*i64"},
+                dict(bf16, REFRESH=False, **K._lane_masks(2)))
+    assert "ld.global.v2.b64" in words or "ld.global.v4.b32" in words  # whole tiles: 16-byte word loads
+    bits = ptx(K._gather_bits_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "counts_ptr": "*i32",
+                                       "starts_ptr": "*i64", "bits_ptr": "*u8", "val_ptr": "*i16", "off_ptr": "*i16"},
+               dict(T=K.tile_units(2), OFFSETS=True, UPDATE=True))
+    assert "st.global.b16" in bits
     gather = ptx(K._gather_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "counts_ptr": "*i32", "starts_ptr": "*i64",
                                     "bits_ptr": "*u8", "val_ptr": "*i16", "off_ptr": "*i16"},
                  dict(T=K.tile_units(2), OFFSETS=True, UPDATE=True))
@@ -207,5 +218,8 @@ def test_kernel_settings_are_checked():
                 {"refresh": "both"}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
-    assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH) == (8192, 4, "gather")
+    for bad in ({"scan": "bytes"}, {"gather": "all"}):
+        with pytest.raises(ConfigError):
+            K.configure(**bad)
+    assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH, K.SCAN, K.GATHER) == (8192, 4, "gather", "words", "bits")
     assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [8192, 4096, 2048, 1024]  # each divides a 65,536-unit block

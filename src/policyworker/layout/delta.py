@@ -139,32 +139,49 @@ def _encode_fused(ops, cur: torch.Tensor, old: torch.Tensor, update_old: bool, w
     """The Triton path: one scan of both sides (counts, bitmap, checksum), one gather."""
     n, unit = cur.numel(), cur.element_size()
     in_scan = update_old and ops.REFRESH == "scan"  # else the gather refreshes (changed units only)
+    ops.mark("start")
     counts, bitmap, parts = ops.scan(cur, old, _BLOCK, refresh=in_scan)
+    ops.mark("scan")
     k, words = torch.stack([counts.sum(dtype=torch.int64), parts.sum()]).tolist()  # one sync
+    ops.mark("sync")
     total = (words + n * unit) & _M64 if with_checksum else None
     if k == 0:
         return Encoded(NONE, 0, torch.empty(0, dtype=torch.uint8, device=cur.device), total)
     kind = _smallest(n, k, unit)
-    blob = torch.zeros(blob_bytes(kind, n, k, unit), dtype=torch.uint8, device=cur.device)
+    size = blob_bytes(kind, n, k, unit)
+    blob = torch.empty(size, dtype=torch.uint8, device=cur.device)  # every byte is written below
     if kind == RAW:
         blob.narrow(0, 0, n * unit).copy_(cur.view(torch.uint8))
+        _zero_pads(blob, [(n * unit, size)])
         if update_old and not in_scan:
             old.copy_(cur)
         return Encoded(RAW, k, blob, total)
     offsets = None
     if kind == SPARSE:
         nblocks = -(-n // _BLOCK)
-        blob.narrow(0, 0, 4 * nblocks).view(torch.int32).copy_(counts.view(nblocks, -1).sum(1, dtype=torch.int32))
+        torch.sum(counts.view(nblocks, -1), 1, dtype=torch.int32, out=blob.narrow(0, 0, 4 * nblocks).view(torch.int32))
         at = _pad8(4 * nblocks)
         offsets = blob.narrow(0, at, 2 * k).view(torch.int16)
+        pads = [(4 * nblocks, at), (at + 2 * k, at + _pad8(2 * k))]
         at += _pad8(2 * k)
     else:
         nbits = -(-n // 8)
         blob.narrow(0, 0, nbits).copy_(bitmap.narrow(0, 0, nbits))
         at = _pad8(nbits)
+        pads = [(nbits, at)]
+    _zero_pads(blob, [*pads, (at + k * unit, size)])
+    ops.mark("glue")
     ops.gather(cur, old, counts, bitmap, blob.narrow(0, at, k * unit).view(cur.dtype), offsets,
                update_old and not in_scan)
+    ops.mark("gather")
     return Encoded(kind, k, blob, total)
+
+
+def _zero_pads(blob: torch.Tensor, spans: list[tuple[int, int]]) -> None:
+    """Zero the padding bytes ``[a, b)`` between a blob's sections (at most 7 each)."""
+    for a, b in spans:
+        if b > a:
+            blob.narrow(0, a, b - a).zero_()
 
 
 def _encode_torch(cur: torch.Tensor, old: torch.Tensor) -> Encoded:

@@ -22,6 +22,18 @@ many units change). ``benchmarks/bench_delta_encode.py --sweep`` times both.
 * :func:`checksums`, one read: the checksum's word sums of byte segments of one
   buffer (every copy of a transfer in one launch).
 
+Each pass has two forms (``configure``; the benchmark sweeps them). The scan's
+``"words"`` form (the default where both tensors are 8-byte aligned) works on 64-bit
+words: a word's XOR gives its changed lanes, their count and its bitmap bits with a
+few integer operations and two multiplies (no per-unit tensors, no reshapes), and the
+checksum weights words directly; ``"units"`` works unit by unit. The gather's
+``"bits"`` form (the default) gives each thread 32 units' bitmap word and loops only
+as many times as the most changed units any thread of the tile has, writing one
+changed unit per thread per round; ``"units"`` takes a prefix sum over every unit.
+
+:func:`mark` records a CUDA event per step of an encoding when :data:`PROFILE` is a
+list (the benchmark's per-step timings); otherwise it does nothing.
+
 The checksum is layout.delta's: the bytes as little-endian 64-bit words ``x_j``, the
 tail zero-padded, ``sum(rw(j mod 128) * W2(j // 128) * x_j) + nbytes`` mod 2**64, where
 ``rw = _hash(., 1)`` and ``W2 = _hash(., 2)`` are the same odd weights as layout.delta's
@@ -37,20 +49,35 @@ import triton.language as tl
 
 from policyworker.errors import ConfigError, ProtocolError
 
-__all__ = ["NUM_WARPS", "REFRESH", "TILE_BYTES", "checksums", "configure", "gather", "scan", "tile_units"]
+__all__ = ["GATHER", "NUM_WARPS", "PROFILE", "REFRESH", "SCAN", "TILE_BYTES", "checksums", "configure", "gather",
+           "mark", "scan", "tile_units"]
 
 #: Bytes of one stream a program covers (a power of two, 1 KiB .. 64 KiB), and warps per program.
 TILE_BYTES = 8192
 NUM_WARPS = 4
 #: Which pass refreshes the old tensor when asked: "gather" (changed units) or "scan" (whole tiles).
 REFRESH = "gather"
+#: The scan's form ("words" or "units") and the gather's ("bits" or "units").
+SCAN = "words"
+GATHER = "bits"
+#: When a list, :func:`mark` appends (step name, recorded CUDA event) to it.
+PROFILE: list | None = None
 _GROUP = 1 << 16  # units per block of the sparse encoding: a tile never straddles one
 _UNSIGNED = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 
 
-def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, refresh: str | None = None) -> None:
-    """Set the tile size, warps and refreshing pass (the benchmark's sweep)."""
-    global TILE_BYTES, NUM_WARPS, REFRESH
+def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, refresh: str | None = None,
+              scan: str | None = None, gather: str | None = None) -> None:
+    """Set the tile size, warps, refreshing pass and the passes' forms (the benchmark's sweep)."""
+    global TILE_BYTES, NUM_WARPS, REFRESH, SCAN, GATHER
+    if scan is not None:
+        if scan not in ("words", "units"):
+            raise ConfigError(f"delta kernels: scan {scan!r} is not 'words' or 'units'")
+        SCAN = scan
+    if gather is not None:
+        if gather not in ("bits", "units"):
+            raise ConfigError(f"delta kernels: gather {gather!r} is not 'bits' or 'units'")
+        GATHER = gather
     if refresh is not None:
         if refresh not in ("gather", "scan"):
             raise ConfigError(f"delta kernels: refresh {refresh!r} is not 'gather' or 'scan'")
@@ -63,6 +90,14 @@ def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, re
         if num_warps not in (1, 2, 4, 8, 16):
             raise ConfigError(f"delta kernels: num_warps {num_warps} is not 1, 2, 4, 8 or 16")
         NUM_WARPS = num_warps
+
+
+def mark(step: str) -> None:
+    """Record a CUDA event named ``step`` into :data:`PROFILE` (when it is a list)."""
+    if PROFILE is not None and torch.cuda.is_available():
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        PROFILE.append((step, ev))
 
 
 def tile_units(unit: int) -> int:
@@ -136,6 +171,97 @@ def _gather_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_ptr, 
 
 
 @triton.jit
+def _scan_words(a, b, t, counts_ptr, bits_ptr, part_ptr, T: tl.constexpr, PER: tl.constexpr, UBITS: tl.constexpr,
+                LOW: tl.constexpr, HIGH: tl.constexpr, PACK: tl.constexpr, ONES: tl.constexpr):
+    """A tile's count, bitmap bytes and checksum share from its [R, C, WPR] current / old words
+    (called in each branch of the scan: one layout each, no conversion between them)."""
+    WPR: tl.constexpr = 8 // PER
+    C: tl.constexpr = 128 // WPR
+    R: tl.constexpr = T // PER // 128
+    r = tl.arange(0, R)[:, None, None]
+    k = tl.arange(0, WPR)[None, None, :]
+    d = a ^ b
+    top = ((((d & LOW) + LOW) | d) & HIGH) >> (UBITS - 1)  # bit 0 of each lane: the lane changed
+    tl.store(counts_ptr + t, tl.sum(((top * ONES) >> (64 - UBITS)).to(tl.int32)))  # lanes' sum in the top lane
+    bits = (top * PACK) >> (64 - PER)  # the lanes' bits gathered, lane 0 highest (packbits order)
+    byte = tl.sum(bits << ((WPR - 1 - k) * PER).to(tl.uint64), axis=2)
+    rr = tl.arange(0, R)[:, None]
+    cc = tl.arange(0, C)[None, :]
+    tl.store(bits_ptr + t * (T // 8) + rr * C + cc, byte.to(tl.uint8))
+    # checksum: word (row t*R + r, column c*WPR + k) weighs rw(column) * W2(row)
+    rows = _hash((t * R + r).to(tl.uint64), 2)
+    cols = _hash((tl.arange(0, C)[:, None] * WPR + tl.arange(0, WPR)[None, :]).to(tl.uint64), 1)
+    part = tl.sum(tl.sum(a * rows, axis=0) * cols)
+    tl.store(part_ptr + t, part.to(tl.int64, bitcast=True))
+
+
+@triton.jit
+def _scan_words_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: tl.constexpr, PER: tl.constexpr,
+                       UBITS: tl.constexpr, UDT: tl.constexpr, REFRESH: tl.constexpr, LOW: tl.constexpr,
+                       HIGH: tl.constexpr, PACK: tl.constexpr, ONES: tl.constexpr):
+    # A tile as [R checksum rows, C bitmap bytes a row, WPR words a byte]: a word's lanes, its
+    # bitmap bits and its checksum weight all follow from its place, without reshapes.
+    WPR: tl.constexpr = 8 // PER
+    C: tl.constexpr = 128 // WPR
+    R: tl.constexpr = T // PER // 128
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, R)[:, None, None]
+    c = tl.arange(0, C)[None, :, None]
+    k = tl.arange(0, WPR)[None, None, :]
+    w = r * 128 + c * WPR + k  # the word in the tile
+    if t * T + T <= n:  # whole words, 8-byte aligned (the caller checks): 16-byte loads
+        cw = cur_ptr.to(tl.pointer_type(tl.uint64), bitcast=True) + t * (T // PER)
+        ow = old_ptr.to(tl.pointer_type(tl.uint64), bitcast=True) + t * (T // PER)
+        a = tl.load(cw + w)
+        b = tl.load(ow + w)
+        if REFRESH:
+            tl.store(ow + w, a)
+        _scan_words(a, b, t, counts_ptr, bits_ptr, part_ptr, T, PER, UBITS, LOW, HIGH, PACK, ONES)
+    else:  # the ragged last tile: words built from units, zero past the end
+        j = tl.arange(0, PER)[None, None, None, :]
+        u = t * T + w[:, :, :, None] * PER + j
+        ok = u < n
+        au = tl.load(cur_ptr + u, mask=ok, other=0)
+        bu = tl.load(old_ptr + u, mask=ok, other=0)
+        if REFRESH:
+            tl.store(old_ptr + u, au, mask=ok)
+        lanes = (j * UBITS).to(tl.uint64)
+        a = tl.sum(au.to(UDT, bitcast=True).to(tl.uint64) << lanes, axis=3)  # disjoint bits: sum == or
+        b = tl.sum(bu.to(UDT, bitcast=True).to(tl.uint64) << lanes, axis=3)
+        _scan_words(a, b, t, counts_ptr, bits_ptr, part_ptr, T, PER, UBITS, LOW, HIGH, PACK, ONES)
+
+
+@triton.jit
+def _gather_bits_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_ptr, off_ptr, T: tl.constexpr,
+                        OFFSETS: tl.constexpr, UPDATE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    if tl.load(counts_ptr + t) > 0:
+        q = tl.arange(0, T // 32)
+        v = tl.load(bits_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + t * (T // 32) + q)
+        # packbits order to unit i at bit i of its 32-bit word: reverse the bits of each byte
+        v = ((v >> 1) & 0x55555555) | ((v & 0x55555555) << 1)
+        v = ((v >> 2) & 0x33333333) | ((v & 0x33333333) << 2)
+        v = ((v >> 4) & 0x0F0F0F0F) | ((v & 0x0F0F0F0F) << 4)
+        cnt = v - ((v >> 1) & 0x55555555)  # popcount
+        cnt = (cnt & 0x33333333) + ((cnt >> 2) & 0x33333333)
+        cnt = ((((cnt + (cnt >> 4)) & 0x0F0F0F0F) * 0x01010101) >> 24).to(tl.int32)
+        at = tl.load(starts_ptr + t) + (tl.cumsum(cnt, axis=0) - cnt).to(tl.int64)
+        first = t * T + q * 32
+        for _ in range(0, tl.max(cnt, axis=0)):  # one changed unit per word per round, lowest first
+            hit = v != 0
+            low = v & (0 - v)
+            offs = first + ((low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127)  # log2 of a power of 2
+            x = tl.load(cur_ptr + offs, mask=hit)
+            tl.store(val_ptr + at, x, mask=hit)
+            if OFFSETS:
+                tl.store(off_ptr + at, (offs & 65535).to(tl.int16), mask=hit)
+            if UPDATE:
+                tl.store(old_ptr + offs, x, mask=hit)
+            at += 1
+            v = v & (v - 1)
+
+
+@triton.jit
 def _sum_kernel(x_ptr, seg_ptr, nseg, part_ptr, T: tl.constexpr, PER: tl.constexpr, UBITS: tl.constexpr,
                 UDT: tl.constexpr, LOG: tl.constexpr, ALIGN: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
@@ -175,13 +301,33 @@ def scan(cur: torch.Tensor, old: torch.Tensor, group: int,
     """
     n, t = cur.numel(), tile_units(cur.element_size())
     tiles = -(-n // t)
-    counts = torch.zeros(-(-n // group) * (group // t), dtype=torch.int32, device=cur.device)
+    padded = -(-n // group) * (group // t)
+    counts = torch.empty(padded, dtype=torch.int32, device=cur.device)
+    if padded > tiles:
+        counts.narrow(0, tiles, padded - tiles).zero_()
     bitmap = torch.empty(tiles * t // 8, dtype=torch.uint8, device=cur.device)
     parts = torch.empty(tiles, dtype=torch.int64, device=cur.device)
-    if tiles:
+    if not tiles:
+        return counts, bitmap, parts
+    consts = _consts(cur)
+    if SCAN == "words" and cur.data_ptr() % 8 == 0 and old.data_ptr() % 8 == 0:
+        _scan_words_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, T=t, REFRESH=refresh, num_warps=NUM_WARPS,
+                                     **consts, **_lane_masks(cur.element_size()))
+    else:
         _scan_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, T=t, REFRESH=refresh, num_warps=NUM_WARPS,
-                               **_consts(cur))
+                               **consts)
     return counts, bitmap, parts
+
+
+def _lane_masks(unit: int) -> dict:
+    """The scan's word constants for ``unit``-byte lanes: LOW / HIGH (each lane's low bits / top
+    bit), ONES (bit 0 of each lane: multiplying sums the lanes into the top one) and PACK (moves
+    bit 0 of lane l to bit 63 - l, lane 0 highest; the products' bits never collide or carry)."""
+    bits, per = 8 * unit, 8 // unit
+    lanes = range(per)
+    return dict(LOW=sum(((1 << (bits - 1)) - 1) << (bits * i) for i in lanes),
+                HIGH=sum(1 << (bits * i + bits - 1) for i in lanes), ONES=sum(1 << (bits * i) for i in lanes),
+                PACK=sum(1 << (63 - (bits + 1) * i) for i in lanes))
 
 
 def gather(cur: torch.Tensor, old: torch.Tensor, counts: torch.Tensor, bitmap: torch.Tensor,
@@ -192,8 +338,10 @@ def gather(cur: torch.Tensor, old: torch.Tensor, counts: torch.Tensor, bitmap: t
     t = tile_units(cur.element_size())
     tiles = -(-cur.numel() // t)
     starts = torch.cumsum(counts, 0, dtype=torch.int64) - counts
-    _gather_kernel[(tiles,)](cur, old, counts, starts, bitmap, values, values if offsets is None else offsets,
-                             T=t, OFFSETS=offsets is not None, UPDATE=update_old, num_warps=NUM_WARPS)
+    mark("prefix")
+    kernel = _gather_bits_kernel if GATHER == "bits" else _gather_kernel
+    kernel[(tiles,)](cur, old, counts, starts, bitmap, values, values if offsets is None else offsets,
+                     T=t, OFFSETS=offsets is not None, UPDATE=update_old, num_warps=NUM_WARPS)
 
 
 def checksums(units: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:

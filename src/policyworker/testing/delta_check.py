@@ -8,8 +8,9 @@ process) or ``--device cuda`` prints one JSON object, per case whether:
   ``layout.delta``'s fused path) has the numpy path's kind and count and its blob is
   byte for byte the numpy path's and the torch path's; its checksum is the torch
   path's; the old tensor, refreshed on the way (by the gather or by the scan, case by
-  case), equals the new one; ``apply``
-  of the blob onto the old units gives the new ones;
+  case; the scan's and the gather's forms in turn, and the units scan where a stream is
+  not 8-byte aligned), equals the new one; ``apply`` of the blob onto the old units gives
+  the new ones;
 * checksums: the kernel's checksum of each byte segment equals the torch path's.
 
 Cases: 1-, 2-, 4- and 8-byte units; lengths that end inside a tile and inside a
@@ -70,26 +71,40 @@ def _specials(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return new.view(unit), old.view(unit)
 
 
-def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device, refresh: str = "gather") -> dict:
-    """One case; ``refresh``: which kernel pass refreshes the old tensor (both must)."""
+#: (scan form, gather form) of the kernels, taken in turn by the encode cases
+FORMS = [("words", "bits"), ("units", "units"), ("words", "units"), ("units", "bits")]
+
+
+def _placed(t: torch.Tensor, device: torch.device, offset: int) -> torch.Tensor:
+    """``t`` on ``device``, starting ``offset`` units into a larger allocation."""
+    buf = torch.zeros(t.numel() + offset, dtype=t.dtype, device=device)
+    buf[offset:] = t.to(device)
+    return buf[offset:]
+
+
+def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device, refresh: str = "gather",
+                 forms: tuple[str, str] = FORMS[0], offset: int = 0) -> dict:
+    """One case; ``refresh``: which kernel pass refreshes the old tensor (both must); ``forms``:
+    the scan's and the gather's; ``offset``: units the tensors start into their allocations."""
     n, unit = new.numel(), new.element_size()
     want = D._encode_np(new, old, n, unit)
-    cur, base = new.to(device), old.to(device)
+    cur, base = _placed(new, device, offset), _placed(old, device, offset)
     by_torch = D._encode_torch(cur, base)
-    shadow = base.clone()
-    default = ops.REFRESH
-    ops.configure(refresh=refresh)
+    shadow = _placed(old, device, offset)
+    default = ops.REFRESH, ops.SCAN, ops.GATHER
+    ops.configure(refresh=refresh, scan=forms[0], gather=forms[1])
     try:
         got = D._encode_fused(ops, cur, shadow, True, True)
     finally:
-        ops.configure(refresh=default)
+        ops.configure(refresh=default[0], scan=default[1], gather=default[2])
     applied = base.clone()
     D.apply(applied, got.kind, got.count, got.blob)
     ok = ((got.kind, got.count) == (want.kind, want.count) and torch.equal(got.blob.cpu(), want.blob)
           and torch.equal(by_torch.blob.cpu(), want.blob)
           and got.checksum == D._checksum_torch(new.view(torch.uint8))
           and torch.equal(shadow, cur) and torch.equal(applied, cur))
-    return {"ok": bool(ok), "kind": got.kind, "count": got.count, "refresh": refresh}
+    return {"ok": bool(ok), "kind": got.kind, "count": got.count, "refresh": refresh, "forms": list(forms),
+            "offset": offset}
 
 
 def check_checksums(ops, raw: torch.Tensor, segments: list[tuple[int, int]]) -> bool:
@@ -101,10 +116,12 @@ def run(device: torch.device, scale: int = 1) -> dict:
     from policyworker.ops import delta_triton as ops
 
     out = {}
-    for i, (unit, n, fraction, where) in enumerate(ENCODE_CASES):  # the two refreshing passes in turn
+    for i, (unit, n, fraction, where) in enumerate(ENCODE_CASES):  # the refreshing passes and forms in turn
         new, old = _case(n * scale, unit, fraction, seed=n + unit, where=where)
         out[f"encode unit={unit} n={n * scale} changed={fraction} {where}"] = check_encode(
-            ops, new, old, device, ("gather", "scan")[i % 2])
+            ops, new, old, device, ("gather", "scan")[i % 2], FORMS[(i // 2) % len(FORMS)])
+    new, old = _case(70_001 * scale, 2, 0.01, seed=11, where="random")  # not 8-byte aligned: the units scan
+    out["encode unit=2 at a 2-byte offset"] = check_encode(ops, new, old, device, "scan", FORMS[0], offset=1)
     for i, dtype in enumerate((torch.bfloat16, torch.float32)):
         out[f"encode {dtype} signed zeros and NaN payloads"] = check_encode(ops, *_specials(dtype), device,
                                                                             ("gather", "scan")[i])
