@@ -492,6 +492,9 @@ async def test_delta_versions_land_bit_exact_and_write_little(tmp_path):
         assert sent.notes[0].startswith("full: no shadow") and sent.shadow_bytes == full_bytes
         assert exact(rollout.weights(), _reference(1))
         full_disk = _disk_bytes(d, 1)
+        # a full version's manifest is what a writer without delta mode writes (no delta fields)
+        with open(os.path.join(d, "v00000001", "manifest.json"), "rb") as f:
+            assert b'"base"' not in f.read()
         for v in range(2, 6):
             sent, (got,) = await _delta_step(trainer, [rollout], v)
             assert sent.notes[0].startswith(f"delta over version {v - 1}"), sent.notes
@@ -501,6 +504,8 @@ async def test_delta_versions_land_bit_exact_and_write_little(tmp_path):
             written = _disk_bytes(d, v)
             assert sent.wire_bytes == got.wire_bytes <= written < 0.03 * full_disk, (written, full_disk)
             assert sent.bytes == got.bytes == full_bytes
+            with open(os.path.join(d, f"v{v:08d}", "manifest.json"), "rb") as f:
+                assert f'"base":{v - 1}'.encode() in f.read()
         # keep=1, yet the full version 1 and the deltas after it stay: a new rollout's chain
         assert committed(d) == [f"v{v:08d}" for v in range(1, 6)]
         # a per-refit full version on request; the next is a delta over it again

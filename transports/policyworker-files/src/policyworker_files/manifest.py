@@ -140,13 +140,32 @@ def param_specs(params: Mapping[str, torch.Tensor]) -> tuple[ParamSpec, ...]:
     )
 
 
+# Fields of delta mode, left out of the JSON while unset: a full version's manifest and a
+# signature without delta stay byte for byte what writers without delta mode write (so
+# either reads the other's), and a delta manifest is refused by a reader that predates it.
+_DELTA_FIELDS = {"base": None, "delta": False}
+_DELTA_TENSOR_FIELDS = {"checksum": None, "delta": None}
+
+
+def _builtins(struct: Signature | Manifest) -> dict:
+    out = msgspec.to_builtins(struct)
+    for key, unset in _DELTA_FIELDS.items():
+        if key in out and out[key] == unset:
+            del out[key]
+    for t in out.get("tensors", ()):
+        for key, unset in _DELTA_TENSOR_FIELDS.items():
+            if t.get(key, unset) == unset:
+                t.pop(key, None)
+    return out
+
+
 def _digest(struct: Signature | Manifest) -> str:
-    return hashlib.sha256(msgspec.json.encode(msgspec.structs.replace(struct, digest=""))).hexdigest()
+    return hashlib.sha256(msgspec.json.encode(_builtins(msgspec.structs.replace(struct, digest="")))).hexdigest()
 
 
 def encode(struct: Signature | Manifest) -> bytes:
     """JSON bytes of ``struct`` with its self-digest filled in."""
-    return msgspec.json.encode(msgspec.structs.replace(struct, digest=_digest(struct)))
+    return msgspec.json.encode(_builtins(msgspec.structs.replace(struct, digest=_digest(struct))))
 
 
 def decode(data: bytes, kind: type[Signature] | type[Manifest], *, what: str) -> Signature | Manifest:
