@@ -514,6 +514,11 @@ async def test_delta_versions_land_bit_exact_and_write_little(tmp_path):
         assert exact(rollout.weights(), _reference(6)) and committed(d) == ["v00000006"]
         sent, (got,) = await _delta_step(trainer, [rollout], 7)
         assert sent.notes[0].startswith("delta over version 6") and exact(rollout.weights(), _reference(7))
+        # every element changed: past delta_max_fraction, the version is full
+        set_weights(trainer.model, 9)
+        sent = await trainer.refit("files")
+        got = await rollout.refit("files", refit_timeout_s=10.0)
+        assert "over delta_max_fraction" in sent.notes[0] and got.version == 8 and exact(rollout.weights(), weights(9))
     finally:
         await trainer.shutdown()
         await rollout.shutdown()
@@ -622,6 +627,37 @@ async def test_delta_sides_must_agree(tmp_path):
         results = await asyncio.gather(trainer.attach_transport("files", directory=d, delta=True),
                                        rollout.attach_transport("files", directory=d), return_exceptions=True)
         assert results[0] is None and isinstance(results[1], ConfigError)
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
+@ASYNCIO
+@pytest.mark.timeout(60)
+async def test_a_failed_delta_write_commits_nothing_and_the_next_version_is_full(tmp_path, monkeypatch):
+    import policyworker_files.writer as writer
+
+    d = str(tmp_path / "refit")
+    trainer, rollout = await _attached(d, delta=True, file_bytes=4096)
+    real, calls = writer.checksum_file, []
+
+    def fail_on_the_second_file(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise OSError("disk full (injected)")
+        return real(*args, **kwargs)
+
+    try:
+        await _delta_step(trainer, [rollout], 1)
+        monkeypatch.setattr(writer, "checksum_file", fail_on_the_second_file)
+        with pytest.raises(TransportError):
+            await _delta_step(trainer, [], 2)
+        monkeypatch.setattr(writer, "checksum_file", real)
+        assert "delta-00001.bin" in calls[-1] and listing(d) == ["signature.json", "v00000001"]  # no half version
+        # the shadow was half refreshed: it counts for nothing, the next version is full
+        sent, (got,) = await _delta_step(trainer, [rollout], 3)
+        assert sent.version == 2 and sent.notes[0].startswith("full: no shadow")
+        assert got.version == 2 and exact(rollout.weights(), _reference(3))
     finally:
         await trainer.shutdown()
         await rollout.shutdown()
