@@ -190,7 +190,8 @@ def delta_main(ns, directory: str, argv) -> dict:
     barrier = mp.get_context("spawn").Barrier(2)
     trainer, rollout = run_world(delta_body, 2, (args, barrier), timeout_s=1800.0)
     result = {"bench": "files-delta", "preset": ns.preset, "dtype": str(DTYPE), "changed_fraction": ns.delta,
-              "refits": ns.refits, "checksum": ns.checksum, "fsync": ns.fsync, "bytes": _flat_bytes(get_preset(ns.preset)),
+              "refits": ns.refits, "checksum": ns.checksum, "fsync": ns.fsync,
+              "bytes": _flat_bytes(get_preset(ns.preset)),
               "command": " ".join([os.path.basename(sys.argv[0]), *(argv if argv is not None else sys.argv[1:])])}
     for mode in ("full", "delta"):
         t, r = trainer[mode], rollout[mode]

@@ -397,7 +397,6 @@ class FilesTransport(Transport):
         target = chain[-1]
         try:
             ctx.touched = True  # everything checked; from here on the live bytes change
-            nbytes = 0
             for opened in chain:
                 groups: dict[str, list[str]] = {}
                 for entry in opened.manifest.tensors:
