@@ -9,6 +9,13 @@ to one file and fsync'ing it (write ceiling), and ``readinto`` of that file into
 preallocated tensor (read ceiling). Every refit is checked bit for bit.
 
     python transports/policyworker-files/benchmarks/bench_files.py --preset small --refits 5 --json out.json
+
+``--delta F``: instead, the same versions (seeded weights, then the lowest bit of ~F of
+the elements flipped per version) go twice through the same processes, each pass in a
+directory of its own: full versions (``delta=False``), then delta mode. Reported per
+pass: the bytes each version put on disk, write and read seconds (medians over the
+versions after the first), every version checked bit for bit against a reference the
+rollout computes itself.
 """
 
 from __future__ import annotations
@@ -118,6 +125,91 @@ def body(rank: int, args: dict, barrier) -> dict:
     return asyncio.run(trainer() if rank == 0 else rollout())
 
 
+def delta_body(rank: int, args: dict, barrier) -> dict:
+    from policyworker.testing.delta_weights import perturb_, versioned_state
+
+    torch.set_num_threads(1)
+    config = get_preset(args["preset"])
+    fraction = args["delta"]
+
+    def step() -> None:
+        barrier.wait(600)
+
+    async def one_pass(delta: bool) -> dict:
+        directory = os.path.join(args["dir"], "delta" if delta else "full")
+        setup = {"directory": directory, "checksum": args["checksum"], "fsync": args["fsync"], "keep": 2,
+                 "delta": delta}
+        out: dict = {"seconds": [], "disk_bytes": [], "notes": [], "exact": []}
+        if rank == 0:
+            w = TorchPolicyWorker(build_model(config, seed=0, dtype=DTYPE), device="cpu", timeout_s=120.0)
+            await w.attach_transport("files", **setup)
+            first = seeded_state_dict(config, seed=1, dtype=DTYPE)
+            with torch.no_grad():
+                for name, p in w.model.named_parameters():
+                    p.copy_(first[name])
+        else:
+            model = build_model(config, seed=0, dtype=DTYPE)
+            w = RolloutWorker(params={n: torch.zeros_like(p.detach()) for n, p in model.named_parameters()},
+                              device="cpu", timeout_s=120.0)
+            del model
+            step()  # the writer made the directory and its signature
+            await w.attach_transport("files", **setup, timeout_s=120.0)
+        if rank == 0:
+            step()
+        for version in range(1, args["refits"] + 1):
+            if rank == 0:
+                if version > 1:
+                    perturb_(dict(w.model.named_parameters()), fraction, version)
+                rep = await w.refit("files")
+                vdir = os.path.join(directory, f"v{version:08d}")
+                out["disk_bytes"].append(sum(os.path.getsize(os.path.join(vdir, n)) for n in os.listdir(vdir)))
+                step()
+                step()
+            else:
+                step()
+                rep = await w.refit("files", refit_timeout_s=120.0)
+                want = versioned_state(seeded_state_dict(config, seed=1, dtype=DTYPE),
+                                       [0.0] + [fraction] * (version - 1))
+                out["exact"].append(all(torch.equal(w.weights()[k], want[k]) for k in want))
+                step()
+            out["seconds"].append(rep.seconds)
+            out["notes"].append(rep.notes[0] if rep.notes else "")
+        out["shadow_bytes"] = rep.shadow_bytes
+        await w.shutdown()
+        return out
+
+    async def both() -> dict:
+        return {"full": await one_pass(False), "delta": await one_pass(True)}
+
+    return asyncio.run(both())
+
+
+def delta_main(ns, directory: str, argv) -> dict:
+    args = {"preset": ns.preset, "refits": ns.refits, "checksum": ns.checksum, "fsync": ns.fsync,
+            "dir": directory, "delta": ns.delta}
+    barrier = mp.get_context("spawn").Barrier(2)
+    trainer, rollout = run_world(delta_body, 2, (args, barrier), timeout_s=1800.0)
+    result = {"bench": "files-delta", "preset": ns.preset, "dtype": str(DTYPE), "changed_fraction": ns.delta,
+              "refits": ns.refits, "checksum": ns.checksum, "fsync": ns.fsync,
+              "bytes": _flat_bytes(get_preset(ns.preset)),
+              "command": " ".join([os.path.basename(sys.argv[0]), *(argv if argv is not None else sys.argv[1:])])}
+    for mode in ("full", "delta"):
+        t, r = trainer[mode], rollout[mode]
+        if not t["disk_bytes"] or len(r["exact"]) != ns.refits:
+            raise RuntimeError(f"the {mode} pass did not run all {ns.refits} versions")
+        result[mode] = {"disk_bytes_per_version": statistics.median(t["disk_bytes"][1:] or t["disk_bytes"]),
+                        "write_s": statistics.median(t["seconds"][1:] or t["seconds"]),
+                        "read_s": statistics.median(r["seconds"][1:] or r["seconds"]),
+                        "writer_notes": t["notes"], "shadow_bytes": t["shadow_bytes"], "bit_exact": all(r["exact"])}
+    full, delta = result["full"], result["delta"]
+    if not all(n.startswith("delta") for n in delta["writer_notes"][1:]):
+        raise RuntimeError(f"the delta pass published full versions: {delta['writer_notes']}")
+    result["disk_ratio"] = delta["disk_bytes_per_version"] / full["disk_bytes_per_version"]
+    result["write_ratio"] = delta["write_s"] / full["write_s"]
+    result["read_ratio"] = delta["read_s"] / full["read_s"]
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
@@ -126,8 +218,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-fsync", dest="fsync", action="store_false")
     ap.add_argument("--dir", default=None, help="the shared directory (default: a fresh temporary one)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--delta", type=float, default=None, metavar="F",
+                    help="compare full and delta versions at changed fraction F (see the module docstring)")
     ns = ap.parse_args(argv)
     directory = ns.dir or tempfile.mkdtemp(prefix="pw-files-bench-")
+    if ns.delta is not None:
+        result = delta_main(ns, directory, argv)
+        text = json.dumps(result, indent=2)
+        if ns.json:
+            with open(ns.json, "w") as f:
+                f.write(text + "\n")
+        print(text)
+        return result
     args = {"preset": ns.preset, "refits": ns.refits, "checksum": ns.checksum, "fsync": ns.fsync, "dir": directory}
     barrier = mp.get_context("spawn").Barrier(2)
     trainer, rollout = run_world(body, 2, (args, barrier), timeout_s=1800.0)

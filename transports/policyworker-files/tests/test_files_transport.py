@@ -29,6 +29,7 @@ from policyworker.models import get_preset
 from policyworker.models.toy_model import build_model
 from policyworker.registry import default_registry
 from policyworker.testing import TransportPair, check_transport, plain_pair
+from policyworker.testing.delta_weights import perturb_, versioned_state
 from policyworker.runtime.watchdog import process_watchdog
 from policyworker_files import FilesTransport
 from policyworker_files.reader import OpenVersion
@@ -391,6 +392,7 @@ async def test_only_the_writer_rank_writes(tmp_path):
 @pytest.mark.parametrize("setup", [
     {"keep": 0}, {"checksum": "md5"}, {"file_bytes": 0}, {"timeout_s": 0}, {"poll_s": -1.0},
     {"writer_rank": -1}, {"directory": 123}, {"directory": None}, {"bogus": 1}, {"keep": "2"},
+    {"delta": "yes"}, {"delta_max_fraction": 1.5}, {"delta_chain_fraction": -0.1}, {"delta_full_every": 0},
 ])
 async def test_bad_setup_is_a_config_error_at_attach(tmp_path, setup):
     setup = {"directory": str(tmp_path / "refit"), **setup}
@@ -448,3 +450,214 @@ async def test_filesystem_errors_are_transport_errors(tmp_path):
         assert isinstance(info.value.__cause__, OSError) and info.value.transport == "files"
     finally:
         await trainer.shutdown()
+
+
+# -- delta mode -------------------------------------------------------------------------------
+ASYNCIO = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+CHANGED = 0.01
+
+
+def _reference(version: int) -> dict[str, torch.Tensor]:
+    """What the trainer holds at ``version`` in the delta tests, computed apart from it:
+    weights(1), then ~1% of the elements' lowest bit flipped per version after it."""
+    return versioned_state(weights(1), [0.0] + [CHANGED] * (version - 1))
+
+
+def _disk_bytes(directory: str, version: int) -> int:
+    vdir = os.path.join(directory, f"v{version:08d}")
+    return sum(os.path.getsize(os.path.join(vdir, n)) for n in os.listdir(vdir))
+
+
+async def _delta_step(trainer, rollouts, version, **refit):
+    """The trainer publishes ``version`` (weights(1) perturbed) and every rollout in
+    ``rollouts`` lands it; returns the reports."""
+    with torch.no_grad():
+        if version == 1:
+            set_weights(trainer.model, 1)
+        else:
+            perturb_(dict(trainer.model.named_parameters()), CHANGED, version)
+    sent = await trainer.refit("files", **refit)
+    got = [await r.refit("files", refit_timeout_s=10.0) for r in rollouts]
+    return sent, got
+
+
+@ASYNCIO
+@pytest.mark.timeout(60)
+async def test_delta_versions_land_bit_exact_and_write_little(tmp_path):
+    d = str(tmp_path / "refit")
+    trainer, rollout = await _attached(d, delta=True, keep=1, file_bytes=4096)
+    full_bytes = sum(t.numel() * t.element_size() for t in weights(1).values())
+    try:
+        sent, (got,) = await _delta_step(trainer, [rollout], 1)
+        assert sent.notes[0].startswith("full: no shadow") and sent.shadow_bytes == full_bytes
+        assert exact(rollout.weights(), _reference(1))
+        full_disk = _disk_bytes(d, 1)
+        # a full version's manifest is what a writer without delta mode writes (no delta fields)
+        with open(os.path.join(d, "v00000001", "manifest.json"), "rb") as f:
+            assert b'"base"' not in f.read()
+        for v in range(2, 6):
+            sent, (got,) = await _delta_step(trainer, [rollout], v)
+            assert sent.notes[0].startswith(f"delta over version {v - 1}"), sent.notes
+            assert got.version == rollout.weight_version == v and not rollout.torn
+            assert exact(rollout.weights(), _reference(v))
+            # bytes written for a delta version, measured on disk: ~1.5% of the fp32 bytes at 1% changed
+            written = _disk_bytes(d, v)
+            assert sent.wire_bytes == got.wire_bytes <= written < 0.03 * full_disk, (written, full_disk)
+            assert sent.bytes == got.bytes == full_bytes
+            with open(os.path.join(d, f"v{v:08d}", "manifest.json"), "rb") as f:
+                assert f'"base":{v - 1}'.encode() in f.read()
+        # keep=1, yet the full version 1 and the deltas after it stay: a new rollout's chain
+        assert committed(d) == [f"v{v:08d}" for v in range(1, 6)]
+        # a per-refit full version on request; the next is a delta over it again
+        sent, (got,) = await _delta_step(trainer, [rollout], 6, delta=False)
+        assert sent.notes[0] == "full: the trainer asked for a full version" and "full + 0 delta" in got.notes[-1]
+        assert exact(rollout.weights(), _reference(6)) and committed(d) == ["v00000006"]
+        sent, (got,) = await _delta_step(trainer, [rollout], 7)
+        assert sent.notes[0].startswith("delta over version 6") and exact(rollout.weights(), _reference(7))
+        # every element changed: past delta_max_fraction, the version is full
+        set_weights(trainer.model, 9)
+        sent = await trainer.refit("files")
+        got = await rollout.refit("files", refit_timeout_s=10.0)
+        assert "over delta_max_fraction" in sent.notes[0] and got.version == 8 and exact(rollout.weights(), weights(9))
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
+@ASYNCIO
+@pytest.mark.timeout(60)
+async def test_delta_lagging_and_new_rollouts_land_the_newest_version(tmp_path):
+    d = str(tmp_path / "refit")
+    trainer, steady = await _attached(d, delta=True, delta_full_every=4)
+    lagging = make_rollout()
+    await lagging.attach_transport("files", directory=d, delta=True)
+    try:
+        await _delta_step(trainer, [steady, lagging], 1)
+        for v in (2, 3):  # the lagging rollout misses these
+            await _delta_step(trainer, [steady], v)
+        # It holds version 1: it applies the deltas 2 and 3 to its own bytes (no full read).
+        got = await lagging.refit("files", refit_timeout_s=10.0)
+        assert got.version == 3 and "from version 1 + 2 delta(s)" in got.notes[-1]
+        assert exact(lagging.weights(), _reference(3))
+        # A new rollout reads the full version 1 and the deltas after it.
+        new = make_rollout()
+        await new.attach_transport("files", directory=d, delta=True)
+        got = await new.refit("files", refit_timeout_s=10.0)
+        assert got.version == 3 and "full + 2 delta(s)" in got.notes[-1] and exact(new.weights(), _reference(3))
+        await new.shutdown()
+        # delta_full_every=4: version 5 is full; the old chain is pruned (keep=2)
+        sent, _ = await _delta_step(trainer, [steady, lagging], 4)
+        assert sent.notes[0].startswith("delta")
+        sent, got = await _delta_step(trainer, [steady, lagging], 5)
+        assert sent.notes[0].startswith("full: a full version is due")
+        assert all("full + 0 delta" in g.notes[-1] for g in got)
+        assert committed(d) == ["v00000004", "v00000005"]
+        assert exact(steady.weights(), _reference(5)) and exact(lagging.weights(), _reference(5))
+    finally:
+        for w in (trainer, steady, lagging):
+            await w.shutdown()
+
+
+@ASYNCIO
+@pytest.mark.timeout(60)
+async def test_corrupt_delta_fails_untouched_and_the_next_version_is_full(tmp_path):
+    d = str(tmp_path / "refit")
+    trainer, rollout = await _attached(d, delta=True)
+    try:
+        await _delta_step(trainer, [rollout], 1)
+        await _delta_step(trainer, [], 2)
+        flip_byte(os.path.join(d, "v00000002", "delta-00000.bin"), -3)
+        with pytest.raises(ProtocolError):
+            await rollout.refit("files", refit_timeout_s=10.0)
+        # refused before anything was applied: not torn, version 1's bytes; a request for a full version
+        assert not rollout.torn and rollout.weight_version == 1 and exact(rollout.weights(), _reference(1))
+        assert len([n for n in listing(d) if n.startswith("want-full-")]) == 1
+        sent, (got,) = await _delta_step(trainer, [rollout], 3)
+        assert sent.notes[0] == "full: 1 rollout request(s) for a full version"
+        assert got.version == 3 and "full + 0 delta" in got.notes[-1] and exact(rollout.weights(), _reference(3))
+        assert not [n for n in listing(d) if n.startswith("want-full-")]  # answered
+        sent, (got,) = await _delta_step(trainer, [rollout], 4)
+        assert sent.notes[0].startswith("delta over version 3") and exact(rollout.weights(), _reference(4))
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
+@ASYNCIO
+@pytest.mark.timeout(60)
+async def test_delta_onto_other_bytes_fails_its_checksum_torn_then_full(tmp_path):
+    """A rollout whose bytes are not the base (changed behind the ledger's back): the
+    delta applies, the checksums refuse the result, the rollout is torn (live bytes
+    were written), and the writer's next version is full and lands."""
+    d = str(tmp_path / "refit")
+    trainer, rollout = await _attached(d, delta=True)
+    try:
+        await _delta_step(trainer, [rollout], 1)
+        name = sorted(rollout.params)[0]
+        with torch.no_grad():
+            rollout.params[name].view(-1)[-1] += 1.0
+        await _delta_step(trainer, [], 2)
+        with pytest.raises(ProtocolError) as info:
+            await rollout.refit("files", refit_timeout_s=10.0)
+        assert info.value.param == name and rollout.torn and rollout.weight_version == 1
+        sent, (got,) = await _delta_step(trainer, [rollout], 3)
+        assert sent.notes[0].startswith("full: 1 rollout request")
+        assert not rollout.torn and rollout.weight_version == 3 and exact(rollout.weights(), _reference(3))
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
+@ASYNCIO
+@pytest.mark.timeout(60)
+async def test_check_transport_in_delta_mode(tmp_path):
+    # delta_max_fraction=1: the suite's refits change every element, and still go as deltas
+    factory = _pair_factory(str(tmp_path), MIXED, delta=True, delta_max_fraction=1.0, file_bytes=64, timeout_s=10.0)
+    result = await check_transport(factory, refits=3)
+    assert [r.version for r in result.reports] == [1, 1, 2, 2, 3, 3]
+    assert [r.notes[0].split(" ")[0] for r in result.reports[::2]] == ["full:", "delta", "delta"]
+    assert result.receive_steps > 2 and result.torn_checked
+
+
+@ASYNCIO
+async def test_delta_sides_must_agree(tmp_path):
+    d = str(tmp_path / "refit")
+    trainer, rollout = make_trainer(), make_rollout()
+    try:
+        results = await asyncio.gather(trainer.attach_transport("files", directory=d, delta=True),
+                                       rollout.attach_transport("files", directory=d), return_exceptions=True)
+        assert results[0] is None and isinstance(results[1], ConfigError)
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()
+
+
+@ASYNCIO
+@pytest.mark.timeout(60)
+async def test_a_failed_delta_write_commits_nothing_and_the_next_version_is_full(tmp_path, monkeypatch):
+    import policyworker_files.writer as writer
+
+    d = str(tmp_path / "refit")
+    trainer, rollout = await _attached(d, delta=True, file_bytes=4096)
+    real, calls = writer.checksum_file, []
+
+    def fail_on_the_second_file(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise OSError("disk full (injected)")
+        return real(*args, **kwargs)
+
+    try:
+        await _delta_step(trainer, [rollout], 1)
+        monkeypatch.setattr(writer, "checksum_file", fail_on_the_second_file)
+        with pytest.raises(TransportError):
+            await _delta_step(trainer, [], 2)
+        monkeypatch.setattr(writer, "checksum_file", real)
+        assert "delta-00001.bin" in calls[-1] and listing(d) == ["signature.json", "v00000001"]  # no half version
+        # the shadow was half refreshed: it counts for nothing, the next version is full
+        sent, (got,) = await _delta_step(trainer, [rollout], 3)
+        assert sent.version == 2 and sent.notes[0].startswith("full: no shadow")
+        assert got.version == 2 and exact(rollout.weights(), _reference(3))
+    finally:
+        await trainer.shutdown()
+        await rollout.shutdown()

@@ -9,8 +9,12 @@
         manifest.json                   written last; checksums of every file
         part-00000.safetensors          tensors in name order, <= file_bytes per file
         part-00001.safetensors
-      .v00000008.tmp-r0-1f2e3d4c/       being written by rank 0 (or left by a crash)
+      v00000008/                        a delta version (delta mode): its manifest and
+        manifest.json                   the encoded changed units, <= file_bytes per file
+        delta-00000.bin
+      .v00000009.tmp-r0-1f2e3d4c/       being written by rank 0 (or left by a crash)
       .v00000005.old-9a8b7c6d/          being pruned
+      want-full-3a4b5c6d7e8f9a0b        a rollout asks for a full version (delta mode)
 
 A name ``v<digits>`` exists only once every file of that version and its manifest
 were written and fsync'd: the writer builds ``.v…tmp-…`` and renames it (one atomic
@@ -32,10 +36,13 @@ __all__ = [
     "MANIFEST",
     "SIGNATURE",
     "clean_stale",
+    "clear_requests",
     "committed_versions",
+    "full_requests",
     "fsync_dir",
     "prune",
     "read_small",
+    "request_full",
     "tmp_name",
     "version_name",
     "write_atomic",
@@ -48,6 +55,7 @@ MANIFEST = "manifest.json"
 _COMMITTED = re.compile(r"v(\d{8,})\Z")
 _OLD = re.compile(r"\.v\d{8,}\.old-[0-9a-f]+\Z")
 _SIGNATURE_TMP = re.compile(r"\.signature\.json\.tmp-[0-9a-f]+\Z")
+_REQUEST = re.compile(r"want-full-[0-9a-f]{16}\Z")
 
 
 def version_name(version: int) -> str:
@@ -130,10 +138,13 @@ def remove_tree(path: str) -> None:
         shutil.rmtree(path, onerror=log)
 
 
-def prune(directory: str, keep: int) -> list[int]:
-    """Remove all but the newest ``keep`` committed versions; return the versions removed."""
+def prune(directory: str, keep: int, *, protect_from: int | None = None) -> list[int]:
+    """Remove all but the newest ``keep`` committed versions, and none from ``protect_from``
+    on (delta mode: the newest full version and the deltas after it); return those removed."""
     removed = []
     for version in committed_versions(directory)[:-keep]:
+        if protect_from is not None and version >= protect_from:
+            continue
         hidden = os.path.join(directory, f".{version_name(version)}.old-{secrets.token_hex(4)}")
         try:
             os.rename(os.path.join(directory, version_name(version)), hidden)
@@ -163,3 +174,27 @@ def clean_stale(directory: str, rank: int, *, writer: bool) -> list[str]:
     for name in files:
         _remove_file(os.path.join(directory, name))
     return stale + files
+
+
+def request_full(directory: str, note: str) -> str:
+    """Ask the writer for a full version (delta mode): a new ``want-full-<hex>`` file;
+    its name is the request, ``note`` (why) is for people. Returns the name."""
+    name = f"want-full-{secrets.token_hex(8)}"
+    fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, note.encode()[:4096])
+    finally:
+        os.close(fd)
+    return name
+
+
+def full_requests(directory: str) -> list[str]:
+    """The pending ``want-full-*`` requests."""
+    with os.scandir(directory) as entries:
+        return sorted(e.name for e in entries if _REQUEST.match(e.name))
+
+
+def clear_requests(directory: str, names: list[str]) -> None:
+    """Delete requests a full version answered (others, made meanwhile, stay)."""
+    for name in names:
+        _remove_file(os.path.join(directory, name))

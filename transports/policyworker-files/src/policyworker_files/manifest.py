@@ -13,7 +13,10 @@ a shape digit, a file checksum — is caught before any tensor is read.
   refits from it.
 * :class:`Manifest` (``v<version>/manifest.json``, written last, inside the version's
   temporary directory): the version, the checksum algorithm, every file with its byte
-  count and checksum, every tensor with its file, dtype, shape and byte count.
+  count and checksum, every tensor with its file, dtype, shape and byte count. A
+  *delta* version (``base`` set) holds, per tensor, where its encoded changed units lie
+  in a ``delta-*.bin`` file (:class:`DeltaEntry`) and the checksum
+  (:func:`policyworker.layout.delta.checksum`) of the bytes a reader must end with.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHECKSUMS",
     "FORMAT",
+    "DeltaEntry",
     "FileEntry",
     "Manifest",
     "ParamSpec",
@@ -60,22 +64,38 @@ class ParamSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 class Signature(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The writer's tensors, and its session: ``session`` is new at every connect of the
     writer, ``base`` the version it numbers on from (its refit ``k`` writes ``base + k``);
-    trainer ranks that do not write take their version numbers from these."""
+    trainer ranks that do not write take their version numbers from these. ``delta``: the
+    writer attached in delta mode (a rollout must too)."""
 
     format: int
     writer_rank: int
     params: tuple[ParamSpec, ...]
     session: str = ""
     base: int = 0
+    delta: bool = False
     digest: str = ""
 
 
+class DeltaEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One tensor's changed units in a delta file: ``kind`` and ``count`` as
+    :mod:`policyworker.layout.delta` encodes them, ``nbytes`` of blob at ``offset``."""
+
+    kind: int
+    count: int
+    offset: int
+    nbytes: int
+
+
 class TensorEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``checksum``/``delta``: set in a delta version only (see the module docstring)."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
     file: str
+    checksum: int | None = None
+    delta: DeltaEntry | None = None
 
 
 class FileEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -85,7 +105,8 @@ class FileEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One committed version; ``session`` is the writer session (``Signature.session``) that wrote it."""
+    """One committed version; ``session`` is the writer session (``Signature.session``) that
+    wrote it; ``base``: the version a delta version applies to (None: a full version)."""
 
     format: int
     version: int
@@ -94,11 +115,18 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     files: tuple[FileEntry, ...]
     tensors: tuple[TensorEntry, ...]
     session: str = ""
+    base: int | None = None
     digest: str = ""
 
     @property
     def nbytes(self) -> int:
+        """Tensor bytes a reader holds after this version."""
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of its files on disk (what a reader reads)."""
+        return sum(f.nbytes for f in self.files)
 
     def specs(self) -> tuple[ParamSpec, ...]:
         return tuple(ParamSpec(name=t.name, dtype=t.dtype, shape=t.shape) for t in self.tensors)
@@ -112,13 +140,32 @@ def param_specs(params: Mapping[str, torch.Tensor]) -> tuple[ParamSpec, ...]:
     )
 
 
+# Fields of delta mode, left out of the JSON while unset: a full version's manifest and a
+# signature without delta stay byte for byte what writers without delta mode write (so
+# either reads the other's), and a delta manifest is refused by a reader that predates it.
+_DELTA_FIELDS = {"base": None, "delta": False}
+_DELTA_TENSOR_FIELDS = {"checksum": None, "delta": None}
+
+
+def _builtins(struct: Signature | Manifest) -> dict:
+    out = msgspec.to_builtins(struct)
+    for key, unset in _DELTA_FIELDS.items():
+        if key in out and out[key] == unset:
+            del out[key]
+    for t in out.get("tensors", ()):
+        for key, unset in _DELTA_TENSOR_FIELDS.items():
+            if t.get(key, unset) == unset:
+                t.pop(key, None)
+    return out
+
+
 def _digest(struct: Signature | Manifest) -> str:
-    return hashlib.sha256(msgspec.json.encode(msgspec.structs.replace(struct, digest=""))).hexdigest()
+    return hashlib.sha256(msgspec.json.encode(_builtins(msgspec.structs.replace(struct, digest="")))).hexdigest()
 
 
 def encode(struct: Signature | Manifest) -> bytes:
     """JSON bytes of ``struct`` with its self-digest filled in."""
-    return msgspec.json.encode(msgspec.structs.replace(struct, digest=_digest(struct)))
+    return msgspec.json.encode(_builtins(msgspec.structs.replace(struct, digest=_digest(struct))))
 
 
 def decode(data: bytes, kind: type[Signature] | type[Manifest], *, what: str) -> Signature | Manifest:

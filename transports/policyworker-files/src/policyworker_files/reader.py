@@ -8,7 +8,11 @@ so verification and copy read the very bytes that were checked.
 each safetensors header against the manifest (names, dtypes, shapes, byte ranges)
 and the manifest against the destinations (``PlanMismatch``). Anything else that is
 wrong is a ``ProtocolError``. :meth:`OpenVersion.copy_into` then copies tensor by
-tensor from the mapped bytes into the destinations (no staging copy).
+tensor from the mapped bytes into the destinations (no staging copy). A delta version
+(``manifest.base`` set) is verified the same way up to the files' checksums, then each
+tensor's blob is checked against its destination (encoding, length, place in its
+file); :meth:`OpenVersion.apply_into` writes the changed units into the destinations,
+which must hold the base version (:mod:`.delta` checks the result by checksum).
 
 The safetensors header is parsed here rather than through ``safetensors.safe_open``
 because that needs a path, and a path can be pruned between verify and copy; the
@@ -28,15 +32,17 @@ import torch
 
 from policyworker.config import torch_dtype
 from policyworker.errors import ConfigError, ProtocolError
+from policyworker.layout import delta as _delta
 
 from . import dirs
 from .manifest import CHECKSUMS, Manifest, TensorEntry, check_against, decode, new_checksum, param_specs
 from .writer import CHUNK_BYTES
 
-__all__ = ["MAX_MANIFEST_BYTES", "OpenVersion", "SAFETENSORS_DTYPES", "open_version"]
+__all__ = ["MAX_MANIFEST_BYTES", "OpenVersion", "SAFETENSORS_DTYPES", "open_version", "units"]
 
 MAX_MANIFEST_BYTES = 64 << 20
 _FILE_NAME = re.compile(r"part-\d{5}\.safetensors\Z")
+_DELTA_NAME = re.compile(r"delta-\d{5}\.bin\Z")
 
 #: safetensors dtype codes → torch dtype names (the dtypes this transport moves).
 SAFETENSORS_DTYPES = {
@@ -68,7 +74,7 @@ def _torch_dtype(name: str, *, what: str) -> torch.dtype:
 class OpenVersion:
     """A committed version with every file mapped; see the module docstring."""
 
-    def __init__(self, version: int, manifest: Manifest, maps: dict[str, mmap.mmap]) -> None:
+    def __init__(self, version: int, manifest: Manifest, maps: dict[str, mmap.mmap | bytearray]) -> None:
         self.version = version
         self.manifest = manifest
         self._maps = maps
@@ -89,11 +95,54 @@ class OpenVersion:
                 view.release()
             if hasher.hexdigest() != entry.checksum:
                 raise _bad(f"{what}: {entry.name} fails its {self.manifest.checksum} checksum (corrupt on disk)")
+        if self.manifest.base is not None:
+            self._check_deltas(what)
+            return
         by_file: dict[str, dict[str, TensorEntry]] = {f.name: {} for f in self.manifest.files}
         for t in self.manifest.tensors:
             by_file[t.file][t.name] = t
         for fname, tensors in by_file.items():
             self._check_header(fname, tensors, what)
+
+    @property
+    def is_delta(self) -> bool:
+        return self.manifest.base is not None
+
+    def _check_deltas(self, what: str) -> None:
+        for t in self.manifest.tensors:
+            d = t.delta
+            unit = _torch_dtype(t.dtype, what=f"{what}: {t.name}").itemsize
+            n = math.prod(t.shape)
+            try:
+                want = _delta.blob_bytes(d.kind, n, d.count, unit)
+            except ProtocolError:
+                raise _bad(f"{what}: {t.name} has an unknown delta encoding {d.kind}", param=t.name) from None
+            if (not 0 <= d.count <= n or (d.kind == _delta.NONE) != (d.count == 0) or d.nbytes != want
+                    or d.offset % 8 or not 0 <= d.offset <= d.offset + d.nbytes <= len(self._maps[t.file])):
+                raise _bad(f"{what}: {t.name}'s delta ({d.count} of {n} units as {d.kind}, {d.nbytes} bytes at "
+                           f"{d.offset} in {t.file}) does not fit its tensor or file", param=t.name)
+
+    def apply_into(self, dests: Mapping[str, torch.Tensor], stop: Callable[[], None]) -> int:
+        """Write each verified delta into ``dests`` (holding the base); return the blob bytes read."""
+        read = 0
+        with torch.no_grad():
+            for t in self.manifest.tensors:
+                if t.name not in dests:
+                    continue
+                stop()
+                d, dst = t.delta, dests[t.name]
+                if d.kind == _delta.NONE:
+                    continue
+                blob = torch.frombuffer(self._maps[t.file], dtype=torch.uint8, count=d.nbytes, offset=d.offset)
+                if dst.is_contiguous():
+                    _delta.apply(units(dst), d.kind, d.count, blob.to(dst.device))
+                else:  # the encoding indexes the tensor's elements in order: a contiguous copy
+                    staged = dst.contiguous()
+                    _delta.apply(units(staged), d.kind, d.count, blob.to(dst.device))
+                    dst.copy_(staged)
+                read += d.nbytes
+                del blob
+        return read
 
     def _check_header(self, fname: str, tensors: Mapping[str, TensorEntry], what: str) -> None:
         mm = self._maps[fname]
@@ -143,14 +192,20 @@ class OpenVersion:
         ``torch.frombuffer`` views hold no buffer export, so nothing may read them after."""
         for mm in self._maps.values():
             try:
-                mm.close()
+                if isinstance(mm, mmap.mmap):
+                    mm.close()
             except BufferError:
                 continue  # a memoryview still exports it: it is unmapped when that goes
         self._maps = {}
 
 
-def _safe_name(fname: str, what: str) -> str:
-    if not _FILE_NAME.match(fname):
+def units(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as one flat tensor of its element-size units (the delta's view)."""
+    return t.detach().reshape(-1).view(_delta.unit_dtype(t.element_size()))
+
+
+def _safe_name(fname: str, what: str, delta: bool) -> str:
+    if not (_DELTA_NAME if delta else _FILE_NAME).match(fname):
         raise _bad(f"{what}: the manifest names a file {fname!r} outside this version's layout")
     return fname
 
@@ -169,13 +224,18 @@ def open_version(directory: str, version: int) -> OpenVersion:
         raise _bad(f"{what}: its manifest says version {manifest.version}")
     if manifest.checksum not in CHECKSUMS:
         raise _bad(f"{what}: unknown checksum algorithm {manifest.checksum!r}")
-    files = {_safe_name(f.name, what): f for f in manifest.files}
+    delta = manifest.base is not None
+    files = {_safe_name(f.name, what, delta): f for f in manifest.files}
+    if delta and not 0 <= manifest.base < version:
+        raise _bad(f"{what}: a delta over version {manifest.base}, not an earlier one")
+    if any((t.delta is None or t.checksum is None) if delta else t.delta is not None for t in manifest.tensors):
+        raise _bad(f"{what}: the manifest mixes full tensors and deltas")
     names = [t.name for t in manifest.tensors]
     if len(files) != len(manifest.files) or len(set(names)) != len(names):
         raise _bad(f"{what}: the manifest lists a file or a tensor twice")
     if any(t.file not in files for t in manifest.tensors):
         raise _bad(f"{what}: the manifest places a tensor in a file it does not list")
-    maps: dict[str, mmap.mmap] = {}
+    maps: dict[str, mmap.mmap | bytearray] = {}
     try:
         for fname, entry in files.items():
             fd = os.open(os.path.join(root, fname), os.O_RDONLY)
@@ -183,8 +243,11 @@ def open_version(directory: str, version: int) -> OpenVersion:
                 size = os.fstat(fd).st_size
                 if size != entry.nbytes:
                     raise _bad(f"{what}: {fname} has {size} bytes, the manifest says {entry.nbytes}")
-                if size == 0:
+                if size == 0 and not delta:
                     raise _bad(f"{what}: {fname} is empty")
+                if size == 0:  # a delta file of unchanged tensors only (nothing to map)
+                    maps[fname] = bytearray()
+                    continue
                 # ACCESS_COPY: a private mapping, writable in memory only, so torch.frombuffer
                 # takes it without a warning; the file itself is never written.
                 maps[fname] = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
@@ -192,6 +255,7 @@ def open_version(directory: str, version: int) -> OpenVersion:
                 os.close(fd)
     except BaseException:
         for mm in maps.values():
-            mm.close()
+            if isinstance(mm, mmap.mmap):
+                mm.close()
         raise
     return OpenVersion(version, manifest, maps)

@@ -30,6 +30,11 @@ Order of operations (the two sides never talk; the directory is the channel):
   ``ctx.touched`` set and are the destinations overwritten, one file per executor
   step (an abort between files leaves the rollout torn).
 
+Delta mode (``delta=True`` on every side; :mod:`.delta`): the writer publishes a
+version as the changes since the one before when it can, and a rollout lands the
+newest version through a chain of deltas from the version it holds or from the newest
+full version; the result is checked by per-tensor checksums before the ledger commits.
+
 ``abort()`` (any thread) ends the current wait or hash loop within one poll and the
 refit raises ``RefitAborted`` (``RefitTimeout`` when the deadline fired). Filesystem
 and safetensors errors become ``TransportError``; a bad manifest, file or checksum is
@@ -52,15 +57,23 @@ import torch
 from safetensors import SafetensorError
 
 from policyworker.config import positive_int, positive_seconds
-from policyworker.errors import ConfigError, PolicyWorkerError, RefitAborted, RefitTimeout, TransportError
+from policyworker.errors import (
+    ConfigError,
+    PolicyWorkerError,
+    ProtocolError,
+    RefitAborted,
+    RefitTimeout,
+    TransportError,
+)
 from policyworker.transports.base import RefitReport, Transport, TransportContext
 
+from . import delta as _delta
 from . import dirs
 from .manifest import CHECKSUMS, FORMAT, Manifest, Signature, check_against, decode, encode, param_specs
 from .reader import SAFETENSORS_DTYPES, OpenVersion, open_version
 from .writer import write_version
 
-__all__ = ["FilesSetup", "FilesTransport"]
+__all__ = ["FilesOptions", "FilesSetup", "FilesTransport"]
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,7 +89,10 @@ class FilesSetup:
     file. ``file_bytes``: tensor bytes per safetensors file at most. ``fsync``: make
     every step durable before the rename (off only for scratch directories).
     ``timeout_s``: bounds a receiver's waits (connect; a refit without a deadline).
-    ``poll_s``: how often a waiting receiver looks again.
+    ``poll_s``: how often a waiting receiver looks again. ``delta`` (every side): the
+    writer publishes deltas (:mod:`.delta`); ``delta_max_fraction``,
+    ``delta_full_every`` and ``delta_chain_fraction`` (writer) say when a version is
+    full anyway.
     """
 
     directory: str | os.PathLike[str] | None = None
@@ -87,8 +103,20 @@ class FilesSetup:
     fsync: bool = True
     timeout_s: float = 60.0
     poll_s: float = 0.02
+    delta: bool = False
+    delta_max_fraction: float = 0.25
+    delta_full_every: int | None = 32
+    delta_chain_fraction: float = 1.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.delta, bool):
+            raise ConfigError(f"delta must be True or False, got {self.delta!r}", transport="files")
+        for key in ("delta_max_fraction", "delta_chain_fraction"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ConfigError(f"{key} must be in [0, 1], got {value!r}", transport="files")
+        if self.delta_full_every is not None:
+            positive_int(self.delta_full_every, "delta_full_every")
         if self.directory is not None:
             if not isinstance(self.directory, (str, os.PathLike)) or not os.fspath(self.directory):
                 raise ConfigError(f"directory must be a path, got {self.directory!r}", transport="files")
@@ -101,6 +129,13 @@ class FilesSetup:
                               transport="files")
         positive_seconds(self.timeout_s, "timeout_s", optional=False)
         positive_seconds(self.poll_s, "poll_s", optional=False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FilesOptions:
+    """Per refit: ``delta=False`` (writer, delta mode) publishes this version full."""
+
+    delta: bool | None = None
 
 
 def _check_tensors(params: Mapping[str, torch.Tensor], role: str) -> None:
@@ -143,6 +178,7 @@ class FilesTransport(Transport):
 
     name = "files"
     Setup = FilesSetup
+    Options = FilesOptions
     needs_plan = False
 
     @classmethod
@@ -235,6 +271,10 @@ class FilesTransport(Transport):
             signature = await self._io(ctx, self._await_signature, ctx, what="waiting for the writer's signature")
             check_against(signature.params, param_specs(ctx.params),
                           what=f"the writer's signature in {self.directory}")
+            if signature.delta != self.setup.delta:
+                raise ConfigError(f"the writer in {self.directory} attached with delta={signature.delta}, this "
+                                  f"rollout with delta={self.setup.delta}: give every side the same",
+                                  transport=self.name, rank=ctx.rank)
             ctx.state["signature"] = signature
 
     def _connect_sender(self, ctx: TransportContext) -> int:
@@ -249,7 +289,7 @@ class FilesTransport(Transport):
         if writer:
             session = secrets.token_hex(8)
             mine = Signature(format=FORMAT, writer_rank=ctx.rank, params=param_specs(ctx.params),
-                             session=session, base=base)
+                             session=session, base=base, delta=self.setup.delta)
             path = os.path.join(self.directory, dirs.SIGNATURE)
             if versions and os.path.exists(path):
                 theirs = decode(dirs.read_small(path, limit=64 << 20), Signature, what=path)
@@ -283,17 +323,18 @@ class FilesTransport(Transport):
                                seconds=time.perf_counter() - t0,
                                notes=(f"rank {ctx.rank} does not write; rank {self.setup.writer_rank} "
                                       f"published version {published}",))
-        manifest = await self._io(ctx, self._write, ctx, version, what=f"writing version {version}")
-        notes: tuple[str, ...] = ()
+        manifest, notes, shadow = await self._io(ctx, self._write, ctx, version, what=f"writing version {version}")
         try:
-            pruned = await ctx.blocking(dirs.prune, self.directory, self.setup.keep)
+            pruned = await ctx.blocking(dirs.prune, self.directory, self.setup.keep,
+                                        protect_from=_delta.protect_from(ctx.state))
             if pruned:
-                notes = (f"pruned {', '.join(map(str, pruned))}",)
+                notes += (f"pruned {', '.join(map(str, pruned))}",)
         except OSError as exc:  # the version is committed; an old one lingering is not a failed refit
             _log.warning("files transport: pruning %s failed (retried after the next write): %s", self.directory, exc)
-            notes = (f"pruning failed: {exc}",)
+            notes += (f"pruning failed: {exc}",)
         return RefitReport(transport=self.name, role="send", version=version, bytes=manifest.nbytes,
-                           seconds=time.perf_counter() - t0, buckets=len(manifest.files), notes=notes)
+                           seconds=time.perf_counter() - t0, buckets=len(manifest.files), notes=notes,
+                           wire_bytes=manifest.file_bytes if self.setup.delta else None, shadow_bytes=shadow)
 
     def _await_published(self, ctx: TransportContext) -> int:
         """A non-writer's refit: the version the writer published for it (see the module
@@ -327,57 +368,98 @@ class FilesTransport(Transport):
             raise ConfigError(f"version {version} is not past {versions[-1]}, the newest in {self.directory}",
                               transport=self.name, rank=ctx.rank)
         s = self.setup
-        return write_version(self.directory, version, ctx.params, rank=ctx.rank, checksum=s.checksum,
-                             file_bytes=s.file_bytes, fsync=s.fsync, stop=self._stopper(ctx),
-                             session=ctx.state.get("session", ""))
+        if s.delta:
+            manifest, note, shadow = _delta.publish(self.directory, s, ctx, version, self._stopper(ctx))
+            return manifest, (note,), shadow
+        manifest = write_version(self.directory, version, ctx.params, rank=ctx.rank, checksum=s.checksum,
+                                 file_bytes=s.file_bytes, fsync=s.fsync, stop=self._stopper(ctx),
+                                 session=ctx.state.get("session", ""))
+        return manifest, (), 0
 
     async def receive(self, ctx: TransportContext, version: int) -> RefitReport:
         self._check_open()
         t0 = time.perf_counter()
         ctx.touched = False
         self._cancel.clear()
-        opened = await self._io(ctx, self._open_verified, ctx, version, what=f"receiving version {version}")
+        try:
+            return await self._receive(ctx, version, t0)
+        except BaseException as exc:
+            if ctx.touched is not False:
+                _delta.received(ctx, None)  # no longer a base for a delta
+            if isinstance(exc, ProtocolError) and self.setup.delta:
+                # whatever was wrong (a corrupt file, a base gone, a bad result), a full version mends it
+                await ctx.blocking(_delta.request_full, self.directory, f"version >= {version}: {exc}")
+            raise
+
+    async def _receive(self, ctx: TransportContext, version: int, t0: float) -> RefitReport:
+        chain = await self._io(ctx, self._open_verified, ctx, version, what=f"receiving version {version}")
         stop = self._stopper(ctx)
-        groups: dict[str, list[str]] = {}
-        for entry in opened.manifest.tensors:
-            groups.setdefault(entry.file, []).append(entry.name)
+        target = chain[-1]
         try:
             ctx.touched = True  # everything checked; from here on the live bytes change
-            nbytes = 0
-            for names in groups.values():  # one file per step: an abort lands between files
-                nbytes += await self._io(ctx, opened.copy_into, {n: ctx.params[n] for n in names}, stop,
-                                         what=f"copying version {opened.version}")
+            for opened in chain:
+                groups: dict[str, list[str]] = {}
+                for entry in opened.manifest.tensors:
+                    groups.setdefault(entry.file, []).append(entry.name)
+                step = opened.apply_into if opened.is_delta else opened.copy_into
+                for names in groups.values():  # one file per step: an abort lands between files
+                    await self._io(ctx, step, {n: ctx.params[n] for n in names}, stop,
+                                   what=f"landing version {opened.version}")
+            if target.is_delta:
+                await self._io(ctx, _delta.check_result, target, ctx.params, stop,
+                               what=f"checking version {target.version}")
         finally:
             # Unmapped on the refit executor, after any copy still running there.
-            if ctx.executor is not None:
-                ctx.executor.submit(opened.close)
-            else:
-                opened.close()
-        landed = opened.version
+            for opened in chain:
+                if ctx.executor is not None:
+                    ctx.executor.submit(opened.close)
+                else:
+                    opened.close()
+        landed = target.version
+        _delta.received(ctx, landed)
         notes = (f"caught up: expected {version}, the newest committed was {landed}",) if landed != version else ()
-        return RefitReport(transport=self.name, role="receive", version=landed, bytes=nbytes,
-                           seconds=time.perf_counter() - t0, buckets=len(opened.manifest.files), notes=notes)
+        wire = None
+        if target.is_delta or self.setup.delta:
+            wire = sum(o.manifest.file_bytes for o in chain)
+            how = "full" if not chain[0].is_delta else f"from version {chain[0].manifest.base}"
+            notes += (f"{how} + {sum(o.is_delta for o in chain)} delta(s), {wire} bytes read",)
+        return RefitReport(transport=self.name, role="receive", version=landed, bytes=target.manifest.nbytes,
+                           seconds=time.perf_counter() - t0, buckets=sum(len(o.manifest.files) for o in chain),
+                           notes=notes, wire_bytes=wire)
 
-    def _open_verified(self, ctx: TransportContext, version: int) -> OpenVersion:
-        """Wait for the newest committed version >= ``version``, map and verify all of it."""
+    def _open_verified(self, ctx: TransportContext, version: int) -> list[OpenVersion]:
+        """Wait for the newest committed version >= ``version``; map and verify it and the
+        versions it needs (a delta's chain, :mod:`.delta`) before anything is touched."""
         stop = self._stopper(ctx)
+        mine = _delta.held_base(ctx)
 
-        def probe() -> OpenVersion | None:
-            newer = [v for v in dirs.committed_versions(self.directory) if v >= version]
+        def probe() -> list[OpenVersion] | None:
+            listed = dirs.committed_versions(self.directory)
+            newer = [v for v in listed if v >= version]
             if not newer:
                 return None
             try:
-                return open_version(self.directory, newer[-1])
+                target = open_version(self.directory, newer[-1])
             except FileNotFoundError:
                 return None  # pruned between the listing and the open: look again
+            try:
+                return _delta.open_chain(self.directory, target, listed, mine)
+            except FileNotFoundError:
+                target.close()
+                return None
+            except BaseException:
+                target.close()
+                raise
 
-        opened = self._wait(ctx, probe, what=f"version {version} (or newer)")
+        chain = self._wait(ctx, probe, what=f"version {version} (or newer)")
         try:
-            opened.verify(ctx.params, stop)
+            for opened in chain:
+                opened.verify(ctx.params, stop)
         except BaseException:
-            opened.close()
+            for opened in chain:
+                opened.close()
             raise
-        return opened
+        return chain
 
     def abort(self) -> None:
         self._cancel.set()
