@@ -46,11 +46,13 @@ from policyworker.layout import delta
 #: library's default, the "units"/"units" rows are the first kernels
 _SWEEP = [(8192, 4, "gather", "words", "bits"), (8192, 4, "scan", "words", "bits"),
           (4096, 4, "gather", "words", "bits"), (16384, 4, "gather", "words", "bits"),
-          (16384, 8, "gather", "words", "bits"), (32768, 8, "gather", "words", "bits"),
-          (65536, 8, "gather", "words", "bits"), (65536, 16, "gather", "words", "bits"),
-          (8192, 8, "gather", "words", "bits"), (4096, 2, "gather", "words", "bits"),
-          (8192, 4, "gather", "words", "units"), (8192, 4, "gather", "units", "bits"),
-          (8192, 4, "gather", "units", "units"), (32768, 8, "scan", "units", "units")]
+          (32768, 8, "gather", "words", "bits"), (4096, 2, "gather", "words", "bits"),
+          (2048, 2, "gather", "words", "bits"), (2048, 1, "gather", "words", "bits"),
+          (8192, 4, "gather", "units", "bits"), (8192, 2, "gather", "units", "bits"),
+          (4096, 4, "gather", "units", "bits"), (4096, 2, "gather", "units", "bits"),
+          (4096, 1, "gather", "units", "bits"), (2048, 2, "gather", "units", "bits"),
+          (2048, 1, "gather", "units", "bits"), (16384, 4, "gather", "units", "bits"),
+          (8192, 4, "gather", "words", "units"), (8192, 4, "gather", "units", "units")]
 #: the encoding's steps, as layout.delta marks them: (name, from mark, to mark)
 _STEPS = [("scan", "start", "scan"), ("sums_sync", "scan", "sync"), ("blob_glue", "sync", "glue"),
           ("prefix", "glue", "prefix"), ("gather", "prefix", "gather")]
