@@ -44,14 +44,14 @@ from policyworker.layout import delta
 
 #: (tile bytes, warps, refreshing pass, scan form, gather form) tried by --sweep; the first is the
 #: library's default, the "units"/"units" rows are the first kernels
-_SWEEP = [(8192, 4, "gather", "words", "bits"), (8192, 4, "scan", "words", "bits"),
+_SWEEP = [(16384, 4, "gather", "units", "bits"), (8192, 4, "gather", "words", "bits"), (8192, 4, "scan", "words", "bits"),
           (4096, 4, "gather", "words", "bits"), (16384, 4, "gather", "words", "bits"),
           (32768, 8, "gather", "words", "bits"), (4096, 2, "gather", "words", "bits"),
           (2048, 2, "gather", "words", "bits"), (2048, 1, "gather", "words", "bits"),
           (8192, 4, "gather", "units", "bits"), (8192, 2, "gather", "units", "bits"),
           (4096, 4, "gather", "units", "bits"), (4096, 2, "gather", "units", "bits"),
           (4096, 1, "gather", "units", "bits"), (2048, 2, "gather", "units", "bits"),
-          (2048, 1, "gather", "units", "bits"), (16384, 4, "gather", "units", "bits"),
+          (2048, 1, "gather", "units", "bits"), (16384, 2, "gather", "units", "bits"),
           (8192, 4, "gather", "words", "units"), (8192, 4, "gather", "units", "units")]
 #: the encoding's steps, as layout.delta marks them: (name, from mark, to mark)
 _STEPS = [("scan", "start", "scan"), ("sums_sync", "scan", "sync"), ("blob_glue", "sync", "glue"),

@@ -221,5 +221,5 @@ def test_kernel_settings_are_checked():
     for bad in ({"scan": "bytes"}, {"gather": "all"}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
-    assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH, K.SCAN, K.GATHER) == (8192, 4, "gather", "words", "bits")
-    assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [8192, 4096, 2048, 1024]  # each divides a 65,536-unit block
+    assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH, K.SCAN, K.GATHER) == (16384, 4, "gather", "units", "bits")
+    assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [16384, 8192, 4096, 2048]  # each divides a 65,536-unit block

@@ -30,16 +30,17 @@ def test_cuda_tensors_take_the_kernels():
     assert D._fused(x[::2]) is None  # not contiguous: the torch path
 
 
-@pytest.mark.parametrize("forms", [("words", "bits"), ("units", "units")])
+@pytest.mark.parametrize("forms", [("units", "bits"), ("words", "bits"), ("units", "units")])
 @pytest.mark.parametrize("fraction", [0.0, 0.001, 0.03, 0.1, 0.5])
 def test_a_large_bf16_stream_encodes_as_the_torch_path(fraction, forms):
     from policyworker.ops import delta_triton
 
+    before = delta_triton.SCAN, delta_triton.GATHER
     delta_triton.configure(scan=forms[0], gather=forms[1])
     try:
         _large_bf16_stream(fraction)
     finally:
-        delta_triton.configure(scan="words", gather="bits")
+        delta_triton.configure(scan=before[0], gather=before[1])
 
 
 def _large_bf16_stream(fraction):

@@ -53,12 +53,12 @@ __all__ = ["GATHER", "NUM_WARPS", "PROFILE", "REFRESH", "SCAN", "TILE_BYTES", "c
            "mark", "scan", "tile_units"]
 
 #: Bytes of one stream a program covers (a power of two, 1 KiB .. 64 KiB), and warps per program.
-TILE_BYTES = 8192
+TILE_BYTES = 16384
 NUM_WARPS = 4
 #: Which pass refreshes the old tensor when asked: "gather" (changed units) or "scan" (whole tiles).
 REFRESH = "gather"
 #: The scan's form ("words" or "units") and the gather's ("bits" or "units").
-SCAN = "words"
+SCAN = "units"
 GATHER = "bits"
 #: When a list, :func:`mark` appends (step name, recorded CUDA event) to it.
 PROFILE: list | None = None
