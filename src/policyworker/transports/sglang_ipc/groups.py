@@ -1,6 +1,7 @@
-"""sglang_ipc's engine groups: which trainer ranks each engine covers, and the small
-collectives the transport runs on an engine's group (gathers, a text broadcast), plus
-the manifest digest it checks every refit. Only small CPU tensors travel here."""
+"""sglang_ipc's engine groups: which trainer ranks each engine covers, building (and
+rebuilding) this rank's group on the update group's store, the small collectives the
+transport runs on an engine's group (gathers, a text broadcast), plus the manifest
+digest it checks every refit. Only small CPU tensors travel here."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from policyworker.runtime.comm import CommGroup, group_on_store
 from policyworker.errors import ConfigError, ProtocolError
 from policyworker.transports.sglang_ipc.format import manifest_digest
 
-__all__ = ["EngineLayout", "broadcast_text", "digest", "engine_group", "gather", "gather_all"]
+__all__ = ["EngineLayout", "broadcast_text", "digest", "engine_group", "ensure_engine_group", "gather", "gather_all"]
 
 NAME = "sglang_ipc"
 _MAX_MESSAGE = 2000  # bytes of a failure message broadcast to the engine group
@@ -77,7 +78,35 @@ def engine_group(update_group: CommGroup, prefix: str, rank: int, size: int, nam
                           backend="gloo", timeout_s=timeout_s, transport=NAME)
 
 
-
+def ensure_engine_group(ctx: Any) -> None:
+    """Build this rank's engine group into ``ctx.state`` when the layout or the update group
+    changed, or a refit lost the group (``broken``); the same layout again keeps it."""
+    state = ctx.state
+    layout = EngineLayout.build(ctx.setup.engine_gpu_counts, ctx.setup.engine_gpu_offsets, ctx.world_size)
+    update_group = ctx.update_group
+    if update_group is None:
+        raise ConfigError("call init_collective first: the engine groups are built on its store",
+                          rank=ctx.rank, transport=NAME)
+    same_world = state.get("update_group_ref") is not None and state["update_group_ref"]() is update_group
+    old = state.get("group")
+    if (state.get("layout") == layout and same_world and not state.get("broken")
+            and (old is None or not old.aborted)):
+        return
+    epoch = (state.get("epoch", 0) if same_world else 0) + 1
+    where = layout.locate(ctx.rank)
+    group = None
+    if where is not None:
+        e, tp_rank = where
+        group = engine_group(update_group, f"sglang_ipc/{epoch}/engine{e}", tp_rank, layout.counts[e],
+                              f"sglang_engine{e}", update_group.timeout_s)
+    if old is not None and old is not group:
+        old.close()
+    # The update group is the worker's: keep a reference, not the group (the worker's
+    # deadline aborts the groups in this state, and the update group is not ours to abort).
+    state.update(layout=layout, group=group, epoch=epoch, update_group_ref=weakref.ref(update_group),
+                 broken=False, engine_index=None if where is None else where[0],
+                 group_rank=None if where is None else where[1],
+                 gather_src=None if where is None else layout.offsets[where[0]], connected_group=None)
 
 
 def digest(state: dict, params) -> int:
