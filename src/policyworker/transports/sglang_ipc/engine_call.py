@@ -28,7 +28,7 @@ from policyworker.transports.base import TransportContext
 from policyworker.transports.sglang_ipc.format import to_base64
 from policyworker.wire import Decoder, Message
 
-__all__ = ["BucketBlob", "EngineCaller", "code_of", "error_class"]
+__all__ = ["BucketBlob", "EngineCaller", "answer_of", "code_of", "engine_request", "error_class"]
 
 
 class BucketBlob(Message, frozen=True, kw_only=True):
@@ -70,9 +70,9 @@ def error_class(code: int) -> type[PolicyWorkerError]:
 class EngineCaller:
     """The gather source's calls into its engine, and their answers.
 
-    A call is made inline (a deferred ``(fn, *args)`` tuple, run when its answer is
-    taken) or on one helper thread (a ``Future``); either way its answer is
-    ``(code, message, reading event or None)``.
+    A call (the transport's ``_call_engine``) is made inline (a deferred ``(fn, *args)``
+    tuple, run when its answer is taken) or on one helper thread (a ``Future``); either
+    way its answer is ``(code, message, reading event or None)``.
     """
 
     def __init__(self) -> None:
@@ -110,42 +110,40 @@ class EngineCaller:
         except concurrent.futures.TimeoutError:
             return code_of(RefitTimeout("x")), "the engine did not answer before the deadline", None
 
-    def call(self, ctx: TransportContext, version: int, layout: Any, gathered: Any, wants_blobs: bool,
-             deadline: float) -> tuple[int, str, Any]:
-        """One ``update_weights_from_tensor`` call for bucket ``layout`` (the source only)."""
-        from policyworker.transports.sglang_ipc.client import UpdateWeightsFromTensorRequest
-
-        state = ctx.state
-        try:
-            blobs: list[str] = []
-            if wants_blobs:
-                for rank, raw in enumerate(gathered or []):
-                    msg = _BLOB.decode(raw)
-                    if msg.version != version or msg.bucket != layout.index:
-                        raise ProtocolError(f"tp rank {rank} sent bucket {msg.bucket} of refit {msg.version}")
-                    blobs.append(to_base64(msg.blob))
-            last = layout.index == len(state["buckets"]) - 1
-            request = UpdateWeightsFromTensorRequest(
-                serialized_named_tensors=blobs,
-                flush_cache=bool(ctx.option("flush_cache", True)) and last,
-                abort_all_requests=bool(ctx.option("abort_all_requests", False)) and layout.index == 0,
-                weight_version=str(version) if last else None,
-                torch_empty_cache=bool(ctx.option("torch_empty_cache", False)) and last,
-                buffers=state["peer_handles"][layout.index % len(state["peer_handles"])], metadata=layout.metadata,
-                bucket=layout.index, num_buckets=len(state["buckets"]),
-            )
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RefitTimeout("no time left for the engine call")
-            result = ctx.option("engine").update_weights_from_tensor(request, timeout_s=remaining)
-        except PolicyWorkerError as exc:
-            return code_of(exc), f"{type(exc).__name__}: {exc}", None
-        reading = getattr(result, "reading", None)
-        if not result.success:
-            return 1, f"the engine refused it: {result.message}", reading
-        return 0, "", reading
-
     def close(self) -> None:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False)
+
+
+def engine_request(ctx: TransportContext, version: int, layout: Any, gathered: Any, wants_blobs: bool) -> Any:
+    """SGLang's request for bucket ``layout``: one entry per tp rank (the gathered blobs when the
+    engine wants them), the buffers' handles, SGLang's flags on the first / last bucket."""
+    from policyworker.transports.sglang_ipc.client import UpdateWeightsFromTensorRequest
+
+    state = ctx.state
+    blobs: list[str] = []
+    if wants_blobs:
+        for rank, raw in enumerate(gathered or []):
+            msg = _BLOB.decode(raw)
+            if msg.version != version or msg.bucket != layout.index:
+                raise ProtocolError(f"tp rank {rank} sent bucket {msg.bucket} of refit {msg.version}")
+            blobs.append(to_base64(msg.blob))
+    last = layout.index == len(state["buckets"]) - 1
+    return UpdateWeightsFromTensorRequest(
+        serialized_named_tensors=blobs,
+        flush_cache=bool(ctx.option("flush_cache", True)) and last,
+        abort_all_requests=bool(ctx.option("abort_all_requests", False)) and layout.index == 0,
+        weight_version=str(version) if last else None,
+        torch_empty_cache=bool(ctx.option("torch_empty_cache", False)) and last,
+        buffers=state["peer_handles"][layout.index % len(state["peer_handles"])], metadata=layout.metadata,
+        bucket=layout.index, num_buckets=len(state["buckets"]),
+    )
+
+
+def answer_of(result: Any) -> tuple[int, str, Any]:
+    """The engine's result as (code, message, reading event or None)."""
+    reading = getattr(result, "reading", None)
+    if not result.success:
+        return 1, f"the engine refused it: {result.message}", reading
+    return 0, "", reading

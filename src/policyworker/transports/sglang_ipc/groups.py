@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from policyworker.runtime.comm import CommGroup, group_on_store
-from policyworker.errors import ConfigError, ProtocolError
+from policyworker.errors import ConfigError, ProtocolError, TransportError
+from policyworker.transports.sglang_ipc.engine_call import error_class
 from policyworker.transports.sglang_ipc.format import manifest_digest
 
-__all__ = ["EngineLayout", "broadcast_text", "digest", "engine_group", "ensure_engine_group", "gather", "gather_all"]
+__all__ = ["EngineLayout", "broadcast_text", "bucket_round", "digest", "engine_group", "ensure_engine_group", "gather", "gather_all"]
 
 NAME = "sglang_ipc"
 _MAX_MESSAGE = 2000  # bytes of a failure message broadcast to the engine group
@@ -169,3 +170,33 @@ def broadcast_text(group, message: str, deadline: float) -> str:
     if length:
         group.broadcast(body, 0, deadline=deadline)
     return body.numpy().tobytes().decode("utf-8", "replace")
+
+
+def bucket_round(ctx: Any, version: int, index: int, failed: bool, length: int, answer: tuple[int, str],
+                 deadline: float) -> int:
+    """One round per bucket of a refit: all-reduce (pack failed, payload length, the source's
+    verdict of bucket ``index``).
+
+    Returns the longest payload. A verdict raises its error class on every rank (the
+    message follows in a broadcast, only then); a failed pack raises ``TransportError``
+    on every other rank (the failing rank raises its own error after this round). With
+    one rank in the group nothing is sent.
+    """
+    group = ctx.state["group"]
+    code, message = answer
+    if group.world_size > 1:
+        flags = torch.tensor([int(failed), length, code], dtype=torch.int64)
+        group.all_reduce(flags, op=dist.ReduceOp.MAX, deadline=deadline)
+        any_failed, length, code = (int(v) for v in flags.tolist())
+        if code:
+            message = broadcast_text(group, message, deadline)
+    else:
+        any_failed = int(failed)
+    if code:
+        cls = error_class(code)
+        raise cls(f"engine {ctx.state.get('engine_index')}, refit {version}, bucket {index}: {message}",
+                  rank=ctx.rank, transport=NAME)
+    if any_failed and not failed:
+        raise TransportError("a peer rank of this engine failed to pack its bucket", rank=ctx.rank,
+                             transport=NAME)
+    return length

@@ -69,7 +69,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from policyworker.config import positive_int
 
@@ -80,14 +79,21 @@ from policyworker.errors import (
     PolicyWorkerError,
     ProtocolError,
     RefitAborted,
+    RefitTimeout,
     TransportError,
 )
 from policyworker.wire import Decoder, Message, encode
 from policyworker.transports.base import RefitReport, Transport, TransportContext
-from policyworker.transports.sglang_ipc.engine_call import BucketBlob, EngineCaller, error_class
+from policyworker.transports.sglang_ipc.engine_call import (
+    BucketBlob,
+    EngineCaller,
+    answer_of,
+    code_of,
+    engine_request,
+)
 from policyworker.transports.sglang_ipc.groups import (
     EngineLayout,
-    broadcast_text,
+    bucket_round,
     ensure_engine_group,
     gather,
     gather_all,
@@ -345,7 +351,7 @@ class SglangIpcTransport(Transport):
                     # One buffer: the engine must have answered for bucket k-1 before it is repacked.
                     answer, pending = self._engine.take(pending, deadline, reading, k - 1, device_acks), None
                     spans.mark("engine")
-                    self._round(ctx, version, k - 1, False, 0, answer, deadline)
+                    bucket_round(ctx, version, k - 1, False, 0, answer, deadline)
                     spans.mark("round")
                 if k == 0 and early is not None:
                     done, failure = early
@@ -370,21 +376,21 @@ class SglangIpcTransport(Transport):
                 spans.mark("blobs")
                 # One round per bucket: every rank's "bucket k is packed" and the source's
                 # verdict of bucket k-1 (the acknowledgement that lets the ranks repack).
-                longest = self._round(ctx, version, k - 1, failure is not None, len(payload), answer, deadline)
+                longest = bucket_round(ctx, version, k - 1, failure is not None, len(payload), answer, deadline)
                 gathered = gather(group, payload, longest, deadline) if wants_blobs and failure is None else None
                 spans.mark("round")
                 if failure is not None:
                     raise TransportError(f"packing bucket {k} failed: {failure}",
                                          rank=ctx.rank, transport=NAME) from failure
                 if is_src:
-                    call = (self._engine.call, ctx, version, layout, gathered, wants_blobs, deadline)
+                    call = (self._call_engine, ctx, version, layout, gathered, wants_blobs, deadline)
                     pending = call if inline else self._engine.submit(*call)
                 spans.mark("submit")
                 total += layout.nbytes
             if buckets:
                 answer, pending = self._engine.take(pending, deadline, reading, buckets[-1].index, False), None
                 spans.mark("engine")
-                self._round(ctx, version, buckets[-1].index, False, 0, answer, deadline)
+                bucket_round(ctx, version, buckets[-1].index, False, 0, answer, deadline)
                 spans.mark("round")
         finally:
             if isinstance(pending, concurrent.futures.Future):
@@ -439,33 +445,19 @@ class SglangIpcTransport(Transport):
             failure = exc
         return done, failure
 
-    def _round(self, ctx: TransportContext, version: int, index: int, failed: bool, length: int,
-               answer: tuple[int, str], deadline: float) -> int:
-        """All-reduce (pack failed, payload length, the source's verdict of bucket ``index``).
-
-        Returns the longest payload. A verdict raises its error class on every rank (the
-        message follows in a broadcast, only then); a failed pack raises ``TransportError``
-        on every other rank (the failing rank raises its own error after this round). With
-        one rank in the group nothing is sent.
-        """
-        group = ctx.state["group"]
-        code, message = answer
-        if group.world_size > 1:
-            flags = torch.tensor([int(failed), length, code], dtype=torch.int64)
-            group.all_reduce(flags, op=dist.ReduceOp.MAX, deadline=deadline)
-            any_failed, length, code = (int(v) for v in flags.tolist())
-            if code:
-                message = broadcast_text(group, message, deadline)
-        else:
-            any_failed = int(failed)
-        if code:
-            cls = error_class(code)
-            raise cls(f"engine {ctx.state.get('engine_index')}, refit {version}, bucket {index}: {message}",
-                      rank=ctx.rank, transport=NAME)
-        if any_failed and not failed:
-            raise TransportError("a peer rank of this engine failed to pack its bucket", rank=ctx.rank,
-                                 transport=NAME)
-        return length
+    def _call_engine(self, ctx: TransportContext, version: int, layout: Any, gathered: Any, wants_blobs: bool,
+                     deadline: float) -> tuple[int, str, Any]:
+        """The source's one ``update_weights_from_tensor`` call for bucket ``layout``, bounded by
+        the time left; its answer as (code, message, reading event or None)."""
+        try:
+            request = engine_request(ctx, version, layout, gathered, wants_blobs)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RefitTimeout("no time left for the engine call")
+            result = ctx.option("engine").update_weights_from_tensor(request, timeout_s=remaining)
+        except PolicyWorkerError as exc:
+            return code_of(exc), f"{type(exc).__name__}: {exc}", None
+        return answer_of(result)
 
     async def aclose(self) -> None:
         self._closed = True
