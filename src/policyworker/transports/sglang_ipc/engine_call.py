@@ -1,10 +1,11 @@
 """sglang_ipc's engine side: what the gather source says to its engine and how the answer comes back.
 
-The source calls ``engine.update_weights_from_tensor`` once per bucket (SGLang's request:
-one entry per tp rank, ``weight_version`` on the last bucket), bounded by the refit
-deadline, inline or on one helper thread. The answer is a verdict code that the
-transport's per-bucket round spreads to every rank of the engine, so every rank raises
-the same error class (:func:`error_class`).
+The source calls ``engine.update_weights_from_tensor`` once per bucket (the transport's
+``_call_engine``), bounded by the refit deadline, inline or on one helper thread
+(:class:`EngineCaller`). Here: its request (SGLang's: one entry per tp rank,
+``weight_version`` on the last bucket, :func:`engine_request`) and its answer, a verdict
+code that the per-bucket round spreads to every rank of the engine, so every rank
+raises the same error class (:func:`error_class`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ class BucketBlob(Message, frozen=True, kw_only=True):
     version: int
     bucket: int
     blob: bytes
-
 
 
 _BLOB = Decoder(BucketBlob)
