@@ -178,7 +178,6 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
                              zmq_timeout_s=a["timeout_s"])
         else:
             w = Rollout(rank=0, gen_world_size=1, device=dev, cpu_index=0, zmq_timeout_s=a["timeout_s"])
-        w.zmq_options = opts
         version = 0
         out["modes"] = {"bf16": [], "fp8": []}
         # Interleaved rounds (bf16 then fp8, `rounds` times; each round's first refit
@@ -188,7 +187,7 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
             for mode in ("bf16", "fp8"):
                 gen = gens[mode]
                 if rank == 0:
-                    await w.prepare_zmq_refit_info(gen, 1)
+                    wired: Any = await w.prepare_zmq_refit_info(gen, 1)
                 else:
                     plan = build_plan(config, "tp=1", gen, 1, 1, dtype=dtype)
                     w.params = {}
@@ -201,6 +200,9 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
                         if rnd == 0:
                             fp8_params = flat_local_tensors(fp8_plan, 0, dev)
                         quant = QuantJobs(_receiver_quant_jobs(fp8_plan, w.params, fp8_params))
+                    wired = plan
+                # The setup, through the road with the plan just wired.
+                await w.attach_transport("zmq", connect=False, plan=wired, timeout_s=w.zmq_timeout_s, **opts)
                 last_round = rnd == a["rounds"] - 1
                 for i in range(a["refits"] + 2):  # two warm-ups: the first builds, the second captures
                     version += 1

@@ -53,9 +53,9 @@ def _rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
         config, dtype = get_preset(a["preset"]), getattr(torch, a["dtype"])
         model = build_model(config, seed=0, dtype=dtype)
         w = Trainer(model, rank=rank, world_size=2, device="cpu", timeout_s=120.0)
-        w.sglang_options = {"bucket_bytes": a["bucket_bytes"], "buffers": a["buffers"]}
         await w.init_collective("127.0.0.1", a["port"], 2, train_world_size=2)
-        await w.connect_sglang_rollout_engines(engine_gpu_counts=[2])
+        await w.attach_transport("sglang_ipc", engine_gpu_counts=(2,), bucket_bytes=a["bucket_bytes"],
+                                 buffers=a["buffers"])
         engine = workers = None
         if rank == 0:
             workers = [RolloutWorker(rank=i, gen_world_size=2, device="cpu") for i in range(2)]
@@ -130,9 +130,9 @@ def _gpu_rank(rank: int, a: dict[str, Any]) -> dict[str, Any]:
         specs = param_specs(get_preset(a["preset"]), getattr(torch, a["dtype"]))
         params = {n: torch.empty(s, dtype=d, device=dev) for n, (s, d) in specs.items()}
         w = ParamsTrainer(params, rank=0, world_size=1, device=dev, timeout_s=120.0)
-        w.sglang_options = {"bucket_bytes": a["bucket_bytes"], "buffers": a["buffers"]}
         await w.init_collective("127.0.0.1", a["port"], 1, train_world_size=1)
-        await w.connect_sglang_rollout_engines(engine_gpu_counts=[1])
+        await w.attach_transport("sglang_ipc", engine_gpu_counts=(1,), bucket_bytes=a["bucket_bytes"],
+                                 buffers=a["buffers"])
         r = RolloutWorker(rank=0, gen_world_size=1, device=dev)
         if a.get("flat_rollout"):
             # The rollout's params are views of one arena in the buckets' (sorted-name) order:

@@ -71,21 +71,22 @@ def delta_rank(rank: int, spec: DeltaSpec) -> dict[str, Any]:
             local = source_shards(plan, rank, state)
             w: Any = ShardTrainer(local_params=local, source=config, rank=rank, world_size=n_train, device="cpu",
                                   timeout_s=spec.timeout_s)
-            w.reshard_options = dict(spec.options)
             await w.init_collective("127.0.0.1", spec.update_port, n_train + n_gen, train_world_size=n_train)
             stage = train.coords(rank).pp_stage
             members = list(train.stage_ranks(stage))
             await w.init_nccl_reshard_comm_group(["127.0.0.1"] * train.pp, spec.stage_ports, train.pp, stage,
                                                  len(members) + n_gen, members.index(rank))
-            await w.prepare_nccl_reshard_refit_info(train, spec.gen, n_train, n_gen)
+            info = await w.prepare_nccl_reshard_refit_info(train, spec.gen, n_train, n_gen)
+            await w.attach_transport("nccl_reshard", connect=False, plan=info, group=w.pp_comm_group, stage=stage,
+                                     **spec.options)
         else:
             g = rank - n_train
-            w = RolloutWorker(rank=g, gen_world_size=n_gen, device="cpu", timeout_s=spec.timeout_s,
-                              reshard_options=spec.options)
+            w = RolloutWorker(rank=g, gen_world_size=n_gen, device="cpu", timeout_s=spec.timeout_s)
             await w.init_collective("127.0.0.1", spec.update_port, n_train + n_gen, train_world_size=n_train)
             await w.init_nccl_reshard_comm_groups(["127.0.0.1"] * train.pp, spec.stage_ports,
                                                   [len(train.stage_ranks(s)) for s in range(train.pp)])
             w.load_refit_plan(plan.refit_info())
+            await w.attach_transport("nccl_reshard", connect=False, plan=plan, groups=w.stage_groups, **spec.options)
         for v, fraction in enumerate(spec.fractions, start=1):
             before = {k: t.clone() for k, t in state.items()}
             perturb_(state, fraction, v)

@@ -93,16 +93,26 @@ class NcclSide(Side):
         self.epoch = epoch
         if self.name == "trainer":
             self.model = build_model(CONFIG, seed=0, dtype=torch.float32)
-            self.w = TorchPolicyWorker(self.model, rank=0, world_size=1, device="cpu", timeout_s=self.timeout_s,
-                                       reshard_options=NCCL_SETUP)
+            self.w = TorchPolicyWorker(self.model, rank=0, world_size=1, device="cpu", timeout_s=self.timeout_s)
         else:
-            self.w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", timeout_s=self.timeout_s,
-                                   reshard_options=NCCL_SETUP)
+            self.w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", timeout_s=self.timeout_s)
         await self._join()
+        # The setup, through the road with the wiring just built; the shims keep it on every rejoin.
         if self.name == "trainer":
-            await self.w.prepare_nccl_reshard_refit_info("tp=1", "tp=1", 1, 1)
+            info = await self.w.prepare_nccl_reshard_refit_info("tp=1", "tp=1", 1, 1)
+            await self.w.attach_transport("nccl_reshard", connect=False, plan=info, group=self.w.pp_comm_group,
+                                          stage=0, **NCCL_SETUP)
         else:
             self.w.load_refit_plan(self.plan().refit_info())
+            await self.w.attach_transport("nccl_reshard", connect=False, plan=self.plan(),
+                                          groups=self.w.stage_groups, **NCCL_SETUP)
+
+    async def _attach_setup(self, setup: dict[str, Any]) -> None:
+        """Attach nccl_reshard again with ``setup``, its plan and wiring kept (it connects at the
+        next refit, after the shims re-wire whatever changed meanwhile)."""
+        att = self.w.attachment("nccl_reshard")
+        wiring = {k: v for k, v in att.raw_setup.items() if k in ("group", "stage", "groups")}
+        await self.w.attach_transport("nccl_reshard", connect=False, plan=att.plan, **wiring, **setup)
 
     async def _join(self) -> None:
         ports = self.cell["ports"][self.epoch]
@@ -138,7 +148,7 @@ class NcclSide(Side):
 
     async def mismatch(self, kind: str) -> None:
         if kind == "options":
-            self.w.reshard_options = {**NCCL_SETUP, "bucket_bytes": 2 * NCCL_SETUP["bucket_bytes"]}
+            await self._attach_setup({**NCCL_SETUP, "bucket_bytes": 2 * NCCL_SETUP["bucket_bytes"]})
         else:  # destinations of another plan (bf16), given explicitly: the committed ones are kept aside
             from policyworker.layout.apply import empty_local_tensors
 
@@ -150,7 +160,7 @@ class NcclSide(Side):
 
     async def unmismatch(self, kind: str) -> None:
         if kind == "options":
-            self.w.reshard_options = NCCL_SETUP
+            await self._attach_setup(NCCL_SETUP)
         else:
             self.w.load_refit_plan(self.plan().refit_info(), params=self._kept)
 
@@ -310,7 +320,7 @@ class SglangSide(Side):
         self.rank = 0 if self.name == "rollout" else 1
         self.model = build_model(CONFIG, seed=0, dtype=torch.float32)
         self.w = TorchPolicyWorker(self.model, rank=self.rank, world_size=2, device="cpu", timeout_s=self.timeout_s)
-        self.w.sglang_options = SGLANG_SETUP
+        self._setup = SGLANG_SETUP
         self._rollouts: list[RolloutWorker] = []
         self.engine = None
         if self.rank == 0:
@@ -323,7 +333,12 @@ class SglangSide(Side):
 
     async def _join(self) -> None:
         await self.w.init_collective("127.0.0.1", self.cell["ports"][self.epoch][0], 2, train_world_size=2)
-        await self.w.connect_sglang_rollout_engines(engine_gpu_counts=[2])
+        await self._attach()
+
+    async def _attach(self) -> None:
+        """The engine layout with this side's setup, through the road (as connect_sglang_rollout_engines
+        attaches: a tuple of counts, no offsets)."""
+        await self.w.attach_transport("sglang_ipc", engine_gpu_counts=(2,), engine_gpu_offsets=None, **self._setup)
 
     async def recover(self, epoch: int) -> None:
         self.epoch = epoch
@@ -357,13 +372,13 @@ class SglangSide(Side):
         return [*self._rollouts, self.w]
 
     async def mismatch(self, kind: str) -> None:
-        self.w.sglang_options = {"bucket_bytes": 2 * SGLANG_SETUP["bucket_bytes"]}
+        self._setup = {"bucket_bytes": 2 * SGLANG_SETUP["bucket_bytes"]}  # attached by refit_mismatched
 
     async def unmismatch(self, kind: str) -> None:
-        self.w.sglang_options = SGLANG_SETUP
+        self._setup = SGLANG_SETUP  # attached at the next rejoin
 
     async def refit_mismatched(self, timeout: float):
-        await self.w.connect_sglang_rollout_engines(engine_gpu_counts=[2])
+        await self._attach()
         return await self.refit(2, timeout)
 
     async def close(self) -> None:

@@ -125,13 +125,14 @@ def _trainer(rank: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
             local = {n: t.to_local() for n, t in params.items()}
         w = ShardTrainer(local_params=params, source=source, rank=rank, world_size=n_train,
                          device="cpu", timeout_s=spec.timeout_s)
-        w.reshard_options = dict(spec.options)
         await w.init_collective("127.0.0.1", spec.update_port, n_train + n_gen, train_world_size=n_train)
         stage = train.coords(rank).pp_stage
         members = list(train.stage_ranks(stage))
         await w.init_nccl_reshard_comm_group(["127.0.0.1"] * train.pp, spec.stage_ports, train.pp, stage,
                                              len(members) + n_gen, members.index(rank))
         info = await w.prepare_nccl_reshard_refit_info(train, spec.gen, n_train, n_gen)
+        await w.attach_transport("nccl_reshard", connect=False, plan=info, group=w.pp_comm_group, stage=stage,
+                                 **spec.options)
         out["hash"] = info["hash"]
         for version in range(1, spec.refits + 1):
             for name, t in shards(version).items():
@@ -167,11 +168,12 @@ def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         out: dict[str, Any] = {"outcomes": [], "hash": plan.hash}
         w = RolloutWorker(rank=g, gen_world_size=n_gen, device="cpu", timeout_s=spec.timeout_s,
-                          reshard_options=spec.options, double_buffer=spec.double_buffer)
+                          double_buffer=spec.double_buffer)
         await w.init_collective("127.0.0.1", spec.update_port, n_train + n_gen, train_world_size=n_train)
         await w.init_nccl_reshard_comm_groups(["127.0.0.1"] * train.pp, spec.stage_ports,
                                               [len(train.stage_ranks(s)) for s in range(train.pp)])
         w.load_refit_plan(plan.refit_info())
+        await w.attach_transport("nccl_reshard", connect=False, plan=plan, groups=w.stage_groups, **spec.options)
         served = 0  # the last committed version
         version_box = [0]
         if spec.die_in_fanout is not None and spec.die_in_fanout[0] == g:

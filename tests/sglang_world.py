@@ -79,7 +79,6 @@ def sglang_rank(rank: int, spec: SglangSpec) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         model = build_model(config, seed=0, device=spec.device)
         w = SglangTrainer(model, rank=rank, world_size=spec.world, device=spec.device, timeout_s=spec.timeout_s)
-        w.sglang_options = {"bucket_bytes": spec.bucket_bytes, "buffers": spec.buffers}
         if spec.update_backend is None:
             await w.init_collective("127.0.0.1", spec.port, spec.world, train_world_size=spec.world)
         else:
@@ -88,9 +87,15 @@ def sglang_rank(rank: int, spec: SglangSpec) -> dict[str, Any]:
             w._replace_group("model_update_group", group)
         out: dict[str, Any] = {"layouts": [], "outcomes": []}
         state = w._refit_transport_state("sglang_ipc")
-        for layout in spec.layouts:
+        for i, layout in enumerate(spec.layouts):
             before = state.get("group")
-            await w.connect_sglang_rollout_engines(**layout)
+            if i == 0:  # the setup, through the road; the shim keeps it for the next layouts
+                offsets = layout.get("engine_gpu_offsets")
+                await w.attach_transport("sglang_ipc", engine_gpu_counts=tuple(layout["engine_gpu_counts"]),
+                                         engine_gpu_offsets=None if offsets is None else tuple(offsets),
+                                         bucket_bytes=spec.bucket_bytes, buffers=spec.buffers)
+            else:
+                await w.connect_sglang_rollout_engines(**layout)
             group = state["group"]
             out["layouts"].append({"same_group": group is before, "engine": state["engine_index"],
                                    "group_rank": state["group_rank"], "src": state["gather_src"],

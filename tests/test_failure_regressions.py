@@ -60,25 +60,30 @@ class _Side:
         self.local: dict[str, torch.Tensor] = {}
 
     async def join(self, update: str = "update", stage: str = "stage") -> None:
-        if self.w is None:
+        first = self.w is None
+        if first:
             if self.trainer:
                 self.local = source_shards(self.plan, self.rank, seeded_state_dict(self.config, seed=0,
                                                                                    dtype=torch.float32))
                 self.w = ShardTrainer(local_params=self.local, source=self.config, rank=self.rank, world_size=N_TRAIN,
                                       device="cpu", timeout_s=self.timeout_s)
-                self.w.reshard_options = dict(self.options)
             else:
-                self.w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", timeout_s=self.timeout_s,
-                                       reshard_options=dict(self.options))
+                self.w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", timeout_s=self.timeout_s)
         await self.w.init_collective("127.0.0.1", self.ports[update], N_TRAIN + 1, train_world_size=N_TRAIN)
         if self.trainer:
             await self.w.init_nccl_reshard_comm_group(["127.0.0.1"], [self.ports[stage]], 1, 0, N_TRAIN + 1,
                                                       self.rank)
-            await self.w.prepare_nccl_reshard_refit_info(Parallelism.parse("tp=2"), "tp=1", N_TRAIN, 1)
+            info = await self.w.prepare_nccl_reshard_refit_info(Parallelism.parse("tp=2"), "tp=1", N_TRAIN, 1)
+            if first:  # the setup, through the road; the shims keep it on every rejoin
+                await self.w.attach_transport("nccl_reshard", connect=False, plan=info, group=self.w.pp_comm_group,
+                                              stage=0, **self.options)
         else:
             await self.w.init_nccl_reshard_comm_groups(["127.0.0.1"], [self.ports[stage]], [N_TRAIN])
             if self.w.weight_version == 0:
                 self.w.load_refit_plan(self.plan.refit_info())
+            if first:
+                await self.w.attach_transport("nccl_reshard", connect=False, plan=self.plan,
+                                              groups=self.w.stage_groups, **self.options)
 
     async def refit(self, version: int | None = None, refit_timeout_s: float | None = None) -> dict[str, Any]:
         """One refit; the outcome as plain data (error type, seconds, torn, version, exactness)."""
@@ -437,12 +442,13 @@ def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int, mid_
         if role == "trainer":
             local = source_shards(plan, 0, seeded_state_dict(config, seed=1, dtype=torch.float32))
             w = ShardTrainer(local_params=local, source=config, rank=0, world_size=1, device="cpu", timeout_s=60)
-            w.reshard_options = {"in_flight": 1}
             if mid_transfer:  # the trainer stalls after its first buckets: the rollout's later receives stay posted
                 CommGroup.wait = hold_at(3, None, 10.0)
             await w.init_collective("127.0.0.1", update, 2, train_world_size=1)
             await w.init_nccl_reshard_comm_group(["127.0.0.1"], [stage], 1, 0, 2, 0)
-            await w.prepare_nccl_reshard_refit_info(Parallelism.parse("tp=1"), "tp=1", 1, 1)
+            info = await w.prepare_nccl_reshard_refit_info(Parallelism.parse("tp=1"), "tp=1", 1, 1)
+            await w.attach_transport("nccl_reshard", connect=False, plan=info, group=w.pp_comm_group, stage=0,
+                                     in_flight=1)
             try:
                 # The interrupted rollout's sockets close, but a send already handed to gloo
                 # learns nothing of it: the trainer ends at its deadline (RefitTimeout).
@@ -450,10 +456,11 @@ def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int, mid_
             except PolicyWorkerError as exc:  # the rollout was interrupted: expected in that case
                 print("trainer", type(exc).__name__, flush=True)
         else:
-            w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", timeout_s=60, reshard_options={"in_flight": 16})
+            w = RolloutWorker(rank=0, gen_world_size=1, device="cpu", timeout_s=60)
             await w.init_collective("127.0.0.1", update, 2, train_world_size=1)
             await w.init_nccl_reshard_comm_groups(["127.0.0.1"], [stage], [1])
             w.load_refit_plan(plan.refit_info())
+            await w.attach_transport("nccl_reshard", connect=False, plan=plan, groups=w.stage_groups, in_flight=16)
             if mid_transfer:
                 CommGroup.wait = hold_at(4, "bulk", 60.0)
             try:

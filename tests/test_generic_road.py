@@ -117,10 +117,12 @@ async def test_bad_setup_and_options_fail_before_anything_happens():
         with pytest.raises(ConfigError, match="reshards: attach it with plan"):
             await trainer.attach_transport("nccl_reshard")
         assert trainer.attached_transports() == []
-        with pytest.raises(ConfigError, match="options of transport 'nccl_reshard'.*bucket_bytes"):
+        # The deprecated spellings check a setup when it is given, too (and warn).
+        with pytest.raises(ConfigError, match="options of transport 'nccl_reshard'.*bucket_bytes"), \
+                pytest.warns(DeprecationWarning, match="reshard_options="):
             TorchPolicyWorker(build_model(get_preset("tiny"), seed=0), device="cpu",
                               reshard_options={"bucket_bytes": "big"})
-        with pytest.raises(ConfigError, match="unknown key"):
+        with pytest.raises(ConfigError, match="unknown key"), pytest.warns(DeprecationWarning, match="transport_options="):
             RolloutWorker(device="cpu", transport_options={"zmq": {"stagingg": 2}})
         await rollout.attach_transport("memory", hub=MemoryHub())
         with pytest.raises(ConfigError, match="unknown key"):

@@ -333,9 +333,8 @@ def test_one_rank_refit_repacks_when_the_model_changed_under_it(change):
 
     async def main():
         w = Trainer(torch.nn.Linear(1, 1), rank=0, world_size=1, device="cpu", timeout_s=30.0)
-        w.sglang_options = {"bucket_bytes": 1024, "buffers": 2}
         await w.init_collective("127.0.0.1", free_port(), 1, train_world_size=1)
-        await w.connect_sglang_rollout_engines(engine_gpu_counts=[1])
+        await w.attach_transport("sglang_ipc", engine_gpu_counts=(1,), bucket_bytes=1024, buffers=2)
         r = RolloutWorker(rank=0, gen_world_size=1, device="cpu")
         r.params = {n: torch.zeros_like(t) for n, t in params.items()}
         engine = InProcessSglangEngine([r])

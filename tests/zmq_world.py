@@ -76,17 +76,17 @@ def zmq_rank(rank: int, spec: ZmqSpec) -> dict[str, Any]:
             model = build_model(config, seed=0, dtype=torch.float32).to(spec.device)
             w: Any = ZTrainer(model, rank=g, world_size=spec.pairs, device=spec.device, cpu_index=g, timeout_s=30.0,
                                   runtime_dir=runtime)
-            w.zmq_options = dict(spec.options)
             info = await w.prepare_zmq_refit_info(spec.gen, spec.pairs)
         else:
             from policyworker.layout import build_plan
 
             w = ZRollout(rank=g, gen_world_size=spec.pairs, device=spec.device, cpu_index=g, timeout_s=30.0,
                                   runtime_dir=runtime, double_buffer=spec.double_buffer)
-            w.zmq_options = dict(spec.options)
             plan = build_plan(config, "tp=1", spec.gen, 1, spec.pairs, dtype=torch.float32)
             w.load_colocated_plan(plan.refit_info())
             info = plan.refit_info()
+        # The setup, through the road with the plan just wired (the shims keep it).
+        await w.attach_transport("zmq", connect=False, plan=info, timeout_s=w.zmq_timeout_s, **spec.options)
         out["hash"] = info["hash"]
         for version in range(1, spec.refits + 1):
             row: dict[str, Any] = {"version": version}

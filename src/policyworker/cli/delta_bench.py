@@ -135,16 +135,21 @@ def _rank_main(rank: int, spec: DeltaBenchSpec) -> dict[str, Any]:
             members = list(train.stage_ranks(stage))
             await w.init_nccl_reshard_comm_group([ip] * train.pp, stage_ports, train.pp, stage,
                                                  len(members) + n_gen, members.index(rank))
-            await w.prepare_nccl_reshard_refit_info(train, spec.gen, n_train, n_gen)
+            info = await w.prepare_nccl_reshard_refit_info(train, spec.gen, n_train, n_gen)
+            wiring: dict[str, Any] = {"plan": info, "group": w.pp_comm_group, "stage": stage}
         else:
             w = RolloutWorker(rank=rank - n_train, gen_world_size=n_gen, device="cpu", timeout_s=spec.timeout_s)
             await w.init_collective(ip, spec.ports["update"], n_train + n_gen, train_world_size=n_train)
             await w.init_nccl_reshard_comm_groups([ip] * train.pp, stage_ports,
                                                   [len(train.stage_ranks(s)) for s in range(train.pp)])
             w.load_refit_plan(plan.refit_info())
+            wiring = {"plan": plan.refit_info(), "groups": w.stage_groups}
         state = seeded_state_dict(config, seed=0, dtype=dtype)
+        attached = None
         for step, (mode, source, value) in enumerate(spec.schedule):
-            w.set_transport_options("nccl_reshard", _MODES[mode])
+            if mode != attached:  # a mode is a setup: attached through the road when it changes
+                await w.attach_transport("nccl_reshard", connect=False, **wiring, **_MODES[mode])
+                attached = mode
             if source == "real":
                 state = load_file(os.path.join(spec.real_dir, f"real{int(value)}.safetensors"))
             else:

@@ -139,21 +139,30 @@ def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: 
     async def join(w, epoch: int) -> None:
         await join_groups(w, ports[epoch], trainer=trainer, rank=rank, n_train=N_TRAIN, n_gen=N_GEN)
 
+    async def reattach(w, setup: dict[str, Any]) -> None:
+        """Attach nccl_reshard again with ``setup``, its plan and wiring kept (connects at the next refit)."""
+        att = w.attachment("nccl_reshard")
+        wiring = {k: v for k, v in att.raw_setup.items() if k in ("group", "stage", "groups")}
+        await w.attach_transport("nccl_reshard", connect=False, plan=att.plan, **wiring, **setup)
+
     async def main() -> dict[str, Any]:
         epoch = start_epoch
         if trainer:
             model = build_model(config, seed=0, dtype=torch.float32)
-            w: Any = TorchPolicyWorker(model, rank=rank, world_size=N_TRAIN, device="cpu", timeout_s=60,
-                                       reshard_options=options)
+            w: Any = TorchPolicyWorker(model, rank=rank, world_size=N_TRAIN, device="cpu", timeout_s=60)
             await join(w, epoch)
-            await w.prepare_nccl_reshard_refit_info("tp=2", "tp=2", N_TRAIN, N_GEN)
+            info = await w.prepare_nccl_reshard_refit_info("tp=2", "tp=2", N_TRAIN, N_GEN)
+            # The setup, given through the road with the wiring just built; the shims keep it.
+            await w.attach_transport("nccl_reshard", connect=False, plan=info, group=w.pp_comm_group, stage=0,
+                                     **options)
             if start_epoch > 0:
                 w.refit_version = FAULT_VERSION - 1  # a replacement joins the survivors' count
         else:
-            w = RolloutWorker(rank=rank - N_TRAIN, gen_world_size=N_GEN, device="cpu", timeout_s=60,
-                              reshard_options=options)
+            w = RolloutWorker(rank=rank - N_TRAIN, gen_world_size=N_GEN, device="cpu", timeout_s=60)
             await join(w, epoch)
-            w.load_refit_plan(_plan(bad=victim and sc.fault == "bad_plan").refit_info())
+            info = _plan(bad=victim and sc.fault == "bad_plan").refit_info()
+            w.load_refit_plan(info)
+            await w.attach_transport("nccl_reshard", connect=False, plan=info, groups=w.stage_groups, **options)
         while True:
             version = (w.refit_version if trainer else w.weight_version) + 1
             if version > REFITS:
@@ -168,7 +177,7 @@ def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: 
             elif faulty and sc.fault == "sigint":
                 faults.die_after_waits(6, signal.SIGINT)
             elif faulty and sc.fault == "options":
-                w.reshard_options = {**options, "bucket_bytes": 2 * options["bucket_bytes"]}
+                await reattach(w, {**options, "bucket_bytes": 2 * options["bucket_bytes"]})
             if sc.fault == "options" and version == FAULT_VERSION and not out["failures"] \
                     and not out.get("fresh_world"):
                 # A new world first (init_collective): every rank connects again at this refit,
@@ -236,7 +245,7 @@ def _rank_main(rank: int, sc: Scenario, ports: list[dict], events, start_epoch: 
                 if victim and sc.fault == "bad_plan" and kind == "PlanMismatch":
                     w.load_refit_plan(plan.refit_info())  # the controller hands out the right plan
                 if victim and sc.fault == "options":
-                    w.reshard_options = options  # the controller fixes the setup
+                    await reattach(w, options)  # the controller fixes the setup
                 if (kind in _COMM or kind == "Cancelled" or sc.fault == "options") and not rebuilt:
                     epoch += 1
                     await join(w, epoch)

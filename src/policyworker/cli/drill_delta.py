@@ -62,15 +62,18 @@ def delta_rank_main(rank: int, sc: Any, ports: list[dict], events, start_epoch: 
         epoch = start_epoch
         if trainer:
             model = build_model(config, seed=0, dtype=dtype)
-            w: Any = TorchPolicyWorker(model, rank=rank, world_size=N_TRAIN, device="cpu", timeout_s=60,
-                                       reshard_options=options)
+            w: Any = TorchPolicyWorker(model, rank=rank, world_size=N_TRAIN, device="cpu", timeout_s=60)
             await join(w, epoch)
-            await w.prepare_nccl_reshard_refit_info("tp=2", "tp=2", N_TRAIN, N_GEN)
+            info = await w.prepare_nccl_reshard_refit_info("tp=2", "tp=2", N_TRAIN, N_GEN)
+            # The setup, given through the road with the wiring just built; the shims keep it.
+            await w.attach_transport("nccl_reshard", connect=False, plan=info, group=w.pp_comm_group, stage=0,
+                                     **options)
         else:
-            w = RolloutWorker(rank=rank - N_TRAIN, gen_world_size=N_GEN, device="cpu", timeout_s=60,
-                              reshard_options=options)
+            w = RolloutWorker(rank=rank - N_TRAIN, gen_world_size=N_GEN, device="cpu", timeout_s=60)
             await join(w, epoch)
             w.load_refit_plan(plan.refit_info())
+            await w.attach_transport("nccl_reshard", connect=False, plan=plan.refit_info(), groups=w.stage_groups,
+                                     **options)
         while True:
             # (a replacement rollout at version 0 receives whatever comes next: the retried v2)
             version = (w.refit_version if trainer else w.weight_version) + 1

@@ -41,12 +41,15 @@ def sglang_rank_main(rank: int, sc: Any, ports: list[int]) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         model = build_model(config, seed=0)
         w = TorchPolicyWorker(model, rank=rank, world_size=WORLD, device="cpu", timeout_s=30)
-        w.sglang_options = {"bucket_bytes": 16 << 10}
         epoch = 0
 
         async def join() -> None:
             await w.init_collective("127.0.0.1", ports[epoch], WORLD, train_world_size=WORLD)
-            await w.connect_sglang_rollout_engines(engine_gpu_counts=[WORLD])
+            if "sglang_ipc" not in w.attached_transports():  # the setup, once, through the road
+                await w.attach_transport("sglang_ipc", engine_gpu_counts=(WORLD,), engine_gpu_offsets=None,
+                                         bucket_bytes=16 << 10)
+            else:  # a rejoin: the shim keeps the attached setup
+                await w.connect_sglang_rollout_engines(engine_gpu_counts=[WORLD])
 
         await join()
         rollouts: list[RolloutWorker] = []

@@ -154,8 +154,7 @@ def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
                 for name, t in source_shards(own_plan, rank, dict(model.named_parameters())).items():
                     shards[name].copy_(t)
             w: Any = TorchPolicyWorker(model, rank=rank, world_size=n_train, device="cpu",
-                                       timeout_s=spec.timeout_s, reshard_options=options,
-                                       refit_params=shards)
+                                       timeout_s=spec.timeout_s, refit_params=shards)
             await w.init_collective(ip, spec.ports["update"], n_train + n_gen, train_world_size=n_train)
             stage = train.coords(rank).pp_stage
             members = list(train.stage_ranks(stage))
@@ -169,17 +168,20 @@ def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
             if plan.hash != info["hash"]:
                 raise PlanError("the bench's plan differs from the worker's", rank=rank)
             stage_groups = {stage: w.pp_comm_group}
+            # The setup, given through the road with the wiring just built; the shims keep it.
+            await w.attach_transport("nccl_reshard", connect=False, plan=info, group=w.pp_comm_group, stage=stage,
+                                     **options)
             out["hash"] = info["hash"]
         else:
             g = rank - n_train
-            w = RolloutWorker(rank=g, gen_world_size=n_gen, device="cpu", timeout_s=spec.timeout_s,
-                              reshard_options=options)
+            w = RolloutWorker(rank=g, gen_world_size=n_gen, device="cpu", timeout_s=spec.timeout_s)
             await w.init_collective(ip, spec.ports["update"], n_train + n_gen, train_world_size=n_train)
             await w.init_nccl_reshard_comm_groups([ip] * train.pp, stage_ports,
                                                   [len(train.stage_ranks(s)) for s in range(train.pp)])
             plan = build_plan(config, train, spec.gen, n_train, n_gen, dtype=dtype)
             w.load_refit_plan(plan.refit_info())
             stage_groups = w.stage_groups
+            await w.attach_transport("nccl_reshard", connect=False, plan=plan, groups=stage_groups, **options)
             out["hash"] = plan.hash
         events.put((rank, "joined", 0))
         my_rank = rank if is_trainer else rank - n_train

@@ -126,13 +126,14 @@ def _rank_main(rank: int, a: dict[str, Any], barrier) -> dict[str, Any]:
                       for n, (s, d) in param_specs(config, dtype).items()]
             w: Any = BenchTrainer(params, config, dtype, rank=0, world_size=1, device=dev, cpu_index=0,
                                   zmq_timeout_s=a["timeout_s"])
-            w.zmq_options = opts
-            await w.prepare_zmq_refit_info(a["gen"], 1)
+            wired: Any = await w.prepare_zmq_refit_info(a["gen"], 1)
         else:
             w = BenchRollout(rank=0, gen_world_size=1, device=dev, cpu_index=0, zmq_timeout_s=a["timeout_s"])
-            w.zmq_options = opts
             plan = build_plan(config, "tp=1", a["gen"], 1, 1, dtype=dtype)
             w.load_colocated_plan(plan)
+            wired = plan
+        # The setup, given through the road with the plan just wired (the shims keep it).
+        await w.attach_transport("zmq", connect=False, plan=wired, timeout_s=w.zmq_timeout_s, **opts)
         endpoint_base = f"ipc://{w.runtime_dir}/nemo-baseline-{w.device_facts.device_id}.sock"
         rows, lags, ok = [], [], True
         ceiling_s: list[float] = []

@@ -1,4 +1,4 @@
-"""Group setup helpers of :mod:`.comm`: the NCCL device, the rendezvous, quiet c10d errors.
+"""Group setup helpers: the NCCL device, the rendezvous, quiet c10d errors.
 
 * :func:`nccl_device` — the worker's own CUDA device for an NCCL group (never another
   thread's current device).

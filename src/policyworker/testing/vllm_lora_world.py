@@ -33,8 +33,9 @@ class LoraWorldSpec(WorldSpec):
     def make_worker(self, rank: int) -> Any:
         from policyworker.integrations.peft import LoraPolicyWorker
 
+        # Its setup (reshard_options) is given when prepare() attaches nccl_reshard.
         return LoraPolicyWorker(peft_model(self, 0), rank=rank, world_size=self.n_train, device="cpu",
-                                timeout_s=self.timeout_s, reshard_options=self.reshard_options)
+                                timeout_s=self.timeout_s)
 
     def load(self, worker: Any, version: int) -> None:
         import torch

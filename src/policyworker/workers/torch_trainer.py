@@ -18,7 +18,8 @@ drops the backup and the snapshot.
 Everything that touches the weights runs on the refit executor thread, so swaps,
 snapshots and refits never interleave. The trainer must not run the model on its
 own thread while one of these calls is in flight: the parameters may be holding the
-reference weights at that moment.
+reference weights at that moment. (The reference policy's checks and log-prob math:
+:mod:`~policyworker.workers.reference`.)
 """
 
 from __future__ import annotations
@@ -37,15 +38,18 @@ from policyworker.workers.checkpoint import AsyncCheckpointWriter, read_checkpoi
 from policyworker.errors import CheckpointError, ConfigError, PolicyWorkerError
 from policyworker.layout.experts import expert_local_views, expert_specs, expert_views, has_fused_experts
 from policyworker.layout.local import is_dtensor, shard_views
+from policyworker.workers.reference import (
+    check_batch,
+    check_micro_batch_size,
+    check_values,
+    cpu_copies,
+    local_shard,
+    reference_sources,
+    token_logprobs,
+)
 from policyworker.workers.trainer import AbstractPolicyWorker
 
 __all__ = ["TorchPolicyWorker"]
-
-
-def _check_micro_batch_size(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"micro_batch_size must be an int > 0, got {value!r}")
-    return value
 
 
 def _check_path(path: Any) -> str:
@@ -65,11 +69,6 @@ def _unique_params(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], di
     return unique, names
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view of its storage, as FSDP2 keeps it); others as they are."""
-    return t.to_local() if is_dtensor(t) else t
-
-
 def _check_sharding(unique: list[tuple[str, nn.Parameter]]) -> bool:
     """True for a DTensor (FSDP2 / TP) model; ConfigError for what the worker cannot serve."""
     sharded = [name for name, p in unique if is_dtensor(p)]
@@ -85,84 +84,6 @@ def _check_sharding(unique: list[tuple[str, nn.Parameter]]) -> bool:
             raise ConfigError(f"parameter {name!r} has a Partial placement ({bad[0]}): not a weight the worker "
                               "can copy or refit", param=name)
     return True
-
-
-def _reference_sources(
-    model: nn.Module, unique: list[tuple[str, nn.Parameter]], names: dict[str, int], state: Any
-) -> list[torch.Tensor]:
-    """One source tensor per unique parameter, validated against the model (ConfigError)."""
-    if state is None:
-        return [p for _, p in unique]
-    if not isinstance(state, Mapping):
-        raise ConfigError(f"reference_state_dict must be a mapping of name -> tensor, got {type(state).__name__}")
-    buffers = {name for name, _ in model.named_buffers(remove_duplicate=False)}
-    unknown = sorted(k for k in state if k not in names and k not in buffers)
-    if unknown:
-        raise ConfigError(f"reference_state_dict names no parameter of the model: {unknown[:5]}", param=unknown[0])
-    sources: list[torch.Tensor | None] = [None] * len(unique)
-    for key, value in state.items():
-        if key not in names:
-            continue  # a buffer: buffers are not policy weights and are not swapped
-        param = unique[names[key]][1]
-        if not isinstance(value, torch.Tensor):
-            raise ConfigError(f"reference_state_dict[{key!r}] is a {type(value).__name__}, not a tensor", param=key)
-        if is_dtensor(param) and not is_dtensor(value):
-            raise ConfigError(f"reference_state_dict[{key!r}] is a plain tensor but the model's parameter is a "
-                              "DTensor (FSDP2): pass DTensors sharded like the model's, e.g. its state_dict()",
-                              param=key)
-        if value.shape != param.shape:
-            raise ConfigError(
-                f"reference_state_dict[{key!r}] has shape {tuple(value.shape)}, the model's {tuple(param.shape)}",
-                param=key,
-            )
-        if sources[names[key]] is None:
-            sources[names[key]] = value
-    missing = [unique[i][0] for i, src in enumerate(sources) if src is None]
-    if missing:
-        raise ConfigError(f"reference_state_dict lacks {len(missing)} parameter(s): {missing[:5]}", param=missing[0])
-    return sources  # type: ignore[return-value]
-
-
-def _cpu_copies(sources: list[torch.Tensor], like: list[tuple[str, nn.Parameter]], pin: bool) -> list[torch.Tensor]:
-    """CPU tensors shaped and typed like the parameters (cast to the parameter's dtype)."""
-    out = []
-    with torch.no_grad():
-        for src, (_, param) in zip(sources, like):
-            local = _local(param)  # FSDP2: each rank keeps its own shard of the reference
-            dst = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
-            dst.copy_(_local(src).detach())
-            out.append(dst)
-    return out
-
-
-def _logits_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    raise ConfigError(
-        f"the model's forward returned {type(output).__name__}; expected a logits tensor or an object with .logits"
-    )
-
-
-def _check_batch(data: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Structural checks, cheap enough for the loop; values are checked on the executor."""
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"data must be a mapping with input_ids and input_lengths, got {type(data).__name__}")
-    for key in ("input_ids", "input_lengths"):
-        if key not in data:
-            raise ConfigError(f"data lacks {key!r} (has {sorted(map(str, data))})")
-        if not isinstance(data[key], torch.Tensor):
-            raise ConfigError(f"data[{key!r}] must be a torch.Tensor, got {type(data[key]).__name__}")
-    ids, lengths = data["input_ids"], data["input_lengths"]
-    if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-        raise ConfigError(f"input_ids must be an int64 tensor [B, S], got {ids.dtype} of shape {tuple(ids.shape)}")
-    if lengths.dim() != 1 or lengths.shape[0] != ids.shape[0] or lengths.dtype not in (torch.int64, torch.int32):
-        raise ConfigError(
-            f"input_lengths must be an int64 tensor [B={ids.shape[0]}], got {lengths.dtype} of shape {tuple(lengths.shape)}"
-        )
-    return ids, lengths
 
 
 class TorchPolicyWorker(AbstractPolicyWorker):
@@ -199,7 +120,7 @@ class TorchPolicyWorker(AbstractPolicyWorker):
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self.micro_batch_size = _check_micro_batch_size(micro_batch_size)
+        self.micro_batch_size = check_micro_batch_size(micro_batch_size)
         unique, names = _unique_params(model)
         if not unique:
             raise ConfigError("model has no parameters")
@@ -208,8 +129,8 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         self._pin = torch.cuda.is_available()
         self._sharded = _check_sharding(unique)
         self._fused_experts = has_fused_experts(name for name, _ in unique)
-        sources = _reference_sources(model, unique, names, reference_state_dict)
-        self._reference = _cpu_copies(sources, unique, self._pin)
+        sources = reference_sources(model, unique, names, reference_state_dict)
+        self._reference = cpu_copies(sources, unique, self._pin)
         super().__init__(rank=rank, world_size=world_size, **core_kwargs)
         self.model = model
         self._params = unique
@@ -273,7 +194,7 @@ class TorchPolicyWorker(AbstractPolicyWorker):
             return self._refit_params
         if self._sharded:  # DTensors: the core sends their local shards
             if self._fused_experts:  # plans name each expert: views of the fused shards
-                return expert_local_views({n: _local(t) for n, t in self._params},
+                return expert_local_views({n: local_shard(t) for n, t in self._params},
                                           plan.local_tensors("src", self.rank))
             return self._named_tensors()
         if self._fused_experts:  # plans name each expert: views of the fused tensors
@@ -308,34 +229,18 @@ class TorchPolicyWorker(AbstractPolicyWorker):
         the forward raises. Gradients (``.grad``) are not touched. Bad inputs raise
         ``ConfigError`` before any weight moves.
         """
-        ids, lengths = _check_batch(data)
-        mbs = self.micro_batch_size if micro_batch_size is None else _check_micro_batch_size(micro_batch_size)
+        ids, lengths = check_batch(data)
+        mbs = self.micro_batch_size if micro_batch_size is None else check_micro_batch_size(micro_batch_size)
         logprobs = await self._run(self._reference_logprobs, ids, lengths, mbs)
         return {"reference_logprobs": logprobs}
 
-    def _check_values(self, ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ids, lengths = ids.to("cpu", torch.int64), lengths.to("cpu", torch.int64)
-        seq = ids.shape[1]
-        if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > seq):
-            raise ConfigError(f"input_lengths must lie in [0, S={seq}], got values in [{int(lengths.min())}, {int(lengths.max())}]")
-        valid = torch.arange(seq).unsqueeze(0) < lengths.unsqueeze(1)
-        real = ids[valid]
-        if real.numel() and int(real.min()) < 0:
-            raise ConfigError("input_ids holds negative token ids inside input_lengths")
-        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        if isinstance(vocab, int) and real.numel() and int(real.max()) >= vocab:
-            raise ConfigError(f"input_ids holds token id {int(real.max())} >= the model's vocab_size {vocab}")
-        # Padding may hold anything (-100, pad ids); causal attention never lets it
-        # reach the valid positions, so any in-range id does.
-        return torch.where(valid, ids, 0), lengths, valid
-
     def _reference_logprobs(self, ids: torch.Tensor, lengths: torch.Tensor, mbs: int) -> torch.Tensor:
-        ids, lengths, valid = self._check_values(ids, lengths)
+        ids, lengths, valid = check_values(ids, lengths, getattr(getattr(self.model, "config", None), "vocab_size", None))
         batch, seq = ids.shape
         out = torch.zeros(batch, seq, dtype=torch.float32)
         if batch == 0 or seq < 2 or int(lengths.max()) < 2:
             return out  # no position has a token before it
-        params = [_local(p) for _, p in self._params]  # FSDP2: swap each rank's shard
+        params = [local_shard(p) for _, p in self._params]  # FSDP2: swap each rank's shard
         if self._backup is None:
             self._backup = [torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=self._pin) for p in params]
         # Per module: a trainer may keep parts (a frozen tower) in eval on purpose.
@@ -356,7 +261,7 @@ class TorchPolicyWorker(AbstractPolicyWorker):
                     if width < 2:
                         continue
                     chunk = ids[start:stop, :width].to(device)
-                    out[start:stop, 1:width] = self._token_logprobs(chunk).cpu()
+                    out[start:stop, 1:width] = token_logprobs(self.model, chunk).cpu()
             finally:
                 for p, saved in zip(params, self._backup):
                     p.copy_(saved, non_blocking=self._pin)
@@ -366,14 +271,6 @@ class TorchPolicyWorker(AbstractPolicyWorker):
                     module.training = mode
         valid[:, 0] = False
         return out.masked_fill_(~valid, 0.0)
-
-    def _token_logprobs(self, chunk: torch.Tensor) -> torch.Tensor:
-        """``[b, w]`` ids -> ``[b, w-1]`` float32 log p(chunk[:, 1:] | prefix)."""
-        logits = _logits_of(self.model(chunk))
-        if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(chunk.shape):
-            raise ConfigError(f"the model returned logits of shape {tuple(logits.shape)} for input_ids {tuple(chunk.shape)}")
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        return logp.gather(-1, chunk[:, 1:].unsqueeze(-1)).squeeze(-1)
 
     # -- checkpoints ---------------------------------------------------------------
     async def save_checkpoint(self, path: Any) -> None:
@@ -394,7 +291,7 @@ class TorchPolicyWorker(AbstractPolicyWorker):
 
     def _snapshot(self, path: str) -> None:
         # FSDP2: each rank saves its own shards (a sharded checkpoint, one file per rank).
-        state = {k: _local(v) for k, v in self.model.state_dict().items()}
+        state = {k: local_shard(v) for k, v in self.model.state_dict().items()}
         future = self._checkpointer.snapshot_and_submit(state, path)
         with self._saves_lock:
             self._pending_saves.append(future)
@@ -434,7 +331,7 @@ class TorchPolicyWorker(AbstractPolicyWorker):
 
     def _load(self, path: str) -> None:
         stored = read_checkpoint(path)
-        live = {k: _local(v) for k, v in self.model.state_dict().items()}
+        live = {k: local_shard(v) for k, v in self.model.state_dict().items()}
         if set(stored) != set(live):
             missing, extra = sorted(set(live) - set(stored)), sorted(set(stored) - set(live))
             raise CheckpointError(f"{path!r} does not fit the model: missing {missing[:5]}, unexpected {extra[:5]}", path=path)

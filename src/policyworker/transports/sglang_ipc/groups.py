@@ -1,6 +1,7 @@
-"""sglang_ipc's engine groups: which trainer ranks each engine covers, and the small
-collectives the transport runs on an engine's group (gathers, a text broadcast), plus
-the manifest digest it checks every refit. Only small CPU tensors travel here."""
+"""sglang_ipc's engine groups: which trainer ranks each engine covers, building (and
+rebuilding) this rank's group on the update group's store, the small collectives the
+transport runs on an engine's group (gathers, a text broadcast), plus the manifest
+digest it checks every refit. Only small CPU tensors travel here."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from policyworker.runtime.comm import CommGroup, group_on_store
-from policyworker.errors import ConfigError, ProtocolError
+from policyworker.errors import ConfigError, ProtocolError, TransportError
+from policyworker.transports.sglang_ipc.engine_call import error_class
 from policyworker.transports.sglang_ipc.format import manifest_digest
 
-__all__ = ["EngineLayout", "broadcast_text", "digest", "engine_group", "gather", "gather_all"]
+__all__ = ["EngineLayout", "broadcast_text", "bucket_round", "digest", "engine_group", "ensure_engine_group", "gather", "gather_all"]
 
 NAME = "sglang_ipc"
 _MAX_MESSAGE = 2000  # bytes of a failure message broadcast to the engine group
@@ -77,7 +79,35 @@ def engine_group(update_group: CommGroup, prefix: str, rank: int, size: int, nam
                           backend="gloo", timeout_s=timeout_s, transport=NAME)
 
 
-
+def ensure_engine_group(ctx: Any) -> None:
+    """Build this rank's engine group into ``ctx.state`` when the layout or the update group
+    changed, or a refit lost the group (``broken``); the same layout again keeps it."""
+    state = ctx.state
+    layout = EngineLayout.build(ctx.setup.engine_gpu_counts, ctx.setup.engine_gpu_offsets, ctx.world_size)
+    update_group = ctx.update_group
+    if update_group is None:
+        raise ConfigError("call init_collective first: the engine groups are built on its store",
+                          rank=ctx.rank, transport=NAME)
+    same_world = state.get("update_group_ref") is not None and state["update_group_ref"]() is update_group
+    old = state.get("group")
+    if (state.get("layout") == layout and same_world and not state.get("broken")
+            and (old is None or not old.aborted)):
+        return
+    epoch = (state.get("epoch", 0) if same_world else 0) + 1
+    where = layout.locate(ctx.rank)
+    group = None
+    if where is not None:
+        e, tp_rank = where
+        group = engine_group(update_group, f"sglang_ipc/{epoch}/engine{e}", tp_rank, layout.counts[e],
+                              f"sglang_engine{e}", update_group.timeout_s)
+    if old is not None and old is not group:
+        old.close()
+    # The update group is the worker's: keep a reference, not the group (the worker's
+    # deadline aborts the groups in this state, and the update group is not ours to abort).
+    state.update(layout=layout, group=group, epoch=epoch, update_group_ref=weakref.ref(update_group),
+                 broken=False, engine_index=None if where is None else where[0],
+                 group_rank=None if where is None else where[1],
+                 gather_src=None if where is None else layout.offsets[where[0]], connected_group=None)
 
 
 def digest(state: dict, params) -> int:
@@ -140,3 +170,33 @@ def broadcast_text(group, message: str, deadline: float) -> str:
     if length:
         group.broadcast(body, 0, deadline=deadline)
     return body.numpy().tobytes().decode("utf-8", "replace")
+
+
+def bucket_round(ctx: Any, version: int, index: int, failed: bool, length: int, answer: tuple[int, str],
+                 deadline: float) -> int:
+    """One round per bucket of a refit: all-reduce (pack failed, payload length, the source's
+    verdict of bucket ``index``).
+
+    Returns the longest payload. A verdict raises its error class on every rank (the
+    message follows in a broadcast, only then); a failed pack raises ``TransportError``
+    on every other rank (the failing rank raises its own error after this round). With
+    one rank in the group nothing is sent.
+    """
+    group = ctx.state["group"]
+    code, message = answer
+    if group.world_size > 1:
+        flags = torch.tensor([int(failed), length, code], dtype=torch.int64)
+        group.all_reduce(flags, op=dist.ReduceOp.MAX, deadline=deadline)
+        any_failed, length, code = (int(v) for v in flags.tolist())
+        if code:
+            message = broadcast_text(group, message, deadline)
+    else:
+        any_failed = int(failed)
+    if code:
+        cls = error_class(code)
+        raise cls(f"engine {ctx.state.get('engine_index')}, refit {version}, bucket {index}: {message}",
+                  rank=ctx.rank, transport=NAME)
+    if any_failed and not failed:
+        raise TransportError("a peer rank of this engine failed to pack its bucket", rank=ctx.rank,
+                             transport=NAME)
+    return length

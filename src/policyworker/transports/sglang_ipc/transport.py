@@ -55,18 +55,20 @@ one-rank group the repack of that buffer then waits for the event on the device
 load queued while the host packs; with more ranks the source waits for the event
 before the round that acknowledges the bucket (the other ranks repack after it).
 Events still pending when a refit fails are waited for before it returns.
+
+The engine's side of a bucket (the call, its answer, the verdict codes) is in
+:mod:`~policyworker.transports.sglang_ipc.engine_call`; the engine groups in
+:mod:`~policyworker.transports.sglang_ipc.groups`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from policyworker.config import positive_int
 
@@ -82,7 +84,20 @@ from policyworker.errors import (
 )
 from policyworker.wire import Decoder, Message, encode
 from policyworker.transports.base import RefitReport, Transport, TransportContext
-from policyworker.transports.sglang_ipc.groups import EngineLayout, broadcast_text, engine_group, gather, gather_all
+from policyworker.transports.sglang_ipc.engine_call import (
+    BucketBlob,
+    EngineCaller,
+    answer_of,
+    code_of,
+    engine_request,
+)
+from policyworker.transports.sglang_ipc.groups import (
+    EngineLayout,
+    bucket_round,
+    ensure_engine_group,
+    gather,
+    gather_all,
+)
 from policyworker.transports.sglang_ipc.groups import digest as cached_digest
 from policyworker.transports.sglang_ipc.format import (
     BufferHandle,
@@ -92,7 +107,6 @@ from policyworker.transports.sglang_ipc.format import (
     pack_views,
     plan_buckets,
     serialize_bucket,
-    to_base64,
 )
 
 __all__ = ["EngineLayout", "SglangIpcOptions", "SglangIpcSetup", "SglangIpcTransport"]
@@ -132,34 +146,13 @@ class SglangIpcOptions:
             raise ConfigError(f"engine {self.engine!r} has no update_weights_from_tensor", transport=NAME)
 
 
-
 class BufferHello(Message, frozen=True, kw_only=True):
     """A rank's buffer handles (one per pipeline slot), sent once per connect to the source."""
 
     handles: tuple[BufferHandle, ...]
 
 
-class BucketBlob(Message, frozen=True, kw_only=True):
-    """A rank's SGLang blob of one bucket (only when the engine wants blobs)."""
-
-    version: int
-    bucket: int
-    blob: bytes
-
-
 _HELLO = Decoder(BufferHello)
-_BLOB = Decoder(BucketBlob)
-
-# Verdict codes broadcast by the source: every rank raises the same class.
-_VERDICTS: dict[int, type[PolicyWorkerError]] = {
-    1: TransportError,  # the engine refused the bucket
-    2: PeerLost,
-    3: RefitTimeout,
-    4: ProtocolError,
-    5: ConfigError,
-    6: RefitAborted,
-}
-_CODES = {cls: code for code, cls in _VERDICTS.items()}
 
 
 class Spans:
@@ -176,13 +169,6 @@ class Spans:
         now = time.perf_counter()
         self.seconds[step] = self.seconds.get(step, 0.0) + now - self._t
         self._t = now
-
-
-def _code_of(exc: PolicyWorkerError) -> int:
-    for cls in type(exc).__mro__:
-        if cls in _CODES:
-            return _CODES[cls]
-    return 1
 
 
 class SglangIpcTransport(Transport):
@@ -204,7 +190,7 @@ class SglangIpcTransport(Transport):
         self.bucket_bytes = bucket_bytes
         self.buffers = buffers
         self._closed = False
-        self._caller: concurrent.futures.ThreadPoolExecutor | None = None
+        self._engine = EngineCaller()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -222,39 +208,11 @@ class SglangIpcTransport(Transport):
         check manifests, allocate this rank's buffer and gather the handles to the source."""
         self._check_open()
         if ctx.setup is not None:
-            await ctx.blocking(self._ensure_group, ctx)
+            await ctx.blocking(ensure_engine_group, ctx)
         if "layout" not in ctx.state:
             raise ConfigError("attach sglang_ipc with engine_gpu_counts= first", rank=ctx.rank, transport=NAME)
         if ctx.state.get("group") is not None:
             await ctx.blocking(self._connect, ctx)
-
-    def _ensure_group(self, ctx: TransportContext) -> None:
-        state = ctx.state
-        layout = EngineLayout.build(ctx.setup.engine_gpu_counts, ctx.setup.engine_gpu_offsets, ctx.world_size)
-        update_group = ctx.update_group
-        if update_group is None:
-            raise ConfigError("call init_collective first: the engine groups are built on its store",
-                              rank=ctx.rank, transport=NAME)
-        same_world = state.get("update_group_ref") is not None and state["update_group_ref"]() is update_group
-        old = state.get("group")
-        if (state.get("layout") == layout and same_world and not state.get("broken")
-                and (old is None or not old.aborted)):
-            return
-        epoch = (state.get("epoch", 0) if same_world else 0) + 1
-        where = layout.locate(ctx.rank)
-        group = None
-        if where is not None:
-            e, tp_rank = where
-            group = engine_group(update_group, f"sglang_ipc/{epoch}/engine{e}", tp_rank, layout.counts[e],
-                                  f"sglang_engine{e}", update_group.timeout_s)
-        if old is not None and old is not group:
-            old.close()
-        # The update group is the worker's: keep a reference, not the group (the worker's
-        # deadline aborts the groups in this state, and the update group is not ours to abort).
-        state.update(layout=layout, group=group, epoch=epoch, update_group_ref=weakref.ref(update_group),
-                     broken=False, engine_index=None if where is None else where[0],
-                     group_rank=None if where is None else where[1],
-                     gather_src=None if where is None else layout.offsets[where[0]], connected_group=None)
 
     def _connect(self, ctx: TransportContext) -> None:
         state, group = ctx.state, ctx.state["group"]
@@ -391,9 +349,9 @@ class SglangIpcTransport(Transport):
                 payload, failure, done = b"", None, None
                 if len(bufs) == 1 and k > 0:
                     # One buffer: the engine must have answered for bucket k-1 before it is repacked.
-                    answer, pending = self._take(pending, deadline, reading, k - 1, device_acks), None
+                    answer, pending = self._engine.take(pending, deadline, reading, k - 1, device_acks), None
                     spans.mark("engine")
-                    self._round(ctx, version, k - 1, False, 0, answer, deadline)
+                    bucket_round(ctx, version, k - 1, False, 0, answer, deadline)
                     spans.mark("round")
                 if k == 0 and early is not None:
                     done, failure = early
@@ -404,7 +362,7 @@ class SglangIpcTransport(Transport):
                 if len(bufs) > 1 and k > 0:
                     # Bucket k's slot was bucket k-2's, answered a round ago; k-1 is answered
                     # now, after k was packed, so the pack overlapped the engine's load of k-1.
-                    answer, pending = self._take(pending, deadline, reading, k - 1, device_acks), None
+                    answer, pending = self._engine.take(pending, deadline, reading, k - 1, device_acks), None
                     spans.mark("engine")
                 try:
                     if done is not None:
@@ -418,7 +376,7 @@ class SglangIpcTransport(Transport):
                 spans.mark("blobs")
                 # One round per bucket: every rank's "bucket k is packed" and the source's
                 # verdict of bucket k-1 (the acknowledgement that lets the ranks repack).
-                longest = self._round(ctx, version, k - 1, failure is not None, len(payload), answer, deadline)
+                longest = bucket_round(ctx, version, k - 1, failure is not None, len(payload), answer, deadline)
                 gathered = gather(group, payload, longest, deadline) if wants_blobs and failure is None else None
                 spans.mark("round")
                 if failure is not None:
@@ -426,13 +384,13 @@ class SglangIpcTransport(Transport):
                                          rank=ctx.rank, transport=NAME) from failure
                 if is_src:
                     call = (self._call_engine, ctx, version, layout, gathered, wants_blobs, deadline)
-                    pending = call if inline else self._engine_caller().submit(*call)
+                    pending = call if inline else self._engine.submit(*call)
                 spans.mark("submit")
                 total += layout.nbytes
             if buckets:
-                answer, pending = self._take(pending, deadline, reading, buckets[-1].index, False), None
+                answer, pending = self._engine.take(pending, deadline, reading, buckets[-1].index, False), None
                 spans.mark("engine")
-                self._round(ctx, version, buckets[-1].index, False, 0, answer, deadline)
+                bucket_round(ctx, version, buckets[-1].index, False, 0, answer, deadline)
                 spans.mark("round")
         finally:
             if isinstance(pending, concurrent.futures.Future):
@@ -487,100 +445,20 @@ class SglangIpcTransport(Transport):
             failure = exc
         return done, failure
 
-    def _engine_caller(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._caller is None:
-            self._caller = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="policyworker-sglang-call")
-        return self._caller
-
-    @classmethod
-    def _take(cls, pending: Any, deadline: float, reading: list[Any], index: int, on_device: bool) -> tuple[int, str]:
-        """The engine's (code, message) for bucket ``index``; a handed-over CUDA event is kept
-        in ``reading`` for that bucket's slot when ``on_device``, else waited for here."""
-        code, message, event = cls._answer(pending, deadline)
-        if isinstance(event, torch.cuda.Event):
-            if on_device and not code:
-                reading[index % len(reading)] = event
-            else:
-                event.synchronize()  # bounded: device work already queued
-        return code, message
-
-    @staticmethod
-    def _answer(pending: Any, deadline: float) -> tuple[int, str, Any]:
-        """The engine's (code, message, reading event) for the previous bucket; (0, "", None) on
-        ranks that call no engine."""
-        if pending is None:
-            return 0, "", None
-        if not isinstance(pending, concurrent.futures.Future):
-            fn, *args = pending
-            return fn(*args)  # bounded: the engine gets the time left as its timeout
+    def _call_engine(self, ctx: TransportContext, version: int, layout: Any, gathered: Any, wants_blobs: bool,
+                     deadline: float) -> tuple[int, str, Any]:
+        """The source's one ``update_weights_from_tensor`` call for bucket ``layout``, bounded by
+        the time left; its answer as (code, message, reading event or None)."""
         try:
-            return pending.result(timeout=max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            return _code_of(RefitTimeout("x")), "the engine did not answer before the deadline", None
-
-    def _round(self, ctx: TransportContext, version: int, index: int, failed: bool, length: int,
-               answer: tuple[int, str], deadline: float) -> int:
-        """All-reduce (pack failed, payload length, the source's verdict of bucket ``index``).
-
-        Returns the longest payload. A verdict raises its error class on every rank (the
-        message follows in a broadcast, only then); a failed pack raises ``TransportError``
-        on every other rank (the failing rank raises its own error after this round). With
-        one rank in the group nothing is sent.
-        """
-        group = ctx.state["group"]
-        code, message = answer
-        if group.world_size > 1:
-            flags = torch.tensor([int(failed), length, code], dtype=torch.int64)
-            group.all_reduce(flags, op=dist.ReduceOp.MAX, deadline=deadline)
-            any_failed, length, code = (int(v) for v in flags.tolist())
-            if code:
-                message = broadcast_text(group, message, deadline)
-        else:
-            any_failed = int(failed)
-        if code:
-            cls = _VERDICTS.get(code, TransportError)
-            raise cls(f"engine {ctx.state.get('engine_index')}, refit {version}, bucket {index}: {message}",
-                      rank=ctx.rank, transport=NAME)
-        if any_failed and not failed:
-            raise TransportError("a peer rank of this engine failed to pack its bucket", rank=ctx.rank,
-                                 transport=NAME)
-        return length
-
-    def _call_engine(self, ctx, version, layout, gathered, wants_blobs, deadline) -> tuple[int, str, Any]:
-        from policyworker.transports.sglang_ipc.client import UpdateWeightsFromTensorRequest
-
-        state = ctx.state
-        try:
-            blobs: list[str] = []
-            if wants_blobs:
-                for rank, raw in enumerate(gathered or []):
-                    msg = _BLOB.decode(raw)
-                    if msg.version != version or msg.bucket != layout.index:
-                        raise ProtocolError(f"tp rank {rank} sent bucket {msg.bucket} of refit {msg.version}")
-                    blobs.append(to_base64(msg.blob))
-            last = layout.index == len(state["buckets"]) - 1
-            request = UpdateWeightsFromTensorRequest(
-                serialized_named_tensors=blobs,
-                flush_cache=bool(ctx.option("flush_cache", True)) and last,
-                abort_all_requests=bool(ctx.option("abort_all_requests", False)) and layout.index == 0,
-                weight_version=str(version) if last else None,
-                torch_empty_cache=bool(ctx.option("torch_empty_cache", False)) and last,
-                buffers=state["peer_handles"][layout.index % len(state["peer_handles"])], metadata=layout.metadata,
-                bucket=layout.index, num_buckets=len(state["buckets"]),
-            )
+            request = engine_request(ctx, version, layout, gathered, wants_blobs)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RefitTimeout("no time left for the engine call")
             result = ctx.option("engine").update_weights_from_tensor(request, timeout_s=remaining)
         except PolicyWorkerError as exc:
-            return _code_of(exc), f"{type(exc).__name__}: {exc}", None
-        reading = getattr(result, "reading", None)
-        if not result.success:
-            return 1, f"the engine refused it: {result.message}", reading
-        return 0, "", reading
+            return code_of(exc), f"{type(exc).__name__}: {exc}", None
+        return answer_of(result)
 
     async def aclose(self) -> None:
         self._closed = True
-        caller, self._caller = self._caller, None
-        if caller is not None:
-            caller.shutdown(wait=False)
+        self._engine.close()
