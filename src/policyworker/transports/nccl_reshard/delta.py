@@ -41,6 +41,7 @@ import torch
 
 from policyworker.errors import ConfigError, PeerLost, PolicyWorkerError, ProtocolError, RefitAborted, TransportError
 from policyworker.layout import delta as _delta
+from policyworker.layout.delta_inc import encode_update, segment_checksums
 from policyworker.layout.apply import _as_bytes, _region, copy_nbytes, pack, unpack
 from policyworker.layout.plan import Copy, ReshardPlan, dtype_size
 from policyworker.transports.base import RefitReport, TransportContext
@@ -54,6 +55,10 @@ _HS_LEN = 6  # magic, role, version (trainer) / base (receiver), shadow version,
 _HDR_MAGIC = 0x5057444C54414831  # "PWDLTAH1"
 _HDR_LEN = 8  # magic, version, kind, changed units, payload bytes, plan hash, stream bytes, copies
 _TAG_HDR, _TAG_PAYLOAD = (1 << 21), (1 << 21) + 1
+_SAMPLES = 4096  # units sampled per stream for the changed-fraction estimate
+# Below this estimated changed fraction (ppm) a trainer encodes in one cache-sized pass
+# with incremental checksums (:func:`encode_update`); above it the dense path is cheaper.
+_SPARSE_PPM = 40_000
 _TRAINER, _RECEIVER = 0, 1
 # Why a trainer wants a full refit (the handshake's "want" field).
 _WANT_DELTA, _OFF, _NO_SHADOW, _EVERY, _TOO_MANY = 1, 0, 2, 3, 4
@@ -103,7 +108,9 @@ class _Stream:
     unit: int
     segments: list[tuple[int, int]]  # (offset, bytes) of each copy in the stream
     shadow: torch.Tensor | None = None  # trainer: the bytes last sent
+    sums: list[int] | None = None  # trainer: the shadow's checksum per copy, when known
     scratch: torch.Tensor | None = None  # the stream packed, when it is not one span
+    stride: int = 1  # trainer: every stride-th unit is sampled for the changed fraction
 
 
 @dataclass(slots=True)
@@ -126,7 +133,16 @@ def _make_stream(plan: ReshardPlan, copies: list[Copy]) -> _Stream:
         n = copy_nbytes(plan, c)
         segments.append((at, n))
         at += n
-    return _Stream(copies, at, unit, segments)
+    return _Stream(copies, at, unit, segments, stride=_sample_stride(at // unit))
+
+
+def _sample_stride(n: int) -> int:
+    """A prime stride giving about ``_SAMPLES`` of ``n`` units (prime: no lockstep with
+    a tensor's rows): the estimate costs a few thousand reads, not a pass."""
+    p = max(127, n // _SAMPLES) | 1
+    while any(p % d == 0 for d in range(3, int(p ** 0.5) + 1, 2)):
+        p += 2
+    return p
 
 
 def _state(ctx: TransportContext) -> _State:
@@ -182,8 +198,7 @@ def _signed(x: int) -> int:
 
 def checksums(units: torch.Tensor, s: _Stream) -> list[int]:
     """One checksum per copy of the stream (signed 64-bit, for an int64 tensor)."""
-    raw = units.view(torch.uint8)
-    return [_signed(_delta.checksum(raw.narrow(0, at, n))) for at, n in s.segments]
+    return [_signed(c) for c in segment_checksums(units, s.segments)]
 
 
 # -- the refit -------------------------------------------------------------------------------
@@ -233,7 +248,7 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
     transport._active = [*groups, update_group]
     try:
         if ctx.role == "send":
-            wire, nbytes, failure = _send(ctx, st, streams, int(version), deadline)
+            wire, nbytes, failure = _send(ctx, st, streams, int(version), deadline, sparse=row[5] <= _SPARSE_PPM)
         else:
             ctx.touched = False
             wire, nbytes, failure = _receive(ctx, st, announced, deadline)
@@ -299,15 +314,19 @@ def _trainer_wants(ctx, st: _State, settings: DeltaSettings, streams, version: i
     changed = seen = 0
     for s in streams.values():
         units, _ = _units(s, ctx, "src")
-        c, n = _delta.changed_fraction(units, s.shadow.view(units.dtype))
+        c, n = _delta.changed_fraction(units, s.shadow.view(units.dtype), s.stride)
         changed, seen = changed + c, seen + n
     ppm = int(1e6 * changed / max(seen, 1))
     return (_TOO_MANY if ppm > settings.max_fraction * 1e6 else _WANT_DELTA), ppm
 
 
 def _refresh(ctx: TransportContext, streams: dict[tuple, _Stream]) -> int:
-    """After a full refit: every shadow becomes the bytes just sent. Returns their bytes."""
+    """After a full refit: every shadow becomes the bytes just sent. Returns their bytes.
+
+    The shadow's checksums are left unknown: the next delta computes them (one pass) only
+    if there is one, so a full refit (the fallback) costs one copy of the shard."""
     for s in streams.values():
+        s.sums = None
         units, _ = _units(s, ctx, "src")
         if s.shadow is None or s.shadow.numel() != s.nbytes or s.shadow.device != units.device:
             s.shadow = torch.empty(s.nbytes, dtype=torch.uint8, device=units.device)
@@ -337,19 +356,22 @@ def _post_all(entries: list[tuple[Any, str, torch.Tensor, int, int]], deadline: 
     return failure
 
 
-def _send(ctx: TransportContext, st: _State, streams, version: int, deadline: float):
-    """Encode each distinct stream once, send each transfer its header and payload."""
+def _send(ctx: TransportContext, st: _State, streams, version: int, deadline: float, *, sparse: bool):
+    """Encode each distinct stream once, send each transfer its header and payload.
+
+    The shadow becomes the bytes sent as they are encoded, and the checksums follow it
+    (incrementally when ``sparse``: few changes were estimated)."""
     plan = ctx.plan
     hash63 = plan_hash63(plan)
     encoded: dict[tuple, tuple[_delta.Encoded, torch.Tensor]] = {}
     dev = _device(ctx)
     for key, s in streams.items():
         units, _ = _units(s, ctx, "src")
-        shadow = s.shadow.view(units.dtype)
-        enc = _delta.encode(units, shadow)
-        sums = torch.tensor(checksums(units, s), dtype=torch.int64).view(torch.uint8)
-        payload = torch.cat([sums.to(dev), enc.blob.to(dev)])
-        _delta.apply(shadow, enc.kind, enc.count, enc.blob)  # the shadow is now what was sent
+        known, s.sums = s.sums, None  # the shadow changes now: its checksums are known again below
+        enc, s.sums = encode_update(units, s.shadow.view(units.dtype), s.segments, known, sparse=sparse)
+        sums = s.sums
+        sums_t = torch.tensor([_signed(c) for c in sums], dtype=torch.int64).view(torch.uint8)
+        payload = torch.cat([sums_t.to(dev), enc.blob.to(dev)])
         encoded[key] = (enc, payload)
     members = stage_members(plan)
     n_train = len(members[ctx.state["stage"]])
