@@ -8,7 +8,7 @@ import torch
 from policyworker.errors import ConfigError, ProtocolError
 from policyworker.transports.nccl_reshard.transport import NcclReshardOptions, NcclReshardSetup
 from policyworker.layout import delta as D
-from policyworker.transports.nccl_reshard.delta import _HS_MAGIC, _NO_SHADOW, _RECEIVER, _TRAINER, _WANT_DELTA, decide
+from policyworker.transports.nccl_reshard.delta_handshake import _HS_MAGIC, _NO_SHADOW, _RECEIVER, _TRAINER, _WANT_DELTA, decide
 
 
 def _units(t: torch.Tensor) -> torch.Tensor:

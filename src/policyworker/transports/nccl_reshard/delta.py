@@ -45,13 +45,22 @@ from policyworker.layout.delta_inc import encode_update, segment_checksums
 from policyworker.layout.apply import _as_bytes, _region, copy_nbytes, pack, unpack
 from policyworker.layout.plan import Copy, ReshardPlan, dtype_size
 from policyworker.transports.base import RefitReport, TransportContext
+from policyworker.transports.nccl_reshard.delta_handshake import (
+    _EVERY,
+    _HS_MAGIC,
+    _NO_SHADOW,
+    _OFF,
+    _RECEIVER,
+    _TOO_MANY,
+    _TRAINER,
+    _WANT_DELTA,
+    handshake,
+)
 from policyworker.transports.nccl_reshard.schedule import _direct_view, plan_hash63, stage_members
 from policyworker.transports.nccl_reshard.verdict import exchange_leftovers
 
-__all__ = ["DeltaSettings", "decide"]
+__all__ = ["DeltaSettings"]
 
-_HS_MAGIC = 0x5057444C54413031  # "PWDLTA01"
-_HS_LEN = 6  # magic, role, version (trainer) / base (receiver), shadow version, want, changed ppm
 _HDR_MAGIC = 0x5057444C54414831  # "PWDLTAH1"
 _HDR_LEN = 8  # magic, version, kind, changed units, payload bytes, plan hash, stream bytes, copies
 _TAG_HDR, _TAG_PAYLOAD = (1 << 21), (1 << 21) + 1
@@ -59,11 +68,6 @@ _SAMPLES = 4096  # units sampled per stream for the changed-fraction estimate
 # Below this estimated changed fraction (ppm) a trainer encodes in one cache-sized pass
 # with incremental checksums (:func:`encode_update`); above it the dense path is cheaper.
 _SPARSE_PPM = 40_000
-_TRAINER, _RECEIVER = 0, 1
-# Why a trainer wants a full refit (the handshake's "want" field).
-_WANT_DELTA, _OFF, _NO_SHADOW, _EVERY, _TOO_MANY = 1, 0, 2, 3, 4
-_REASONS = {_OFF: "a trainer asked for a full refit", _NO_SHADOW: "a trainer has no shadow of the last version",
-            _EVERY: "a full refit is due (delta_full_every)", _TOO_MANY: "too many elements changed"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,30 +77,6 @@ class DeltaSettings:
 
     max_fraction: float = 0.25
     full_every: int | None = None
-
-
-def decide(rows: list[list[int]]) -> tuple[bool, str]:
-    """(delta?, why) from the handshake rows; the same on every rank."""
-    for r in rows:
-        if r[0] != _HS_MAGIC or r[1] not in (_TRAINER, _RECEIVER):
-            raise ProtocolError("malformed delta handshake row")
-    trainers = [r for r in rows if r[1] == _TRAINER]
-    receivers = [r for r in rows if r[1] == _RECEIVER]
-    if not trainers:
-        raise ProtocolError("delta handshake: no trainer in the update group")
-    for r in trainers:
-        if r[4] != _WANT_DELTA:
-            return False, _REASONS.get(r[4], "a trainer wants a full refit")
-    shadows = {r[3] for r in trainers}
-    if len(shadows) != 1 or len({r[2] for r in trainers}) != 1:
-        return False, "the trainers' shadows or versions differ"
-    base = shadows.pop()
-    if trainers[0][2] <= base:
-        return False, f"version {trainers[0][2]} does not advance the shadow's {base}"
-    for r in receivers:
-        if r[2] != base:
-            return False, f"a receiver holds version {r[2]}, not the trainers' base {base}"
-    return True, f"delta over version {base}"
 
 
 @dataclass(slots=True)
@@ -227,11 +207,9 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
         row = [_HS_MAGIC, _RECEIVER, base, 0, 0, 0]
     transport._active = [update_group]
     try:
-        rows = _handshake(update_group, row, deadline)
+        use_delta, reason, announced = handshake(update_group, row, deadline)
     finally:
         transport._active = []
-    use_delta, reason = decide(rows)
-    announced = next(r[2] for r in rows if r[1] == _TRAINER)
     if ctx.role == "send":
         st.shadow_version = None  # unknown until this refit's verdict
     if not use_delta:
@@ -284,14 +262,6 @@ def _report(r: RefitReport, *, notes, wire: int, shadow: int, seconds: float) ->
     return RefitReport(transport=r.transport, role=r.role, version=r.version, bytes=r.bytes, seconds=seconds,
                        buckets=r.buckets, peak_extra_bytes=r.peak_extra_bytes, notes=(*r.notes, *notes),
                        wire_bytes=wire, shadow_bytes=shadow, kv_scales=r.kv_scales)
-
-
-def _handshake(group, row: list[int], deadline: float) -> list[list[int]]:
-    dev = group.device
-    mine = torch.tensor(row, dtype=torch.int64, device=dev)
-    out = [torch.zeros(_HS_LEN, dtype=torch.int64, device=dev) for _ in range(group.world_size)]
-    group.all_gather(out, mine, deadline=deadline)
-    return [o.cpu().tolist() for o in out]
 
 
 def _trainer_streams(ctx: TransportContext, st: _State) -> dict[tuple, _Stream]:
