@@ -89,6 +89,11 @@ class _Layout:
         self.row_weights = weights_at(local.astype(np.uint64), 2)
         self.tail_weights = weights_at(rows.astype(np.uint64), 2)
         self.lengths = np.array([n for _, n in segments], dtype=np.uint64)
+        # every row of every segment, its tail row included, for word_deltas_sum
+        self.word_starts = np.array([at >> 3 for at, _ in segments], dtype=np.int64)
+        self.w2_begins = np.concatenate([[0], np.cumsum(rows + 1)[:-1]]).astype(np.int64)
+        all_local = np.arange(int((rows + 1).sum()), dtype=np.int64) - np.repeat(self.w2_begins, rows + 1)
+        self.w2_all = weights_at(all_local.astype(np.uint64), 2)
 
 
 _LAYOUTS: dict[tuple[tuple[int, int], ...], _Layout] = {}
@@ -112,11 +117,14 @@ def word_deltas_sum(segments: Sequence[tuple[int, int]], words: np.ndarray, delt
     """
     if words.size == 0:
         return {}
-    starts = np.fromiter((at >> 3 for at, _ in segments), dtype=np.int64, count=len(segments))
-    seg = np.searchsorted(starts, words, side="right") - 1
-    j = (words - starts[seg]).astype(np.uint64)
+    lay = _layout(tuple(segments))
+    seg = np.searchsorted(lay.word_starts, words, side="right") - 1
+    j = words - lay.word_starts[seg]  # the word's index in its segment
     with np.errstate(over="ignore"):
-        contrib = weights_at(j & np.uint64(127), 1) * weights_at(j >> np.uint64(7), 2) * delta
+        # weight of word j: the row weight of j % 128 times its row's weight (tables)
+        contrib = _ROW_W.take(j & 127)
+        contrib *= lay.w2_all.take(lay.w2_begins.take(seg) + (j >> 7))
+        contrib *= delta
     first = np.flatnonzero(np.diff(seg, prepend=-1))
     sums = np.add.reduceat(contrib, first)
     return {int(s): int(v) for s, v in zip(seg[first], sums)}
@@ -124,7 +132,8 @@ def word_deltas_sum(segments: Sequence[tuple[int, int]], words: np.ndarray, delt
 
 def _aligned(cur: torch.Tensor, shadow: torch.Tensor, segments: Sequence[tuple[int, int]]) -> bool:
     return (cur.device.type == "cpu" and shadow.device.type == "cpu" and cur.element_size() <= 8
-            and cur.data_ptr() % 8 == 0 and shadow.data_ptr() % 8 == 0 and all(at % 8 == 0 for at, _ in segments))
+            and cur.data_ptr() % 8 == 0 and shadow.data_ptr() % 8 == 0 and all(at % 8 == 0 for at, _ in segments)
+            and sum(n for _, n in segments) == cur.numel() * cur.element_size())  # the copies tile the stream
 
 
 def _changed_words(cur: np.ndarray, shadow: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -183,10 +192,10 @@ def encode_update(cur: torch.Tensor, shadow: torch.Tensor, segments: Sequence[tu
         sums = [(s + inc.get(i, 0)) & _M64 for i, s in enumerate(sums)]
     if words.size == 0:
         return Encoded(_delta.NONE, 0, torch.empty(0, dtype=torch.uint8)), sums
-    per = 8 // unit
-    lanes = np.flatnonzero((new ^ old).view(a.dtype))  # changed units among the changed words' lanes
-    idx = words[lanes // per] * per + lanes % per
-    vals = new.view(a.dtype)[lanes]
+    shift = (8 // unit).bit_length() - 1  # log2 of the units per word
+    lanes = np.flatnonzero((new ^ old).view(a.dtype) != 0)  # changed units among the changed words' lanes
+    idx = (words.take(lanes >> shift) << shift) | (lanes & ((1 << shift) - 1))
+    vals = new.view(a.dtype).take(lanes)
     k = idx.size
     kind = _delta._smallest(n, k, unit)
     out = np.zeros(blob_bytes(kind, n, k, unit), dtype=np.uint8)

@@ -56,7 +56,7 @@ from policyworker.transports.nccl_reshard.delta_handshake import (
     _WANT_DELTA,
     handshake,
 )
-from policyworker.transports.nccl_reshard.schedule import _direct_view, plan_hash63, stage_members
+from policyworker.transports.nccl_reshard.schedule import _DirectSpans, plan_hash63, stage_members
 from policyworker.transports.nccl_reshard.verdict import exchange_leftovers
 
 __all__ = ["DeltaSettings"]
@@ -67,7 +67,7 @@ _TAG_HDR, _TAG_PAYLOAD = (1 << 21), (1 << 21) + 1
 _SAMPLES = 4096  # units sampled per stream for the changed-fraction estimate
 # Below this estimated changed fraction (ppm) a trainer encodes in one cache-sized pass
 # with incremental checksums (:func:`encode_update`); above it the dense path is cheaper.
-_SPARSE_PPM = 40_000
+_SPARSE_PPM = 60_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +91,7 @@ class _Stream:
     sums: list[int] | None = None  # trainer: the shadow's checksum per copy, when known
     scratch: torch.Tensor | None = None  # the stream packed, when it is not one span
     stride: int = 1  # trainer: every stride-th unit is sampled for the changed fraction
+    index: int = 0  # its key among the state's direct spans
 
 
 @dataclass(slots=True)
@@ -100,9 +101,10 @@ class _State:
     shadow_version: int | None = None  # trainer: the version its shadows hold, after a good verdict
     base_valid: bool = True  # receiver: False after a failed delta (next refit full)
     received: int | None = None  # receiver: the version its last good refit returned
+    spans: _DirectSpans = field(default_factory=_DirectSpans)  # each stream's span, while the tensors stay put
 
 
-def _make_stream(plan: ReshardPlan, copies: list[Copy]) -> _Stream:
+def _make_stream(plan: ReshardPlan, copies: list[Copy], index: int) -> _Stream:
     fmt = plan.dest_format
     if any(fmt.converts(plan, c) for c in copies):
         raise ConfigError(f"delta refits of copies the {type(fmt).__name__} converts are not supported",
@@ -113,7 +115,7 @@ def _make_stream(plan: ReshardPlan, copies: list[Copy]) -> _Stream:
         n = copy_nbytes(plan, c)
         segments.append((at, n))
         at += n
-    return _Stream(copies, at, unit, segments, stride=_sample_stride(at // unit))
+    return _Stream(copies, at, unit, segments, stride=_sample_stride(at // unit), index=index)
 
 
 def _sample_stride(n: int) -> int:
@@ -145,7 +147,7 @@ def _my_transfers(ctx: TransportContext):
 
 def _units(s: _Stream, ctx: TransportContext, side: str) -> tuple[torch.Tensor, bool]:
     """The stream's bytes as units: a view of the tensors (True) or a packed copy (False)."""
-    span = _direct_view(ctx.plan, s.copies, ctx.params, side)
+    span = _state(ctx).spans.get(ctx.plan, s.index, s.copies, ctx.params, side)
     if span is not None and span.numel() == s.nbytes and span.data_ptr() % s.unit == 0:
         return span.view(_delta.unit_dtype(s.unit)), True
     if s.scratch is None or s.scratch.device != _device(ctx):
@@ -191,6 +193,7 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
         raise ConfigError("delta refits need the update group (init_collective)", rank=ctx.rank,
                           transport=transport.name)
     st = _state(ctx)
+    st.spans.check(ctx.plan, ctx.params)
     deadline = transport._deadline(ctx)
     streams = _trainer_streams(ctx, st) if ctx.role == "send" else None
     if ctx.role == "send":
@@ -270,7 +273,7 @@ def _trainer_streams(ctx: TransportContext, st: _State) -> dict[tuple, _Stream]:
         copies = t.all_copies()
         key = _src_key(copies)
         if key not in st.streams:
-            st.streams[key] = _make_stream(ctx.plan, copies)
+            st.streams[key] = _make_stream(ctx.plan, copies, len(st.streams))
     return st.streams
 
 
@@ -373,7 +376,7 @@ def _receive(ctx: TransportContext, st: _State, version: int, deadline: float):
     transfers = plan.receives(ctx.rank)
     for t in transfers:  # kept across refits: their staging (non-contiguous destinations) too
         if ("dst", t.stage, t.src) not in st.streams:
-            st.streams[("dst", t.stage, t.src)] = _make_stream(plan, t.all_copies())
+            st.streams[("dst", t.stage, t.src)] = _make_stream(plan, t.all_copies(), len(st.streams))
     streams = [st.streams[("dst", t.stage, t.src)] for t in transfers]
     rows = torch.zeros((max(1, len(transfers)), _HDR_LEN), dtype=torch.int64, device=dev)
     peers = [(groups[t.stage], members[t.stage].index(t.src)) for t in transfers]
