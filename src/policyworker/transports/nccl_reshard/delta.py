@@ -4,25 +4,31 @@ version every receiver holds; anything unsure is a full refit.
 Turned on at attach (``delta=True`` on every rank, checked at connect); per refit the
 trainers may ask for a full one (``refit(..., delta=False)``). One refit, both sides:
 
-1. **Handshake** over the update group (one all-gather of a row per rank): a trainer
-   says the version it sends, the version of its *shadow* (the bytes it last sent,
-   per transfer) and whether it wants a delta (option, ``delta_full_every``, the
-   changed fraction estimated on a sample against ``delta_max_fraction``); a
-   receiver says its *base*: the version its last good refit landed when its ledger
-   committed and holds it untorn, else -1 (new, torn, after any failed refit). Every rank decides the same: a delta only when every trainer wants
-   one, all shadows are of one version S and every receiver's base is S. Otherwise
-   the refit is the plain full one (``NcclReshardTransport._refit``), after which
-   the trainers refresh their shadows.
+1. **Handshake** over the update group (one small all-reduce,
+   :mod:`.delta_handshake`): a trainer says the version it sends, the version of its
+   *shadow* (the bytes it last sent, per transfer) and whether it wants a delta
+   (option, ``delta_full_every``, the changed fraction estimated on a sample of a few
+   thousand units per transfer against ``delta_max_fraction``: no pass over the
+   bytes); a receiver says its *base*: the version its last good refit landed when
+   its ledger committed and holds it untorn, else -1 (new, torn, after any failed
+   refit). Every rank decides the same: a delta only when every trainer wants one,
+   all shadows are of one version S and every receiver's base is S. Otherwise the
+   refit is the plain full one (``NcclReshardTransport._refit``), after which the
+   trainers copy their shards into their shadows.
 2. **Delta bulk**, per (stage, trainer, receiver) transfer in the plan: a header row
    (magic, version, encoding, changed units, payload bytes, plan hash, stream bytes,
    copies) then one payload: a checksum per copy (each copy is one tensor's box) of
    the bytes the receiver must end with, then the encoded changed units
-   (:mod:`policyworker.layout.delta`). Both sides post every header at once, wait,
-   then every payload at once (sizes are known from the headers; no cycles).
+   (:mod:`policyworker.layout.delta`). The trainer encodes each distinct stream in
+   one cache-sized pass that also refreshes its shadow, and updates the checksums
+   from the changed words (:mod:`policyworker.layout.delta_inc`): its checksums are
+   those of the bytes it sent. Both sides post every header at once, wait, then
+   every payload at once (sizes are known from the headers; no cycles).
 3. **Apply**, receiver: nothing live is written until every payload arrived. Then per
    transfer the changed units go into the live bytes (or a staging copy when the
    transfer's destination is not one contiguous span, unpacked after the check) and
-   every copy's checksum is verified; a mismatch fails the refit, marks the receiver
+   every copy's checksum is computed over the bytes the receiver now holds (a full
+   pass: what proves them equal to what the trainer sent) and verified; a mismatch fails the refit, marks the receiver
    torn (its bytes are proven not to be the trainers') and its base becomes -1, so
    the next refit is full. A failure before the apply leaves the live bytes intact.
 4. **Verdict** over the update group (:func:`exchange_leftovers`), as for a full
