@@ -28,9 +28,10 @@ trainers may ask for a full one (``refit(..., delta=False)``). One refit, both s
    transfer the changed units go into the live bytes (or a staging copy when the
    transfer's destination is not one contiguous span, unpacked after the check) and
    every copy's checksum is computed over the bytes the receiver now holds (a full
-   pass: what proves them equal to what the trainer sent) and verified; a mismatch fails the refit, marks the receiver
-   torn (its bytes are proven not to be the trainers') and its base becomes -1, so
-   the next refit is full. A failure before the apply leaves the live bytes intact.
+   pass: what proves them equal to what the trainer sent) and verified; a mismatch
+   fails the refit, marks the receiver torn (its bytes are proven not to be the
+   trainers') and its base becomes -1, so the next refit is full. A failure before
+   the apply leaves the live bytes intact.
 4. **Verdict** over the update group (:func:`exchange_leftovers`), as for a full
    refit: a receiver commits only when every rank succeeded. A trainer's shadow
    counts as version S only after a successful verdict; any failure makes it
