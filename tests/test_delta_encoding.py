@@ -8,7 +8,16 @@ import torch
 from policyworker.errors import ConfigError, ProtocolError
 from policyworker.transports.nccl_reshard.transport import NcclReshardOptions, NcclReshardSetup
 from policyworker.layout import delta as D
-from policyworker.transports.nccl_reshard.delta import _HS_MAGIC, _NO_SHADOW, _RECEIVER, _TRAINER, _WANT_DELTA, decide
+from policyworker.layout.delta_inc import encode_update, segment_checksums
+from policyworker.transports.nccl_reshard.delta_handshake import (
+    _HS_MAGIC,
+    _NO_SHADOW,
+    _RECEIVER,
+    _TOO_MANY,
+    _TRAINER,
+    _WANT_DELTA,
+    decide,
+)
 
 
 def _units(t: torch.Tensor) -> torch.Tensor:
@@ -86,6 +95,51 @@ def test_a_damaged_blob_is_refused_before_anything_is_written():
     assert torch.equal(base, old)
 
 
+def _segments(nbytes: int, g: torch.Generator, aligned: bool = True) -> list[tuple[int, int]]:
+    """A stream cut into copies at random places (8-byte boundaries when ``aligned``), and an empty one."""
+    cuts = torch.randint(0, nbytes, (6,), generator=g).tolist()
+    cuts = sorted({0, *((c // 8 * 8) if aligned else c for c in cuts)})
+    ends = [*cuts[1:], nbytes]
+    return [(a, b - a) for a, b in zip(cuts, ends)] + [(nbytes, 0)]
+
+
+@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 200_003), (torch.float32, 70_001), (torch.uint8, 1_001)])
+def test_one_pass_encode_matches_encode_refreshes_the_shadow_and_updates_the_checksums(dtype, n):
+    # Versions with few, many, all and no changes (one at the ragged end): the one-pass
+    # path's blob is encode()'s byte for byte, the shadow ends equal to the new bytes and
+    # the checksums updated from the changed words alone equal a full pass over them.
+    g = torch.Generator().manual_seed(3)
+    unit = torch.empty(0, dtype=dtype).element_size()
+    cur = torch.randint(0, 256, (n * unit,), dtype=torch.uint8, generator=g).view(D.unit_dtype(unit))
+    segs = _segments(n * unit, g)
+    shadow, sums = cur.clone(), None
+    for fraction in (0.001, 0.0, 0.01, 0.3, 1.0, "last"):
+        mask = torch.zeros(n, dtype=torch.bool) if fraction == "last" else torch.rand(n, generator=g) < fraction
+        mask[-1] = fraction == "last" or bool(mask[-1])
+        cur[mask] ^= 1
+        want, before = D.encode(cur, shadow), shadow.clone()
+        enc, sums = encode_update(cur, shadow, segs, sums, sparse=True)
+        assert (enc.kind, enc.count) == (want.kind, want.count) and torch.equal(enc.blob, want.blob), fraction
+        assert torch.equal(shadow, cur)
+        assert sums == [D.checksum(cur.view(torch.uint8)[a:a + m]) for a, m in segs], fraction
+        D.apply(before, enc.kind, enc.count, enc.blob)
+        assert torch.equal(before, cur)
+    dense_shadow = shadow.clone()
+    cur[::7] ^= 1
+    enc, dense_sums = encode_update(cur, dense_shadow, segs, sums, sparse=False)
+    assert torch.equal(dense_shadow, cur) and dense_sums == segment_checksums(cur, segs)
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_segment_checksums_equal_checksum_per_segment(aligned):
+    g = torch.Generator().manual_seed(4)
+    for nbytes in (1, 7, 8, 1024, 1031, 300_017):
+        raw = torch.randint(0, 256, (nbytes + 8,), dtype=torch.uint8, generator=g)
+        segs = _segments(nbytes, g, aligned)
+        for data in (raw[:nbytes], raw[1:nbytes + 1]):  # an 8-byte-aligned start, and not
+            assert segment_checksums(data, segs) == [D.checksum(data[a:a + m]) for a, m in segs]
+
+
 def _row(role, v, shadow=0, want=_WANT_DELTA):
     return [_HS_MAGIC, role, v, shadow, want, 0]
 
@@ -98,8 +152,15 @@ def test_the_handshake_decides_delta_only_when_every_base_matches():
     assert not decide([*trainers, _row(_RECEIVER, -1)])[0]  # torn
     assert not decide([_row(_TRAINER, 5, -1, _NO_SHADOW), _row(_TRAINER, 5, 4), _row(_RECEIVER, 4)])[0]
     assert not decide([_row(_TRAINER, 5, 4), _row(_TRAINER, 5, 3), _row(_RECEIVER, 4)])[0]
+    assert not decide([_row(_TRAINER, 5, 4), _row(_TRAINER, 6, 4), _row(_RECEIVER, 4)])[0]
+    assert not decide([*trainers, _row(_RECEIVER, 4), _row(_RECEIVER, 5)])[0]  # ahead of the base
+    too_many, why = decide([_row(_TRAINER, 5, 4, _TOO_MANY), _row(_TRAINER, 5, 4), _row(_RECEIVER, 4)])
+    assert not too_many and "too many" in why
+    assert decide(trainers)[0]  # no receiver in the group: nothing to disagree with
     with pytest.raises(ProtocolError):
         decide([[0, 0, 0, 0, 0, 0]])
+    with pytest.raises(ProtocolError):
+        decide([_row(_RECEIVER, 4)])  # no trainer
 
 
 @pytest.mark.parametrize("bad", [{"delta_max_fraction": 1.5}, {"delta_max_fraction": -0.1},

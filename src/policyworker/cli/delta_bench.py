@@ -8,14 +8,19 @@ toy model (fp32 master weights, AdamW, random tokens) and writes the bf16 copy a
 step to a scratch directory; the fraction of bf16 elements that changed per step is
 reported. Per fraction the same processes run, back to back:
 
-* ``full`` ×2 — the plain transport (``delta`` off): the same-run baseline;
-* ``forced`` ×3 — delta on with ``delta_max_fraction=1`` (the first refreshes the
-  shadows after the plain refits and is not counted): what a delta costs at this fraction;
-* ``auto`` ×1 — delta on with the default threshold: a delta, or the full fallback.
+* ``full`` ×3 — the plain transport (``delta`` off): the same-run baseline;
+* ``forced`` ×3 — delta on with ``delta_max_fraction=1``: what a delta costs at this fraction;
+* ``auto`` ×2 — delta on with the default threshold: a delta, or the full fallback.
+
+Each mode's block starts with one *warm* refit of unchanged weights that is not
+counted: a mode switch re-attaches the transport, so that refit pays the connect (the
+groups' checks, the schedule) and, in delta mode, the full refit that refreshes the
+trainers' shadows; the counted refits are the steady ones, as in a training run.
 
 Every refit is checked bit for bit on every rollout against ``dest_shards`` of the full
-state. Times are the slowest rank's wall time; bytes are the wire bytes of all ranks.
-The crossover is where ``forced`` stops being faster than ``full`` (interpolated).
+state. Times are the slowest rank's wall time (medians over the counted refits; every
+sample is in the JSON); bytes are the wire bytes of all ranks. The crossover is where
+``forced`` stops being faster than ``full`` (interpolated).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from policyworker.runtime.procs import free_port, start_world
 __all__ = ["DeltaBenchSpec", "run_delta_bench"]
 
 _MODES = {"full": {"delta": False}, "forced": {"delta": True, "delta_max_fraction": 1.0}, "auto": {"delta": True}}
-_PLAN = (("full", 2), ("forced", 3), ("auto", 1))
+_PLAN = (("full", 3), ("forced", 3), ("auto", 2))
 
 
 @dataclass
@@ -92,11 +97,18 @@ def real_steps(preset: str, steps: int, lr: float, out_dir: str) -> list[float]:
 def _schedule(spec: DeltaBenchSpec) -> list[tuple[str, str, float]]:
     out = [("full", "synthetic", 1.0)]  # cold: first touch of every buffer, not counted
     for f in spec.fractions:
-        out += [(mode, "synthetic", f) for mode, n in _PLAN for _ in range(n)]
+        for mode, n in _PLAN:
+            out += [(mode, "warm", 0.0)] + [(mode, "synthetic", f)] * n
     if spec.real_steps:
-        # real0 in full, then one step per refit: forced (refresh), forced (counted), auto, full
-        out += [("full", "real", 0)] + [(m, "real", i + 1) for i, m in
-                                       enumerate(["forced", "forced", "auto", "full"][:spec.real_steps])]
+        # real0 in full, then one optimizer step per refit: forced (the refresh), forced
+        # (counted, the second step), auto (the third step); full ones of the same weights.
+        steps = spec.real_steps
+        out += [("full", "warm", 0.0), ("full", "real", 0), ("forced", "real", 1)]
+        if steps >= 2:
+            out += [("forced", "real", 2)]
+        if steps >= 3:
+            out += [("auto", "warm", 0.0), ("auto", "real", 3)]
+        out += [("full", "warm", 0.0), ("full", "real", min(steps, 3))]
     return out
 
 
@@ -152,17 +164,17 @@ def _rank_main(rank: int, spec: DeltaBenchSpec) -> dict[str, Any]:
                 attached = mode
             if source == "real":
                 state = load_file(os.path.join(spec.real_dir, f"real{int(value)}.safetensors"))
-            else:
-                perturb_(state, value, step + 1)
+            elif source == "synthetic":
+                perturb_(state, value, step + 1)  # "warm": the weights stay as they are
             if trainer:
                 for name, t in source_shards(plan, rank, state).items():
                     shards[name].copy_(t)
             await w._run(w.model_update_group.barrier)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             rep = await (w.nccl_reshard_refit() if trainer else w.receive_nccl_reshard_refit())
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             wall = await w._run(_max_over, w.model_update_group, seconds)
-            row = {"step": step, "mode": mode, "source": source, "value": value, "wall_seconds": wall,
+            row = {"step": step, "mode": mode, "source": source, "value": value, "wall_seconds": wall, "cpu": cpu,
                    "bytes": rep.bytes, "wire_bytes": rep.wire_bytes if rep.wire_bytes is not None else rep.bytes,
                    "shadow_bytes": rep.shadow_bytes, "delta": bool(rep.notes) and rep.notes[-1].startswith("delta"),
                    "note": rep.notes[-1] if rep.notes else ""}
@@ -191,20 +203,23 @@ def run_delta_bench(spec: DeltaBenchSpec, *, log=None) -> dict[str, Any]:
         spec.real_dir = real_dir
         spec.schedule = _schedule(spec)
         spec.ports = {"update": free_port(), "stages": [free_port() for _ in range(train.pp)]}
+        load = {"before": os.getloadavg()}
         world = start_world(_rank_main, n, (spec,))
         results = world.collect(spec.timeout_s * 3)
+        load["after"] = os.getloadavg()
     ranks = [results[r] for r in range(n)]
     steps = []
     for i, (mode, source, value) in enumerate(spec.schedule):
         rows = [r["rows"][i] for r in ranks]
         steps.append({"mode": mode, "source": source, "value": value, "seconds": rows[0]["wall_seconds"],
+                      "cpu_seconds": sum(r["cpu"] for r in rows),
                       "wire_bytes": sum(r["wire_bytes"] for r in rows[:train.world_size]),
                       "landed_bytes": sum(r["bytes"] for r in rows[train.world_size:]),
                       "delta": rows[0]["delta"], "note": rows[0]["note"],
                       "shadow_bytes_per_trainer": max(r["shadow_bytes"] for r in rows[:train.world_size]),
                       "bit_exact": all(r["bit_exact"] for r in rows[train.world_size:])})
     points = _points(spec, steps, real_fractions)
-    return _summary(spec, steps, points, real_fractions)
+    return _summary(spec, steps, points, real_fractions, load)
 
 
 def _points(spec: DeltaBenchSpec, steps: list[dict], real_fractions: list[float]) -> list[dict[str, Any]]:
@@ -213,13 +228,10 @@ def _points(spec: DeltaBenchSpec, steps: list[dict], real_fractions: list[float]
         groups.append(("real", 2, real_fractions[1]))
     points = []
     for source, value, fraction in groups:
-        mine = [s for s in steps[1:] if s["source"] == source and
-                (s["value"] == value if source == "synthetic" else True)]
+        # a block's steps: synthetic ones at this fraction, or every real one
+        mine = [s for s in steps[1:] if s["source"] == source and (source == "real" or s["value"] == value)]
         full = [s for s in mine if s["mode"] == "full"]
-        if source == "synthetic":
-            forced = [s for s in mine if s["mode"] == "forced"][1:]  # the first refreshes the shadows
-        else:
-            forced = [s for s in mine if s["mode"] == "forced" and s["value"] == value]
+        forced = [s for s in mine if s["mode"] == "forced" and (source == "synthetic" or s["value"] == value)]
         auto = [s for s in mine if s["mode"] == "auto"]
         if not full or not forced or not all(s["delta"] for s in forced):
             raise TransportError(f"delta bench: no full baseline or no delta refit at {source} {value}")
@@ -229,10 +241,19 @@ def _points(spec: DeltaBenchSpec, steps: list[dict], real_fractions: list[float]
                  "full_seconds": full_s, "full_wire_bytes": full[0]["wire_bytes"],
                  "delta_seconds": forced_s, "delta_wire_bytes": int(statistics.median(s["wire_bytes"] for s in forced)),
                  "delta_time_ratio": forced_s / full_s,
-                 "delta_bytes_ratio": statistics.median(s["wire_bytes"] for s in forced) / full[0]["wire_bytes"]}
+                 "delta_bytes_ratio": statistics.median(s["wire_bytes"] for s in forced) / full[0]["wire_bytes"],
+                 "samples": {"full": [s["seconds"] for s in full], "delta": [s["seconds"] for s in forced],
+                             "auto": [s["seconds"] for s in auto]},
+                 # CPU seconds of every process (all threads, user + system) per refit: what
+                 # the refit costs the host, much less sensitive to other load than wall time
+                 "full_cpu_seconds": statistics.median(s["cpu_seconds"] for s in full),
+                 "delta_cpu_seconds": statistics.median(s["cpu_seconds"] for s in forced)}
+        point["delta_cpu_ratio"] = point["delta_cpu_seconds"] / point["full_cpu_seconds"]
         if auto:
-            point.update(auto_seconds=auto[0]["seconds"], auto_was_delta=auto[0]["delta"],
-                         auto_time_ratio=auto[0]["seconds"] / full_s, auto_note=auto[0]["note"])
+            auto_s = statistics.median(s["seconds"] for s in auto)
+            point.update(auto_seconds=auto_s, auto_was_delta=all(s["delta"] for s in auto),
+                         auto_cpu_ratio=statistics.median(s["cpu_seconds"] for s in auto) / point["full_cpu_seconds"],
+                         auto_time_ratio=auto_s / full_s, auto_note=auto[-1]["note"])
         points.append(point)
     return points
 
@@ -248,7 +269,7 @@ def _crossover(points: list[dict]) -> float | None:
     return None  # a delta beat the full refit at every measured fraction
 
 
-def _summary(spec: DeltaBenchSpec, steps, points, real_fractions) -> dict[str, Any]:
+def _summary(spec: DeltaBenchSpec, steps, points, real_fractions, load) -> dict[str, Any]:
     at = {p["changed_fraction"]: p for p in points if p["source"] == "synthetic"}
     one, hundred = at.get(0.01), at.get(1.0)
     goals = {}
@@ -260,6 +281,7 @@ def _summary(spec: DeltaBenchSpec, steps, points, real_fractions) -> dict[str, A
     goals["every_refit_bit_exact"] = all(s["bit_exact"] for s in steps)
     return {
         "transport": "nccl_reshard", "mode": "delta", "device": "cpu", "backend": "gloo",
+        "loadavg": load, "cpus": os.cpu_count(),
         "preset": spec.preset, "dtype": spec.dtype, "layouts": {"train": spec.train, "gen": spec.gen},
         "real_steps": {"optimizer": "AdamW", "lr": spec.lr, "master": "float32", "compared": "bfloat16",
                        "changed_fraction_per_step": real_fractions},

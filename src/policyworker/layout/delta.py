@@ -281,21 +281,26 @@ def _encode_np(cur: torch.Tensor, old: torch.Tensor, n: int, unit: int) -> Encod
         at = _pad8(nbits)
         out[at:at + k * unit].view(a.dtype)[:] = a[mask]
         return Encoded(BITMAP, k, torch.from_numpy(out))
+    return Encoded(kind, k, torch.from_numpy(_fill_np(out, kind, n, unit, idx, vals)))
+
+
+def _fill_np(out: np.ndarray, kind: int, n: int, unit: int, idx: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    """Write a SPARSE or BITMAP blob of the changed units ``idx`` (ascending) with ``vals`` into ``out``."""
+    k = idx.size
     if kind == SPARSE:
         nblocks = -(-n // _BLOCK)
         out[:4 * nblocks].view(np.int32)[:] = np.bincount(idx >> _BLOCK_BITS, minlength=nblocks)
         at = _pad8(4 * nblocks)
         out[at:at + 2 * k].view(np.uint16)[:] = idx & (_BLOCK - 1)
         at += _pad8(2 * k)
-        out[at:at + k * unit].view(a.dtype)[:] = vals
     else:
         nbits = -(-n // 8)
         mask = np.zeros(n, dtype=np.bool_)
         mask[idx] = True
         out[:nbits] = np.packbits(mask)
         at = _pad8(nbits)
-        out[at:at + k * unit].view(a.dtype)[:] = vals
-    return Encoded(kind, k, torch.from_numpy(out))
+    out[at:at + k * unit].view(vals.dtype)[:] = vals
+    return out
 
 
 def _packbits(mask: torch.Tensor) -> torch.Tensor:
@@ -399,13 +404,17 @@ def _row_weights(device: torch.device) -> torch.Tensor:
 
 
 def _weights(n: int, salt: int, device: torch.device) -> torch.Tensor:
-    # Odd pseudo-random int64 weights by position; uint64 arithmetic in numpy wraps by
-    # definition (torch's int64 overflow is C++ signed overflow).
-    i = np.arange(n, dtype=np.uint64)
+    return torch.from_numpy(weights_at(np.arange(n, dtype=np.uint64), salt).view(np.int64)).to(device)
+
+
+def weights_at(i: np.ndarray, salt: int) -> np.ndarray:
+    """The odd pseudo-random weights (uint64) of positions ``i`` (uint64): word ``j`` of a
+    checksummed span weighs ``weights_at(j % 128, 1) * weights_at(j // 128, 2)`` mod 2**64.
+    numpy's uint64 arithmetic wraps by definition (torch's int64 overflow is C++ signed
+    overflow)."""
     with np.errstate(over="ignore"):
         w = ((i + np.uint64(salt)) * np.uint64(0x9E3779B97F4A7C15)) ^ (i >> np.uint64(3))
-        w = (w * np.uint64(0xBF58476D1CE4E5B9)) | np.uint64(1)
-    return torch.from_numpy(w.view(np.int64)).to(device)
+        return (w * np.uint64(0xBF58476D1CE4E5B9)) | np.uint64(1)
 
 
 def checksum(data: torch.Tensor) -> int:

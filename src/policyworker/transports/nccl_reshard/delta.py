@@ -4,27 +4,34 @@ version every receiver holds; anything unsure is a full refit.
 Turned on at attach (``delta=True`` on every rank, checked at connect); per refit the
 trainers may ask for a full one (``refit(..., delta=False)``). One refit, both sides:
 
-1. **Handshake** over the update group (one all-gather of a row per rank): a trainer
-   says the version it sends, the version of its *shadow* (the bytes it last sent,
-   per transfer) and whether it wants a delta (option, ``delta_full_every``, the
-   changed fraction estimated on a sample against ``delta_max_fraction``); a
-   receiver says its *base*: the version its last good refit landed when its ledger
-   committed and holds it untorn, else -1 (new, torn, after any failed refit). Every rank decides the same: a delta only when every trainer wants
-   one, all shadows are of one version S and every receiver's base is S. Otherwise
-   the refit is the plain full one (``NcclReshardTransport._refit``), after which
-   the trainers refresh their shadows.
+1. **Handshake** over the update group (one small all-reduce,
+   :mod:`.delta_handshake`): a trainer says the version it sends, the version of its
+   *shadow* (the bytes it last sent, per transfer) and whether it wants a delta
+   (option, ``delta_full_every``, the changed fraction estimated on a sample of a few
+   thousand units per transfer against ``delta_max_fraction``: no pass over the
+   bytes); a receiver says its *base*: the version its last good refit landed when
+   its ledger committed and holds it untorn, else -1 (new, torn, after any failed
+   refit). Every rank decides the same: a delta only when every trainer wants one,
+   all shadows are of one version S and every receiver's base is S. Otherwise the
+   refit is the plain full one (``NcclReshardTransport._refit``), after which the
+   trainers copy their shards into their shadows.
 2. **Delta bulk**, per (stage, trainer, receiver) transfer in the plan: a header row
    (magic, version, encoding, changed units, payload bytes, plan hash, stream bytes,
    copies) then one payload: a checksum per copy (each copy is one tensor's box) of
    the bytes the receiver must end with, then the encoded changed units
-   (:mod:`policyworker.layout.delta`). Both sides post every header at once, wait,
-   then every payload at once (sizes are known from the headers; no cycles).
+   (:mod:`policyworker.layout.delta`). The trainer encodes each distinct stream in
+   one cache-sized pass that also refreshes its shadow, and updates the checksums
+   from the changed words (:mod:`policyworker.layout.delta_inc`): its checksums are
+   those of the bytes it sent. Both sides post every header at once, wait, then
+   every payload at once (sizes are known from the headers; no cycles).
 3. **Apply**, receiver: nothing live is written until every payload arrived. Then per
    transfer the changed units go into the live bytes (or a staging copy when the
    transfer's destination is not one contiguous span, unpacked after the check) and
-   every copy's checksum is verified; a mismatch fails the refit, marks the receiver
-   torn (its bytes are proven not to be the trainers') and its base becomes -1, so
-   the next refit is full. A failure before the apply leaves the live bytes intact.
+   every copy's checksum is computed over the bytes the receiver now holds (a full
+   pass: what proves them equal to what the trainer sent) and verified; a mismatch
+   fails the refit, marks the receiver torn (its bytes are proven not to be the
+   trainers') and its base becomes -1, so the next refit is full. A failure before
+   the apply leaves the live bytes intact.
 4. **Verdict** over the update group (:func:`exchange_leftovers`), as for a full
    refit: a receiver commits only when every rank succeeded. A trainer's shadow
    counts as version S only after a successful verdict; any failure makes it
@@ -41,24 +48,33 @@ import torch
 
 from policyworker.errors import ConfigError, PeerLost, PolicyWorkerError, ProtocolError, RefitAborted, TransportError
 from policyworker.layout import delta as _delta
+from policyworker.layout.delta_inc import encode_update, segment_checksums
 from policyworker.layout.apply import _as_bytes, _region, copy_nbytes, pack, unpack
 from policyworker.layout.plan import Copy, ReshardPlan, dtype_size
 from policyworker.transports.base import RefitReport, TransportContext
-from policyworker.transports.nccl_reshard.schedule import _direct_view, plan_hash63, stage_members
+from policyworker.transports.nccl_reshard.delta_handshake import (
+    _EVERY,
+    _HS_MAGIC,
+    _NO_SHADOW,
+    _OFF,
+    _RECEIVER,
+    _TOO_MANY,
+    _TRAINER,
+    _WANT_DELTA,
+    handshake,
+)
+from policyworker.transports.nccl_reshard.schedule import _DirectSpans, plan_hash63, stage_members
 from policyworker.transports.nccl_reshard.verdict import exchange_leftovers
 
-__all__ = ["DeltaSettings", "decide"]
+__all__ = ["DeltaSettings"]
 
-_HS_MAGIC = 0x5057444C54413031  # "PWDLTA01"
-_HS_LEN = 6  # magic, role, version (trainer) / base (receiver), shadow version, want, changed ppm
 _HDR_MAGIC = 0x5057444C54414831  # "PWDLTAH1"
 _HDR_LEN = 8  # magic, version, kind, changed units, payload bytes, plan hash, stream bytes, copies
 _TAG_HDR, _TAG_PAYLOAD = (1 << 21), (1 << 21) + 1
-_TRAINER, _RECEIVER = 0, 1
-# Why a trainer wants a full refit (the handshake's "want" field).
-_WANT_DELTA, _OFF, _NO_SHADOW, _EVERY, _TOO_MANY = 1, 0, 2, 3, 4
-_REASONS = {_OFF: "a trainer asked for a full refit", _NO_SHADOW: "a trainer has no shadow of the last version",
-            _EVERY: "a full refit is due (delta_full_every)", _TOO_MANY: "too many elements changed"}
+_SAMPLES = 4096  # units sampled per stream for the changed-fraction estimate
+# Below this estimated changed fraction (ppm) a trainer encodes in one cache-sized pass
+# with incremental checksums (:func:`encode_update`); above it the dense path is cheaper.
+_SPARSE_PPM = 60_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,30 +86,6 @@ class DeltaSettings:
     full_every: int | None = None
 
 
-def decide(rows: list[list[int]]) -> tuple[bool, str]:
-    """(delta?, why) from the handshake rows; the same on every rank."""
-    for r in rows:
-        if r[0] != _HS_MAGIC or r[1] not in (_TRAINER, _RECEIVER):
-            raise ProtocolError("malformed delta handshake row")
-    trainers = [r for r in rows if r[1] == _TRAINER]
-    receivers = [r for r in rows if r[1] == _RECEIVER]
-    if not trainers:
-        raise ProtocolError("delta handshake: no trainer in the update group")
-    for r in trainers:
-        if r[4] != _WANT_DELTA:
-            return False, _REASONS.get(r[4], "a trainer wants a full refit")
-    shadows = {r[3] for r in trainers}
-    if len(shadows) != 1 or len({r[2] for r in trainers}) != 1:
-        return False, "the trainers' shadows or versions differ"
-    base = shadows.pop()
-    if trainers[0][2] <= base:
-        return False, f"version {trainers[0][2]} does not advance the shadow's {base}"
-    for r in receivers:
-        if r[2] != base:
-            return False, f"a receiver holds version {r[2]}, not the trainers' base {base}"
-    return True, f"delta over version {base}"
-
-
 @dataclass(slots=True)
 class _Stream:
     """The bytes of one transfer (its copies back to back) as units of ``unit`` bytes."""
@@ -103,7 +95,10 @@ class _Stream:
     unit: int
     segments: list[tuple[int, int]]  # (offset, bytes) of each copy in the stream
     shadow: torch.Tensor | None = None  # trainer: the bytes last sent
+    sums: list[int] | None = None  # trainer: the shadow's checksum per copy, when known
     scratch: torch.Tensor | None = None  # the stream packed, when it is not one span
+    stride: int = 1  # trainer: every stride-th unit is sampled for the changed fraction
+    index: int = 0  # its key among the state's direct spans
 
 
 @dataclass(slots=True)
@@ -113,9 +108,10 @@ class _State:
     shadow_version: int | None = None  # trainer: the version its shadows hold, after a good verdict
     base_valid: bool = True  # receiver: False after a failed delta (next refit full)
     received: int | None = None  # receiver: the version its last good refit returned
+    spans: _DirectSpans = field(default_factory=_DirectSpans)  # each stream's span, while the tensors stay put
 
 
-def _make_stream(plan: ReshardPlan, copies: list[Copy]) -> _Stream:
+def _make_stream(plan: ReshardPlan, copies: list[Copy], index: int) -> _Stream:
     fmt = plan.dest_format
     if any(fmt.converts(plan, c) for c in copies):
         raise ConfigError(f"delta refits of copies the {type(fmt).__name__} converts are not supported",
@@ -126,7 +122,16 @@ def _make_stream(plan: ReshardPlan, copies: list[Copy]) -> _Stream:
         n = copy_nbytes(plan, c)
         segments.append((at, n))
         at += n
-    return _Stream(copies, at, unit, segments)
+    return _Stream(copies, at, unit, segments, stride=_sample_stride(at // unit), index=index)
+
+
+def _sample_stride(n: int) -> int:
+    """A prime stride giving about ``_SAMPLES`` of ``n`` units (prime: no lockstep with
+    a tensor's rows): the estimate costs a few thousand reads, not a pass."""
+    p = max(127, n // _SAMPLES) | 1
+    while any(p % d == 0 for d in range(3, int(p ** 0.5) + 1, 2)):
+        p += 2
+    return p
 
 
 def _state(ctx: TransportContext) -> _State:
@@ -149,7 +154,7 @@ def _my_transfers(ctx: TransportContext):
 
 def _units(s: _Stream, ctx: TransportContext, side: str) -> tuple[torch.Tensor, bool]:
     """The stream's bytes as units: a view of the tensors (True) or a packed copy (False)."""
-    span = _direct_view(ctx.plan, s.copies, ctx.params, side)
+    span = _state(ctx).spans.get(ctx.plan, s.index, s.copies, ctx.params, side)
     if span is not None and span.numel() == s.nbytes and span.data_ptr() % s.unit == 0:
         return span.view(_delta.unit_dtype(s.unit)), True
     if s.scratch is None or s.scratch.device != _device(ctx):
@@ -182,7 +187,7 @@ def _signed(x: int) -> int:
 
 def checksums(units: torch.Tensor, s: _Stream) -> list[int]:
     """One checksum per copy of the stream (signed 64-bit, for an int64 tensor)."""
-    return [_signed(x) for x in _delta.checksums(units.view(torch.uint8), s.segments)]
+    return [_signed(c) for c in segment_checksums(units, s.segments)]
 
 
 # -- the refit -------------------------------------------------------------------------------
@@ -195,6 +200,7 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
         raise ConfigError("delta refits need the update group (init_collective)", rank=ctx.rank,
                           transport=transport.name)
     st = _state(ctx)
+    st.spans.check(ctx.plan, ctx.params)
     deadline = transport._deadline(ctx)
     streams = _trainer_streams(ctx, st) if ctx.role == "send" else None
     if ctx.role == "send":
@@ -211,11 +217,9 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
         row = [_HS_MAGIC, _RECEIVER, base, 0, 0, 0]
     transport._active = [update_group]
     try:
-        rows = _handshake(update_group, row, deadline)
+        use_delta, reason, announced = handshake(update_group, row, deadline)
     finally:
         transport._active = []
-    use_delta, reason = decide(rows)
-    announced = next(r[2] for r in rows if r[1] == _TRAINER)
     if ctx.role == "send":
         st.shadow_version = None  # unknown until this refit's verdict
     if not use_delta:
@@ -232,7 +236,7 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
     transport._active = [*groups, update_group]
     try:
         if ctx.role == "send":
-            wire, nbytes, failure = _send(ctx, st, streams, int(version), deadline)
+            wire, nbytes, failure = _send(ctx, st, streams, int(version), deadline, sparse=row[5] <= _SPARSE_PPM)
         else:
             ctx.touched = False
             wire, nbytes, failure = _receive(ctx, st, announced, deadline)
@@ -270,21 +274,13 @@ def _report(r: RefitReport, *, notes, wire: int, shadow: int, seconds: float) ->
                        wire_bytes=wire, shadow_bytes=shadow, kv_scales=r.kv_scales)
 
 
-def _handshake(group, row: list[int], deadline: float) -> list[list[int]]:
-    dev = group.device
-    mine = torch.tensor(row, dtype=torch.int64, device=dev)
-    out = [torch.zeros(_HS_LEN, dtype=torch.int64, device=dev) for _ in range(group.world_size)]
-    group.all_gather(out, mine, deadline=deadline)
-    return [o.cpu().tolist() for o in out]
-
-
 def _trainer_streams(ctx: TransportContext, st: _State) -> dict[tuple, _Stream]:
     """The trainer's distinct streams (receivers of one source region share one)."""
     for t in _my_transfers(ctx):
         copies = t.all_copies()
         key = _src_key(copies)
         if key not in st.streams:
-            st.streams[key] = _make_stream(ctx.plan, copies)
+            st.streams[key] = _make_stream(ctx.plan, copies, len(st.streams))
     return st.streams
 
 
@@ -298,15 +294,19 @@ def _trainer_wants(ctx, st: _State, settings: DeltaSettings, streams, version: i
     changed = seen = 0
     for s in streams.values():
         units, _ = _units(s, ctx, "src")
-        c, n = _delta.changed_fraction(units, s.shadow.view(units.dtype))
+        c, n = _delta.changed_fraction(units, s.shadow.view(units.dtype), s.stride)
         changed, seen = changed + c, seen + n
     ppm = int(1e6 * changed / max(seen, 1))
     return (_TOO_MANY if ppm > settings.max_fraction * 1e6 else _WANT_DELTA), ppm
 
 
 def _refresh(ctx: TransportContext, streams: dict[tuple, _Stream]) -> int:
-    """After a full refit: every shadow becomes the bytes just sent. Returns their bytes."""
+    """After a full refit: every shadow becomes the bytes just sent. Returns their bytes.
+
+    The shadow's checksums are left unknown: the next delta computes them (one pass) only
+    if there is one, so a full refit (the fallback) costs one copy of the shard."""
     for s in streams.values():
+        s.sums = None
         units, _ = _units(s, ctx, "src")
         if s.shadow is None or s.shadow.numel() != s.nbytes or s.shadow.device != units.device:
             s.shadow = torch.empty(s.nbytes, dtype=torch.uint8, device=units.device)
@@ -336,18 +336,22 @@ def _post_all(entries: list[tuple[Any, str, torch.Tensor, int, int]], deadline: 
     return failure
 
 
-def _send(ctx: TransportContext, st: _State, streams, version: int, deadline: float):
-    """Encode each distinct stream once, send each transfer its header and payload."""
+def _send(ctx: TransportContext, st: _State, streams, version: int, deadline: float, *, sparse: bool):
+    """Encode each distinct stream once, send each transfer its header and payload.
+
+    The shadow becomes the bytes sent as they are encoded, and the checksums follow it
+    (incrementally when ``sparse``: few changes were estimated)."""
     plan = ctx.plan
     hash63 = plan_hash63(plan)
     encoded: dict[tuple, tuple[_delta.Encoded, torch.Tensor]] = {}
     dev = _device(ctx)
     for key, s in streams.items():
         units, _ = _units(s, ctx, "src")
-        shadow = s.shadow.view(units.dtype)
-        sums = torch.tensor(checksums(units, s), dtype=torch.int64).view(torch.uint8)
-        enc = _delta.encode(units, shadow, update_old=True)  # the shadow is now what is sent
-        payload = torch.cat([sums.to(dev), enc.blob.to(dev)])
+        known, s.sums = s.sums, None  # the shadow changes now: its checksums are known again below
+        enc, s.sums = encode_update(units, s.shadow.view(units.dtype), s.segments, known, sparse=sparse)
+        sums = s.sums
+        sums_t = torch.tensor([_signed(c) for c in sums], dtype=torch.int64).view(torch.uint8)
+        payload = torch.cat([sums_t.to(dev), enc.blob.to(dev)])
         encoded[key] = (enc, payload)
     members = stage_members(plan)
     n_train = len(members[ctx.state["stage"]])
@@ -379,7 +383,7 @@ def _receive(ctx: TransportContext, st: _State, version: int, deadline: float):
     transfers = plan.receives(ctx.rank)
     for t in transfers:  # kept across refits: their staging (non-contiguous destinations) too
         if ("dst", t.stage, t.src) not in st.streams:
-            st.streams[("dst", t.stage, t.src)] = _make_stream(plan, t.all_copies())
+            st.streams[("dst", t.stage, t.src)] = _make_stream(plan, t.all_copies(), len(st.streams))
     streams = [st.streams[("dst", t.stage, t.src)] for t in transfers]
     rows = torch.zeros((max(1, len(transfers)), _HDR_LEN), dtype=torch.int64, device=dev)
     peers = [(groups[t.stage], members[t.stage].index(t.src)) for t in transfers]
