@@ -101,6 +101,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from policyworker.cli.vllm_lora_bench import run_vllm_lora_bench
 
         result = run_vllm_lora_bench(rank=args.lora, preset=args.preset, train=args.vllm_train, refits=args.refits,
+                                     executor=args.vllm_executor,
                                      dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20),
                                      timeout_s=args.timeout, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         write_json(args.json, result, echo=True)

@@ -53,7 +53,7 @@ def _rounds(engine: _Engine, refits: int, log, what: str, after=None) -> list[di
 
 def run_vllm_lora_bench(*, rank: int = 16, preset: str = "small", train: str = "tp=2", refits: int = 4,
                         dtype: str = "float32", bucket_bytes: int = 16 << 20, timeout_s: float = 300.0,
-                        log=print) -> dict[str, Any]:
+                        executor: str = "mp", log=print) -> dict[str, Any]:
     """See the module docstring; returns the JSON-ready result (ConfigError on bad arguments)."""
     from policyworker.integrations.vllm.lora import BACKEND_LORA, lora_request
     from policyworker.testing.vllm_lora_world import LoraWorldSpec, peft_model
@@ -68,7 +68,7 @@ def run_vllm_lora_bench(*, rank: int = 16, preset: str = "small", train: str = "
 
     full_spec = WorldSpec(config=config, dtype=dtype, train=train, timeout_s=timeout_s, refit_timeout_s=timeout_s,
                           reshard_options=options)
-    engine = _Engine(full_spec, tp=1, log=log)
+    engine = _Engine(full_spec, tp=1, log=log, executor=executor)
     try:
         full_bytes = engine.connect(version=0)[0]["total_bytes"]
         full = _rounds(engine, refits, log, "full")
@@ -79,7 +79,7 @@ def run_vllm_lora_bench(*, rank: int = 16, preset: str = "small", train: str = "
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     lora_spec = LoraWorldSpec(config=config, dtype=dtype, train=train, timeout_s=timeout_s,
                               refit_timeout_s=timeout_s, reshard_options=options, r=rank, alpha=2.0 * rank)
-    engine = _Engine(lora_spec, tp=1, log=log, llm_kwargs={
+    engine = _Engine(lora_spec, tp=1, log=log, executor=executor, llm_kwargs={
         "weight_transfer_config": {"backend": BACKEND_LORA}, "enable_lora": True, "max_lora_rank": rank,
         "max_loras": 1})
     try:
@@ -109,7 +109,7 @@ def run_vllm_lora_bench(*, rank: int = 16, preset: str = "small", train: str = "
         f"ratio {ratio:.3f} (goal <= 0.1)")
     return {
         "engine": "vllm", "backend": BACKEND_LORA, "transport": "nccl_reshard", "device": "cpu", "comm": "gloo",
-        "preset": preset, "dtype": dtype, "train": train, "vllm_tp": 1, "lora_rank": rank,
+        "preset": preset, "dtype": dtype, "train": train, "vllm_tp": 1, "vllm_executor": executor, "lora_rank": rank,
         "bucket_bytes": bucket_bytes,
         "adapter_bytes": adapter_bytes, "lora_bytes_per_refit": lora_bytes,
         "bytes_equal_adapter": lora_bytes == adapter_bytes,
