@@ -306,15 +306,29 @@ async def check_transport(
             r_t, s_t = live.transport(live.receiver), live.transport(live.sender)
             live.stepper.arm(cut_before=k, on_cut=r_t.abort)
 
+            sender_done = anyio.Event()
+
+            async def send():
+                try:
+                    return await live.sender.refit(live.name, refit_timeout_s=_SLOW_S)
+                finally:
+                    sender_done.set()
+
             async def receive():
                 try:
                     return await live.receiver.refit(live.name, refit_timeout_s=_SLOW_S)
                 except BaseException:
-                    s_t.abort()  # a sender waiting for this receiver must not wait out its deadline
+                    # A sender waiting for this receiver must not wait out its deadline. The
+                    # cut may come before the sender's attempt began (an abort then has nothing
+                    # to cut), so abort until the sender has returned.
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(_SLOW_S):
+                        while not sender_done.is_set():
+                            s_t.abort()
+                            with anyio.move_on_after(0.05):
+                                await sender_done.wait()
                     raise
 
-            so, ro = await _both(lambda: live.sender.refit(live.name, refit_timeout_s=_SLOW_S), receive,
-                                 _SLOW_S + 30, f"a refit cut before step {k}")
+            so, ro = await _both(send, receive, _SLOW_S + 30, f"a refit cut before step {k}")
             live.stepper.disarm()
             for o, side in ((so, "send"), (ro, "receive")):
                 if o.error is not None and not isinstance(o.error, PolicyWorkerError):
