@@ -151,6 +151,15 @@ def test_two_engines_refit_together_each_rank_only_its_bytes(engines):
         w.version, before = version, want
 
 
+def _committed(w: TwoEngines) -> int:
+    """The version the engines serve; version 1 is refitted first when no earlier test ran."""
+    if w.version == 0:
+        assert all(r["ok"] for r in w.connect(version=0, engines=[0, 1]))
+        assert w.refit(1, [0, 1])[0] == [None, None]
+        w.version = 1
+    return w.version
+
+
 def _die_mid_refit(worker) -> bool:
     """Run by vLLM inside engine B's worker: SIGKILL itself after its 3rd group wait."""
     from policyworker.testing.faults import die_after_waits
@@ -162,11 +171,7 @@ def _die_mid_refit(worker) -> bool:
 @pytest.mark.timeout(300)
 def test_engine_killed_mid_refit_survivor_serves_no_mix_then_commits_alone(engines):
     w = engines
-    if w.version == 0:
-        assert all(r["ok"] for r in w.connect(version=0, engines=[0, 1]))
-        assert w.refit(1, [0, 1])[0] == [None, None]
-        w.version = 1
-    v = w.version
+    v = _committed(w)
     assert w.llms[1].collective_rpc(_die_mid_refit) == [True]
     errors, replies = w.refit(v + 1, [0, 1])
     # The survivor's update_weights raises policyworker's own error type; nothing of
@@ -197,11 +202,7 @@ def test_replacement_engine_catches_up_alone_then_both_refit_together(engines):
     of its own (A is not a member: it receives nothing), then A and the replacement
     refit the next version together."""
     w = engines
-    if w.version == 0:
-        assert all(r["ok"] for r in w.connect(version=0, engines=[0, 1]))
-        assert w.refit(1, [0, 1])[0] == [None, None]
-        w.version = 1
-    v = w.version
+    v = _committed(w)
     served = w.llms[0].get_weight_version()
     _shutdown(w.llms[1])  # B: dead after the previous test, or retired here
     w.llms[1] = _start_llm(w.path, 1)
