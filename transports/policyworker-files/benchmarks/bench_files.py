@@ -222,14 +222,17 @@ def main(argv: list[str] | None = None) -> dict:
                     help="compare full and delta versions at changed fraction F (see the module docstring)")
     ns = ap.parse_args(argv)
     directory = ns.dir or tempfile.mkdtemp(prefix="pw-files-bench-")
-    if ns.delta is not None:
-        result = delta_main(ns, directory, argv)
-        text = json.dumps(result, indent=2)
-        if ns.json:
-            with open(ns.json, "w") as f:
-                f.write(text + "\n")
-        print(text)
-        return result
+    result = delta_main(ns, directory, argv) if ns.delta is not None else _full_main(ns, directory, argv)
+    text = json.dumps(result, indent=2)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return result
+
+
+def _full_main(ns, directory: str, argv) -> dict:
+    """Full versions: writes and reads against their same-run ceilings."""
     args = {"preset": ns.preset, "refits": ns.refits, "checksum": ns.checksum, "fsync": ns.fsync, "dir": directory}
     barrier = mp.get_context("spawn").Barrier(2)
     trainer, rollout = run_world(body, 2, (args, barrier), timeout_s=1800.0)
@@ -250,11 +253,6 @@ def main(argv: list[str] | None = None) -> dict:
     }
     result["write"]["ratio"] = trainer["write_ceiling_s"] / w
     result["read"]["ratio"] = rollout["read_ceiling_s"] / r
-    text = json.dumps(result, indent=2)
-    if ns.json:
-        with open(ns.json, "w") as f:
-            f.write(text + "\n")
-    print(text)
     return result
 
 
