@@ -22,7 +22,8 @@ pytest.importorskip("vllm")
 
 from policyworker.errors import PeerLost  # noqa: E402
 from policyworker.integrations.vllm.errors import engine_error  # noqa: E402
-from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model  # noqa: E402
+from policyworker.testing.vllm_world import (  # noqa: E402
+    TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model, shutdown_llm)
 
 from .vllm_engine import MAX_TOKENS, PROMPTS, TINY_QWEN3  # noqa: E402
 
@@ -89,12 +90,6 @@ def _start_llm(path: str, e: int) -> Any:
                max_model_len=128, max_num_seqs=4, seed=0, weight_transfer_config={"backend": "policyworker"})
 
 
-def _shutdown(llm: Any) -> None:
-    shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
-
-
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     spec = WorldSpec(config=dict(TINY_QWEN3, num_key_value_heads=2), timeout_s=60.0, refit_timeout_s=60.0,
@@ -119,7 +114,7 @@ def engines(tmp_path_factory):
             world.ex.shutdown(wait=False, cancel_futures=True)
             pool.close()
             for llm in world.llms:
-                _shutdown(llm)
+                shutdown_llm(llm)
             del llms, world
             gc.collect()
 
@@ -204,7 +199,7 @@ def test_replacement_engine_catches_up_alone_then_both_refit_together(engines):
     w = engines
     v = _committed(w)
     served = w.llms[0].get_weight_version()
-    _shutdown(w.llms[1])  # B: dead after the previous test, or retired here
+    shutdown_llm(w.llms[1])  # B: dead after the previous test, or retired here
     w.llms[1] = _start_llm(w.path, 1)
     assert _tokens(w.llms[1]) == w.oracle(0)
     sends = w.connect(version=v - 1, engines=[1])

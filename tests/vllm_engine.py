@@ -19,7 +19,7 @@ import pytest
 from .xdist_slot import worker_slot
 
 from policyworker.integrations.vllm.errors import engine_error
-from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
+from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model, shutdown_llm
 
 PROMPTS = [[1, 2, 3, 4], [100, 7, 8, 9, 11]]
 MAX_TOKENS = 8
@@ -133,8 +133,6 @@ def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_opt
             yield world
         finally:
             pool.close()
-            shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            shutdown_llm(llm)
             del llm, world
             gc.collect()

@@ -35,7 +35,8 @@ from typing import Any
 from policyworker.cli.output import ratio_spread
 from policyworker.errors import ConfigError, PlanError
 from policyworker.models.config import ModelConfig, get_preset
-from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
+from policyworker.testing.vllm_world import (TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model,
+                                             shutdown_llm)
 
 __all__ = ["hf_kwargs", "run_vllm_bench", "run_vllm_demo"]
 
@@ -222,9 +223,7 @@ class _Engine:
     def close(self) -> None:
         try:
             self.pool.close()
-            shutdown = getattr(self.llm.llm_engine.engine_core, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+            shutdown_llm(self.llm)
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)  # the model and any checkpoint left
 

@@ -31,7 +31,8 @@ from policyworker.cli.output import ratio_spread
 from policyworker.cli.vllm_bench import PROMPTS, hf_kwargs, minimum_bytes
 from policyworker.errors import ConfigError, PlanError
 from policyworker.models.config import get_preset
-from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
+from policyworker.testing.vllm_world import (TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model,
+                                             shutdown_llm)
 
 __all__ = ["run_vllm_engines_bench"]
 
@@ -122,9 +123,7 @@ class _Engines:
             if self.pool is not None:
                 self.pool.close()
             for llm in self.llms:
-                shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
-                if shutdown is not None:
-                    shutdown()
+                shutdown_llm(llm)
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
 

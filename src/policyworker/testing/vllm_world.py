@@ -87,6 +87,13 @@ def save_hf_model(spec: WorldSpec, seed: int, path: str) -> None:
     hf_model(spec, seed).save_pretrained(path, safe_serialization=True)
 
 
+def shutdown_llm(llm: Any) -> None:
+    """Stop a vLLM ``LLM``'s engine core (its processes) now, not at garbage collection."""
+    shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
 def greedy_tokens(model: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Hugging Face transformers' greedy continuation of each token-id prompt (the oracle)."""
     import torch
