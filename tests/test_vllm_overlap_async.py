@@ -185,6 +185,16 @@ class AsyncWorld:
         return marks
 
 
+def test_the_version_record_needs_the_policyworker_backend():
+    from types import SimpleNamespace
+
+    from policyworker.errors import ConfigError
+    from policyworker.integrations.vllm.versions import weight_versions
+
+    with pytest.raises(ConfigError, match="not the policyworker backend"):
+        weight_versions(SimpleNamespace(weight_transfer_engine=None))
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     spec = WorldSpec(config=CONFIG, timeout_s=60.0, refit_timeout_s=60.0, reshard_options={"bucket_bytes": 64 << 10})
@@ -229,7 +239,7 @@ def _check_all(world: AsyncWorld, old: int, new: int, *, exact_spans: bool) -> d
     (never anything else), and vLLM's spans say so: exactly when ``exact_spans``; else
     they may trail the swap (vLLM labels the version only after the commit's RPC
     returned, and steps may run in between), never lead it."""
-    counts = {"old": 0, "new": 0, "spanning": 0}
+    counts = {"old": 0, "new": 0, "spanning": 0, "label_trails": 0}
     for d in world.done:
         labels = [s[0] for s in d.spans]
         if labels == [str(new)]:
@@ -248,6 +258,7 @@ def _check_all(world: AsyncWorld, old: int, new: int, *, exact_spans: bool) -> d
                 assert labelled in ks, (d, ks)
             else:
                 assert min(ks) <= labelled, (d, ks)
+                counts["label_trails"] += labelled not in ks
     return counts
 
 
