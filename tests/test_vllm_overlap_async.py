@@ -106,11 +106,12 @@ class AsyncWorld:
             prompt = PROMPTS[(index + n) % len(PROMPTS)]
             n += 1
             submitted, final = time.monotonic(), None
-            async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id=f"c{index}-{n}-{submitted}"):
+            request_id = f"c{index}-{n}-{submitted}"
+            async for out in self.engine.generate({"prompt_token_ids": prompt}, params, request_id=request_id):
                 final = out
             c = final.outputs[0]
-            self.done.append(Done(prompt, list(c.token_ids), [(s.version, s.start, s.end) for s in c.weight_versions or []],
-                                  submitted, time.monotonic()))
+            spans = [(s.version, s.start, s.end) for s in c.weight_versions or []]
+            self.done.append(Done(prompt, list(c.token_ids), spans, submitted, time.monotonic()))
 
     @contextlib.asynccontextmanager
     async def load(self):
@@ -122,7 +123,8 @@ class AsyncWorld:
             stop.set()
             await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
-    async def finished_after(self, t: float, n: int = 1, *, submitted: bool = False, timeout_s: float = 120) -> list[Done]:
+    async def finished_after(self, t: float, n: int = 1, *, submitted: bool = False,
+                             timeout_s: float = 120) -> list[Done]:
         """Wait (bounded) until ``n`` requests finished (or were submitted) after ``t``."""
         end = time.monotonic() + timeout_s
         while True:
@@ -162,8 +164,10 @@ class AsyncWorld:
         marks["during"] = await self.finished_after(marks["update_returned"])
         marks["send"] = time.monotonic()
         for rank in range(self.spec.n_train):
-            self.pool.send({"cmd": "refit", "version": version, **({"die_after_waits": die[rank]} if rank in die else {})},
-                           [rank])
+            cmd = {"cmd": "refit", "version": version}
+            if rank in die:
+                cmd["die_after_waits"] = die[rank]
+            self.pool.send(cmd, [rank])
         alive = [r for r in range(self.spec.n_train) if r not in die]
         marks["replies"] = await asyncio.to_thread(self.pool.replies, self.spec.refit_timeout_s, alive)
         for rank in die:
@@ -281,7 +285,8 @@ def test_asyncllm_generates_through_overlapped_refits(world):
     assert out["label"] == "1"
     # Before: version 0's tokens, labelled 0.
     for d in out["before"]:
-        assert d.finished < marks["update_called"] and d.tokens == world.oracle(0, d.prompt) and d.spans == [("0", 0, MAX_TOKENS)]
+        assert d.finished < marks["update_called"]
+        assert d.tokens == world.oracle(0, d.prompt) and d.spans == [("0", 0, MAX_TOKENS)]
     # During: completed after update_weights returned and before the trainers sent a byte.
     for d in marks["during"]:
         assert marks["update_returned"] < d.finished < marks["send"]
