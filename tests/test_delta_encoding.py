@@ -204,7 +204,9 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     res = json.loads(lines[-1])
     assert {k: v for k, v in res.items() if not v["ok"]} == {}
     encodes = [v for k, v in res.items() if k.startswith("encode")]
-    assert len(encodes) == len(ENCODE_CASES) + 3 and len(res) >= len(encodes) + 8
+    assert len(encodes) == len(ENCODE_CASES) + 5 and len(res) >= len(encodes) + 8
+    assert {(v["finish"], v["kind"]) for v in encodes} >= {("device", D.SPARSE), ("device", D.BITMAP),
+                                                           ("torch", D.SPARSE), ("torch", D.BITMAP)}
     assert {tuple(v["forms"]) for v in encodes} == set(FORMS)
     assert {v["kind"] for v in encodes if tuple(v["forms"]) == FORMS[0]} >= {D.SPARSE, D.BITMAP, D.NONE}
     assert any(v["offset"] for v in encodes)  # an unaligned stream: the units scan under the words form
@@ -247,14 +249,17 @@ def test_kernels_compile_for_hopper_with_16_byte_loads_of_whole_tiles(monkeypatc
                                        "bits_ptr": "*u8", "part_ptr": "*i64"},
                 dict(bf16, REFRESH=False, **K._lane_masks(2)))
     assert "ld.global.v2.b64" in words or "ld.global.v4.b32" in words  # whole tiles: 16-byte word loads
-    bits = ptx(K._gather_bits_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "counts_ptr": "*i32",
-                                       "starts_ptr": "*i64", "bits_ptr": "*u8", "val_ptr": "*i16", "off_ptr": "*i16"},
-               dict(T=K.tile_units(2), OFFSETS=True, UPDATE=True))
-    assert "st.global.b16" in bits
-    gather = ptx(K._gather_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "counts_ptr": "*i32", "starts_ptr": "*i64",
-                                    "bits_ptr": "*u8", "val_ptr": "*i16", "off_ptr": "*i16"},
-                 dict(T=K.tile_units(2), OFFSETS=True, UPDATE=True))
-    assert "st.global.b16" in gather
+    gsig = {"cur_ptr": "*i16", "old_ptr": "*i16", "counts_ptr": "*i32", "starts_ptr": "*i64", "bits_ptr": "*u8",
+            "val_ptr": "*i16", "off_ptr": "*i16", "blob_ptr": "*u8", "tiles": "i64", "k": "i64", "at_offs": "i64",
+            "at_vals": "i64", "size": "i64"}
+    # the header and padding: none, the sparse block counts, the bitmap copy (vector stores)
+    for kernel, glue in ((K._gather_kernel, 0), (K._gather_bits_kernel, 1), (K._gather_bits_kernel, 2)):
+        code = ptx(kernel, gsig, dict(T=K.tile_units(2), OFFSETS=glue != 2, UPDATE=True, GLUE=glue, TPB=8, UNIT=2))
+        assert "st.global.b16" in code and (glue != 2 or "st.global.v2.b32" in code or "st.global.v4.b32" in code)
+    plan = ptx(K._plan_kernel, {"counts_ptr": "*i32", "parts_ptr": "*i64", "tiles": "i32", "out_ptr": "*i64"},
+               dict(CHUNK=K.PLAN_CHUNK))
+    assert "ld.global" in plan and "st.global" in plan
+
 
 def test_encode_options_on_the_cpu_paths(monkeypatch):
     # update_old / with_checksum mean the same without the kernels (numpy and torch paths)
@@ -279,8 +284,9 @@ def test_kernel_settings_are_checked():
                 {"refresh": "both"}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
-    for bad in ({"scan": "bytes"}, {"gather": "all"}):
+    for bad in ({"scan": "bytes"}, {"gather": "all"}, {"finish": "host"}, {"plan_chunk": 100}, {"plan_chunk": 8}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
     assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH, K.SCAN, K.GATHER) == (16384, 4, "gather", "units", "bits")
+    assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS) == ("device", 4096, 8)
     assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [16384, 8192, 4096, 2048]  # each divides a 65,536-unit block

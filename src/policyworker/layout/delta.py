@@ -136,13 +136,15 @@ def encode(cur: torch.Tensor, old: torch.Tensor, *, update_old: bool = False,
 
 
 def _encode_fused(ops, cur: torch.Tensor, old: torch.Tensor, update_old: bool, with_checksum: bool) -> Encoded:
-    """The Triton path: one scan of both sides (counts, bitmap, checksum), one gather."""
+    """The Triton path: one scan of both sides (counts, bitmap, checksum shares), the tiles'
+    starts and the totals, one read of the totals to the host, one gather that fills the blob."""
     n, unit = cur.numel(), cur.element_size()
     in_scan = update_old and ops.REFRESH == "scan"  # else the gather refreshes (changed units only)
     ops.mark("start")
     counts, bitmap, parts = ops.scan(cur, old, _BLOCK, refresh=in_scan)
     ops.mark("scan")
-    k, words = torch.stack([counts.sum(dtype=torch.int64), parts.sum()]).tolist()  # one sync
+    starts, head = ops.plan(counts, parts, bitmap.numel() * 8 // ops.tile_units(unit))
+    k, words = head.tolist()  # the encoding's one read back to the host
     ops.mark("sync")
     total = (words + n * unit) & _M64 if with_checksum else None
     if k == 0:
@@ -156,23 +158,10 @@ def _encode_fused(ops, cur: torch.Tensor, old: torch.Tensor, update_old: bool, w
         if update_old and not in_scan:
             old.copy_(cur)
         return Encoded(RAW, k, blob, total)
-    offsets = None
-    if kind == SPARSE:
-        nblocks = -(-n // _BLOCK)
-        torch.sum(counts.view(nblocks, -1), 1, dtype=torch.int32, out=blob.narrow(0, 0, 4 * nblocks).view(torch.int32))
-        at = _pad8(4 * nblocks)
-        offsets = blob.narrow(0, at, 2 * k).view(torch.int16)
-        pads = [(4 * nblocks, at), (at + 2 * k, at + _pad8(2 * k))]
-        at += _pad8(2 * k)
-    else:
-        nbits = -(-n // 8)
-        blob.narrow(0, 0, nbits).copy_(bitmap.narrow(0, 0, nbits))
-        at = _pad8(nbits)
-        pads = [(nbits, at)]
-    _zero_pads(blob, [*pads, (at + k * unit, size)])
-    ops.mark("glue")
-    ops.gather(cur, old, counts, bitmap, blob.narrow(0, at, k * unit).view(cur.dtype), offsets,
-               update_old and not in_scan)
+    at_offs = _pad8(4 * -(-n // _BLOCK)) if kind == SPARSE else 0
+    at_vals = at_offs + _pad8(2 * k) if kind == SPARSE else _pad8(-(-n // 8))
+    ops.gather_into(cur, old, counts, starts, bitmap, blob, kind == SPARSE, k, at_offs, at_vals,
+                    update_old and not in_scan, _BLOCK)
     ops.mark("gather")
     return Encoded(kind, k, blob, total)
 

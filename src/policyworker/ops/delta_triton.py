@@ -49,8 +49,8 @@ import triton.language as tl
 
 from policyworker.errors import ConfigError, ProtocolError
 
-__all__ = ["GATHER", "NUM_WARPS", "PROFILE", "REFRESH", "SCAN", "TILE_BYTES", "checksums", "configure", "gather",
-           "mark", "scan", "tile_units"]
+__all__ = ["FINISH", "GATHER", "NUM_WARPS", "PLAN_CHUNK", "PLAN_WARPS", "PROFILE", "REFRESH", "SCAN", "TILE_BYTES",
+           "checksums", "configure", "gather", "gather_into", "mark", "plan", "scan", "tile_units"]
 
 #: Bytes of one stream a program covers (a power of two, 1 KiB .. 64 KiB), and warps per program.
 TILE_BYTES = 16384
@@ -60,6 +60,13 @@ REFRESH = "gather"
 #: The scan's form ("words" or "units") and the gather's ("bits" or "units").
 SCAN = "units"
 GATHER = "bits"
+#: What happens between the scan and the gather: "device" (one kernel sums the tiles' counts and
+#: checksum shares and lays out their starts; the gather writes the blob's header and padding) or
+#: "torch" (torch reductions, a cumsum and copies: the first form, kept to compare).
+FINISH = "device"
+#: Tile counts per step of the device finish's one-program prefix sum, and its warps.
+PLAN_CHUNK = 4096
+PLAN_WARPS = 8
 #: When a list, :func:`mark` appends (step name, recorded CUDA event) to it.
 PROFILE: list | None = None
 _GROUP = 1 << 16  # units per block of the sparse encoding: a tile never straddles one
@@ -67,9 +74,18 @@ _UNSIGNED = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 
 
 def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, refresh: str | None = None,
-              scan: str | None = None, gather: str | None = None) -> None:
-    """Set the tile size, warps, refreshing pass and the passes' forms (the benchmark's sweep)."""
-    global TILE_BYTES, NUM_WARPS, REFRESH, SCAN, GATHER
+              scan: str | None = None, gather: str | None = None, finish: str | None = None,
+              plan_chunk: int | None = None) -> None:
+    """Set the tile size, warps, refreshing pass, the passes' forms and the finish (the benchmark's sweep)."""
+    global TILE_BYTES, NUM_WARPS, REFRESH, SCAN, GATHER, FINISH, PLAN_CHUNK
+    if finish is not None:
+        if finish not in ("device", "torch"):
+            raise ConfigError(f"delta kernels: finish {finish!r} is not 'device' or 'torch'")
+        FINISH = finish
+    if plan_chunk is not None:
+        if plan_chunk < 16 or plan_chunk > 65536 or plan_chunk & (plan_chunk - 1):
+            raise ConfigError(f"delta kernels: plan_chunk {plan_chunk} is not a power of two in 16 .. 65,536")
+        PLAN_CHUNK = plan_chunk
     if scan is not None:
         if scan not in ("words", "units"):
             raise ConfigError(f"delta kernels: scan {scan!r} is not 'words' or 'units'")
@@ -150,10 +166,46 @@ def _scan_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: tl.cons
     tl.store(part_ptr + t, part.to(tl.int64, bitcast=True))
 
 
+_NO_SPEC = ["tiles", "k", "at_offs", "at_vals", "size"]  # per-encoding values: one compiled kernel for all
+
+
 @triton.jit
-def _gather_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_ptr, off_ptr, T: tl.constexpr,
-                   OFFSETS: tl.constexpr, UPDATE: tl.constexpr):
+def _glue(t, starts_ptr, bits_ptr, blob_ptr, tiles, k, at_offs, at_vals, size, T: tl.constexpr, GLUE: tl.constexpr,
+          TPB: tl.constexpr, UNIT: tl.constexpr):
+    """Gather program ``t``'s share of the blob's header and padding (GLUE 1: sparse, 2: bitmap, 0: none)."""
+    zero64 = t * 0  # every size as int64: a 2 GiB stream's byte offsets pass 2**31
+    if GLUE == 1:
+        if t % TPB == 0:  # a block's first tile writes the block's count
+            end = tl.minimum(t + TPB, zero64 + tiles)
+            c = tl.load(starts_ptr + end) - tl.load(starts_ptr + t)
+            tl.store(blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + t // TPB, c.to(tl.int32))
+    if GLUE == 2:  # the tile's bitmap bytes, up to the values (the scan's bitmap is zero past the stream)
+        q = t * (T // 32) + tl.arange(0, T // 32)
+        w = tl.load(bits_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + q)
+        dst = blob_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+        if (t + 1) * (T // 8) <= at_vals:  # a whole tile: no mask, so the stores are vectorized
+            tl.store(dst + q, w)
+        else:
+            tl.store(dst + q, w, mask=q * 4 < zero64 + at_vals)
+    if GLUE != 0:
+        if t == 0:  # the padding after each section (at most 7 bytes each)
+            j = tl.arange(0, 8).to(tl.int64)
+            nul = tl.zeros([8], dtype=tl.uint8)
+            a = zero64 + at_vals + (zero64 + k) * UNIT
+            tl.store(blob_ptr + a + j, nul, mask=a + j < zero64 + size)
+            if GLUE == 1:
+                a = 4 * ((zero64 + tiles + TPB - 1) // TPB)
+                tl.store(blob_ptr + a + j, nul, mask=a + j < zero64 + at_offs)
+                a = zero64 + at_offs + 2 * (zero64 + k)
+                tl.store(blob_ptr + a + j, nul, mask=a + j < zero64 + at_vals)
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _gather_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_ptr, off_ptr, blob_ptr, tiles, k, at_offs,
+                   at_vals, size, T: tl.constexpr, OFFSETS: tl.constexpr, UPDATE: tl.constexpr, GLUE: tl.constexpr,
+                   TPB: tl.constexpr, UNIT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    _glue(t, starts_ptr, bits_ptr, blob_ptr, tiles, k, at_offs, at_vals, size, T, GLUE, TPB, UNIT)
     if tl.load(counts_ptr + t) > 0:
         start = tl.load(starts_ptr + t)
         packed = tl.load(bits_ptr + t * (T // 8) + tl.arange(0, T // 8)).to(tl.int32)
@@ -168,6 +220,24 @@ def _gather_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_ptr, 
             tl.store(off_ptr + at, (offs & 65535).to(tl.int16), mask=hit)  # low 16 bits: the offset in its block
         if UPDATE:
             tl.store(old_ptr + offs, v, mask=hit)
+
+
+@triton.jit
+def _plan_kernel(counts_ptr, parts_ptr, tiles, out_ptr, CHUNK: tl.constexpr):
+    """One program: each tile's start among the changed units (exclusive prefix sum of the
+    counts) into ``out[:tiles]``, then the total, then the checksum's word sum (wrapping)."""
+    total = tl.program_id(0).to(tl.int64) * 0
+    words = total.to(tl.uint64)
+    for c in range(0, tiles, CHUNK):
+        i = c + tl.arange(0, CHUNK)
+        m = i < tiles
+        x = tl.load(counts_ptr + i, mask=m, other=0).to(tl.int64)
+        tl.store(out_ptr + i, total + tl.cumsum(x, axis=0) - x, mask=m)
+        total += tl.sum(x, axis=0)
+        words += tl.sum(tl.load(parts_ptr + i, mask=m, other=0).to(tl.uint64, bitcast=True), axis=0)
+    tl.store(out_ptr + tiles, total)
+    tl.store(out_ptr + tiles + 1, total)
+    tl.store(out_ptr + tiles + 2, words.to(tl.int64, bitcast=True))
 
 
 @triton.jit
@@ -231,10 +301,12 @@ def _scan_words_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: t
         _scan_words(a, b, t, counts_ptr, bits_ptr, part_ptr, T, PER, UBITS, LOW, HIGH, PACK, ONES)
 
 
-@triton.jit
-def _gather_bits_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_ptr, off_ptr, T: tl.constexpr,
-                        OFFSETS: tl.constexpr, UPDATE: tl.constexpr):
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _gather_bits_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_ptr, off_ptr, blob_ptr, tiles, k,
+                        at_offs, at_vals, size, T: tl.constexpr, OFFSETS: tl.constexpr, UPDATE: tl.constexpr,
+                        GLUE: tl.constexpr, TPB: tl.constexpr, UNIT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
+    _glue(t, starts_ptr, bits_ptr, blob_ptr, tiles, k, at_offs, at_vals, size, T, GLUE, TPB, UNIT)
     if tl.load(counts_ptr + t) > 0:
         q = tl.arange(0, T // 32)
         v = tl.load(bits_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + t * (T // 32) + q)
@@ -335,13 +407,63 @@ def gather(cur: torch.Tensor, old: torch.Tensor, counts: torch.Tensor, bitmap: t
     """Write the changed units of ``cur`` (marked in ``scan``'s ``bitmap``) into ``values``
     in order, their low 16 index bits into ``offsets`` (int16) when given, and into
     ``old`` when ``update_old``."""
+    starts = torch.cumsum(counts, 0, dtype=torch.int64) - counts
+    _gather(cur, old, counts, starts, bitmap, values, offsets, update_old, values, 0, 0, 0, 0, 0, 1)
+
+
+def plan(counts: torch.Tensor, parts: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, head) of ``scan``'s counts and partial sums over its ``tiles`` tiles:
+    ``starts`` (int64, tiles + 1) each tile's first changed unit's place among all, then the
+    total; ``head`` (int64, 2) the changed units and the checksum's word sum (wrapping), the
+    encoding's one read back to the host. One launch of one program (FINISH "device")."""
+    if FINISH == "torch":
+        head = torch.stack([counts.sum(dtype=torch.int64), parts.sum()])
+        mark("prefix")
+        return torch.cumsum(counts.narrow(0, 0, tiles), 0, dtype=torch.int64) - counts.narrow(0, 0, tiles), head
+    out = torch.empty(tiles + 3, dtype=torch.int64, device=counts.device)
+    _plan_kernel[(1,)](counts, parts, tiles, out, CHUNK=PLAN_CHUNK, num_warps=PLAN_WARPS)
+    mark("prefix")
+    return out.narrow(0, 0, tiles + 1), out.narrow(0, tiles + 1, 2)
+
+
+def gather_into(cur: torch.Tensor, old: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor,
+                bitmap: torch.Tensor, blob: torch.Tensor, sparse: bool, k: int, at_offs: int, at_vals: int,
+                update_old: bool, block: int) -> None:
+    """Fill all of ``blob`` (uint8): the ``k`` changed units' values from byte ``at_vals`` on,
+    and either (``sparse``) the count of changed units of each ``block`` units from byte 0 and
+    their offsets in their blocks from byte ``at_offs``, or the bitmap from byte 0; the padding
+    between sections zeroed. ``starts``: :func:`plan`'s. ``old`` refreshed when ``update_old``.
+    One launch (FINISH "device"; "torch": torch operations for the header and padding)."""
+    unit, n, size = cur.element_size(), cur.numel(), blob.numel()
+    values = blob.narrow(0, at_vals, k * unit).view(cur.dtype)
+    offsets = blob.narrow(0, at_offs, 2 * k).view(torch.int16) if sparse else None
+    if FINISH == "torch":
+        if sparse:
+            nblocks = -(-n // block)
+            torch.sum(counts.view(nblocks, -1), 1, dtype=torch.int32,
+                      out=blob.narrow(0, 0, 4 * nblocks).view(torch.int32))
+            pads = [(4 * nblocks, at_offs), (at_offs + 2 * k, at_vals)]
+        else:
+            blob.narrow(0, 0, -(-n // 8)).copy_(bitmap.narrow(0, 0, -(-n // 8)))
+            pads = [(-(-n // 8), at_vals)]
+        for a, b in [*pads, (at_vals + k * unit, size)]:
+            if b > a:
+                blob.narrow(0, a, b - a).zero_()
+        mark("glue")
+        _gather(cur, old, counts, starts, bitmap, values, offsets, update_old, values, 0, 0, 0, 0, 0, 1)
+        return
+    _gather(cur, old, counts, starts, bitmap, values, offsets, update_old, blob, k, at_offs, at_vals, size,
+            1 if sparse else 2, block // tile_units(unit))
+
+
+def _gather(cur, old, counts, starts, bitmap, values, offsets, update_old, blob, k, at_offs, at_vals, size, glue,
+            tpb) -> None:
     t = tile_units(cur.element_size())
     tiles = -(-cur.numel() // t)
-    starts = torch.cumsum(counts, 0, dtype=torch.int64) - counts
-    mark("prefix")
     kernel = _gather_bits_kernel if GATHER == "bits" else _gather_kernel
-    kernel[(tiles,)](cur, old, counts, starts, bitmap, values, values if offsets is None else offsets,
-                     T=t, OFFSETS=offsets is not None, UPDATE=update_old, num_warps=NUM_WARPS)
+    kernel[(tiles,)](cur, old, counts, starts, bitmap, values, values if offsets is None else offsets, blob, tiles, k,
+                     at_offs, at_vals, size, T=t, OFFSETS=offsets is not None, UPDATE=update_old, GLUE=glue,
+                     TPB=tpb, UNIT=cur.element_size(), num_warps=NUM_WARPS)
 
 
 def checksums(units: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
