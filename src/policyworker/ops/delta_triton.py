@@ -43,13 +43,16 @@ bit for bit the CPU path's (tests check it in Triton's interpreter and on the GP
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from policyworker.errors import ConfigError, ProtocolError
 
-__all__ = ["FINISH", "GATHER", "NUM_WARPS", "PLAN_CHUNK", "PLAN_WARPS", "PROFILE", "REFRESH", "SCAN", "TILE_BYTES",
+__all__ = ["FINISH", "GATHER", "LOOKBACK", "NUM_WARPS", "PLAN_CHUNK", "PLAN_WARPS", "PROFILE", "REFRESH", "SCAN",
+           "Scanned", "TILE_BYTES",
            "checksums", "configure", "gather", "gather_into", "mark", "plan", "scan", "tile_units"]
 
 #: Bytes of one stream a program covers (a power of two, 1 KiB .. 64 KiB), and warps per program.
@@ -67,6 +70,8 @@ FINISH = "device"
 #: Tile counts per step of the device finish's one-program prefix sum, and its warps.
 PLAN_CHUNK = 4096
 PLAN_WARPS = 8
+#: Status words the fused kernel's look-back reads at once.
+LOOKBACK = 32
 #: When a list, :func:`mark` appends (step name, recorded CUDA event) to it.
 PROFILE: list | None = None
 _GROUP = 1 << 16  # units per block of the sparse encoding: a tile never straddles one
@@ -79,8 +84,8 @@ def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, re
     """Set the tile size, warps, refreshing pass, the passes' forms and the finish (the benchmark's sweep)."""
     global TILE_BYTES, NUM_WARPS, REFRESH, SCAN, GATHER, FINISH, PLAN_CHUNK
     if finish is not None:
-        if finish not in ("device", "torch"):
-            raise ConfigError(f"delta kernels: finish {finish!r} is not 'device' or 'torch'")
+        if finish not in ("device", "torch", "fused"):
+            raise ConfigError(f"delta kernels: finish {finish!r} is not 'device', 'torch' or 'fused'")
         FINISH = finish
     if plan_chunk is not None:
         if plan_chunk < 16 or plan_chunk > 65536 or plan_chunk & (plan_chunk - 1):
@@ -172,7 +177,8 @@ _NO_SPEC = ["tiles", "k", "at_offs", "at_vals", "size"]  # per-encoding values: 
 @triton.jit
 def _glue(t, starts_ptr, bits_ptr, blob_ptr, tiles, k, at_offs, at_vals, size, T: tl.constexpr, GLUE: tl.constexpr,
           TPB: tl.constexpr, UNIT: tl.constexpr):
-    """Gather program ``t``'s share of the blob's header and padding (GLUE 1: sparse, 2: bitmap, 0: none)."""
+    """Gather program ``t``'s share of the blob's header and padding (GLUE 1: sparse, 2: bitmap, 0: none;
+    3: a sparse blob's padding only)."""
     zero64 = t * 0  # every size as int64: a 2 GiB stream's byte offsets pass 2**31
     if GLUE == 1:
         if t % TPB == 0:  # a block's first tile writes the block's count
@@ -193,7 +199,7 @@ def _glue(t, starts_ptr, bits_ptr, blob_ptr, tiles, k, at_offs, at_vals, size, T
             nul = tl.zeros([8], dtype=tl.uint8)
             a = zero64 + at_vals + (zero64 + k) * UNIT
             tl.store(blob_ptr + a + j, nul, mask=a + j < zero64 + size)
-            if GLUE == 1:
+            if GLUE % 2 == 1:
                 a = 4 * ((zero64 + tiles + TPB - 1) // TPB)
                 tl.store(blob_ptr + a + j, nul, mask=a + j < zero64 + at_offs)
                 a = zero64 + at_offs + 2 * (zero64 + k)
@@ -334,6 +340,94 @@ def _gather_bits_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_
 
 
 @triton.jit
+def _lookback(status_ptr, t, count, W: tl.constexpr):
+    """Tile ``t``'s start among the changed units (decoupled look-back): publish its count,
+    add the counts of the tiles before it, W at a time, back to the nearest whose inclusive
+    prefix is published, then publish its own. A status word is ``value << 2 | flag``
+    (flag 1: the tile's count, 2: the inclusive prefix through the tile, 0: not yet)."""
+    tl.atomic_xchg(status_ptr + t, (count.to(tl.int64) << 2) | 1)
+    prefix = t * 0
+    j = t
+    done = (t == 0).to(tl.int32)
+    w = tl.arange(0, W)
+    while done == 0:
+        idx = j - W + w
+        st = tl.load(status_ptr + idx, mask=idx >= 0, other=2, volatile=True)  # before tile 0: a prefix of 0
+        flag = st & 3
+        ready = tl.min(flag, axis=0) > 0
+        last = tl.max(tl.where(flag == 2, w, -1), axis=0)
+        prefix = tl.where(ready, prefix + tl.sum(tl.where(w >= last, st >> 2, 0), axis=0), prefix)
+        done = (ready & (last >= 0)).to(tl.int32)
+        j = tl.where(ready, j - W, j)
+    tl.atomic_xchg(status_ptr + t, ((prefix + count) << 2) | 2)
+    return prefix
+
+
+@triton.jit(do_not_specialize=["cap"])
+def _fused_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, state_ptr, off_ptr, val_ptr, cap,
+                  T: tl.constexpr, PER: tl.constexpr, UBITS: tl.constexpr, UDT: tl.constexpr, REFRESH: tl.constexpr,
+                  UPDATE: tl.constexpr, W: tl.constexpr):
+    # The scan (count, bitmap, checksum share), then the tile's changed units and their offsets
+    # straight to their places in the scratch (first ``cap`` only), read again from the cache.
+    t = tl.atomic_add(state_ptr, 1).to(tl.int64)  # tiles in start order: every earlier tile is running or done
+    offs = t * T + tl.arange(0, T)
+    if t * T + T <= n:
+        a = tl.load(cur_ptr + offs)
+        b = tl.load(old_ptr + offs)
+        if REFRESH:
+            tl.store(old_ptr + offs, a)
+    else:
+        a = tl.load(cur_ptr + offs, mask=offs < n, other=0)
+        b = tl.load(old_ptr + offs, mask=offs < n, other=0)
+        if REFRESH:
+            tl.store(old_ptr + offs, a, mask=offs < n)
+    changed = (a != b).to(tl.int32)
+    count = tl.sum(changed, axis=0)
+    tl.store(counts_ptr + t, count)
+    weights = 7 - tl.arange(0, 8)
+    packed = tl.sum(tl.reshape(changed, (T // 8, 8)) << weights[None, :], axis=1)
+    tl.store(bits_ptr + t * (T // 8) + tl.arange(0, T // 8), packed.to(tl.uint8))
+    tl.store(part_ptr + t, _tile_sum(a, t * (T // PER // 128), T, PER, UBITS, UDT).to(tl.int64, bitcast=True))
+    start = _lookback(state_ptr + 1, t, count, W)
+    if count > 0:
+        lane = tl.arange(0, 32).to(tl.uint32)
+        v = tl.sum(tl.reshape(changed, (T // 32, 32)).to(tl.uint32) << lane[None, :], axis=1)  # unit i at bit i
+        cnt = v - ((v >> 1) & 0x55555555)  # popcount
+        cnt = (cnt & 0x33333333) + ((cnt >> 2) & 0x33333333)
+        cnt = ((((cnt + (cnt >> 4)) & 0x0F0F0F0F) * 0x01010101) >> 24).to(tl.int32)
+        at = start + (tl.cumsum(cnt, axis=0) - cnt).to(tl.int64)
+        first = t * T + tl.arange(0, T // 32) * 32
+        for _ in range(0, tl.max(cnt, axis=0)):  # one changed unit per word per round, lowest first
+            hit = v != 0
+            low = v & (0 - v)
+            u = first + ((low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127)
+            x = tl.load(cur_ptr + u, mask=hit)
+            keep = hit & (at < cap)
+            tl.store(val_ptr + at, x, mask=keep)
+            tl.store(off_ptr + at, (u & 65535).to(tl.int16), mask=keep)
+            if UPDATE:
+                tl.store(old_ptr + u, x, mask=hit)
+            at += 1
+            v = v & (v - 1)
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _assemble_kernel(off_ptr, val_ptr, counts_ptr, odst_ptr, vdst_ptr, blob_ptr, tiles, k, at_offs, at_vals, size,
+                     CH: tl.constexpr, BPP: tl.constexpr, TPB: tl.constexpr, UNIT: tl.constexpr):
+    # A sparse blob from the fused kernel's scratch: CH offsets and values, BPP blocks' counts a program.
+    p = tl.program_id(0).to(tl.int64)
+    i = p * CH + tl.arange(0, CH)
+    m = i < k
+    tl.store(odst_ptr + i, tl.load(off_ptr + i, mask=m), mask=m)
+    tl.store(vdst_ptr + i, tl.load(val_ptr + i, mask=m), mask=m)
+    blk = p * BPP + tl.arange(0, BPP)
+    live = blk < (p * 0 + tiles + TPB - 1) // TPB
+    c = tl.load(counts_ptr + blk[:, None] * TPB + tl.arange(0, TPB)[None, :], mask=live[:, None], other=0)
+    tl.store(blob_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + blk, tl.sum(c, axis=1), mask=live)
+    _glue(p, counts_ptr, counts_ptr, blob_ptr, tiles, k, at_offs, at_vals, size, 32, 3, TPB, UNIT)
+
+
+@triton.jit
 def _sum_kernel(x_ptr, seg_ptr, nseg, part_ptr, T: tl.constexpr, PER: tl.constexpr, UBITS: tl.constexpr,
                 UDT: tl.constexpr, LOG: tl.constexpr, ALIGN: tl.constexpr):
     p = tl.program_id(0).to(tl.int64)
@@ -362,14 +456,23 @@ def _consts(units: torch.Tensor) -> dict:
     return dict(PER=8 // unit, UBITS=8 * unit, UDT=_UNSIGNED[unit])
 
 
-def scan(cur: torch.Tensor, old: torch.Tensor, group: int,
-         refresh: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(counts, bitmap, partial sums) of two contiguous 1-D unit tensors of one length;
-    with ``refresh``, ``old`` is overwritten with ``cur`` tile by tile as it is read.
+class Scanned(NamedTuple):
+    """What :func:`scan` leaves for the rest of an encoding."""
 
-    ``counts`` (int32, one per tile, zero-padded to whole ``group``s of units),
-    ``bitmap`` (uint8, 1 bit per unit, packbits order, zero past the end; whole tiles),
-    ``partial sums`` (int64, one per tile, their wrapping sum is the checksum's word sum).
+    counts: torch.Tensor  # int32, one per tile, zero-padded to whole groups of units
+    bitmap: torch.Tensor  # uint8, 1 bit per unit, packbits order, zero past the end; whole tiles
+    parts: torch.Tensor  # int64, one per tile: their wrapping sum is the checksum's word sum
+    offsets: torch.Tensor | None  # the fused scan's: the first ``cap`` changed units' offsets in their groups
+    values: torch.Tensor | None  # ... and their values
+    updated: bool  # the fused scan refreshed ``old``'s changed units
+
+
+def scan(cur: torch.Tensor, old: torch.Tensor, group: int, refresh: bool = False, update: bool = False,
+         cap: int = 0) -> Scanned:
+    """Counts, bitmap and partial sums of two contiguous 1-D unit tensors of one length; with
+    ``refresh``, ``old`` is overwritten with ``cur`` tile by tile as it is read. FINISH "fused":
+    the same kernel also writes the first ``cap`` changed units' offsets and values (a sparse
+    blob's, in order) to scratch tensors and, with ``update``, ``cur``'s changed units into ``old``.
     """
     n, t = cur.numel(), tile_units(cur.element_size())
     tiles = -(-n // t)
@@ -380,15 +483,22 @@ def scan(cur: torch.Tensor, old: torch.Tensor, group: int,
     bitmap = torch.empty(tiles * t // 8, dtype=torch.uint8, device=cur.device)
     parts = torch.empty(tiles, dtype=torch.int64, device=cur.device)
     if not tiles:
-        return counts, bitmap, parts
+        return Scanned(counts, bitmap, parts, None, None, False)
     consts = _consts(cur)
+    if FINISH == "fused":
+        state = torch.zeros(tiles + 1, dtype=torch.int64, device=cur.device)  # the ticket, then each tile's status
+        offsets = torch.empty(max(cap, 1), dtype=torch.int16, device=cur.device)
+        values = torch.empty(max(cap, 1), dtype=cur.dtype, device=cur.device)
+        _fused_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, state, offsets, values, cap, T=t, REFRESH=refresh,
+                                UPDATE=update, W=LOOKBACK, num_warps=NUM_WARPS, **consts)
+        return Scanned(counts, bitmap, parts, offsets, values, update)
     if SCAN == "words" and cur.data_ptr() % 8 == 0 and old.data_ptr() % 8 == 0:
         _scan_words_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, T=t, REFRESH=refresh, num_warps=NUM_WARPS,
                                      **consts, **_lane_masks(cur.element_size()))
     else:
         _scan_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, T=t, REFRESH=refresh, num_warps=NUM_WARPS,
                                **consts)
-    return counts, bitmap, parts
+    return Scanned(counts, bitmap, parts, None, None, False)
 
 
 def _lane_masks(unit: int) -> dict:
@@ -411,11 +521,12 @@ def gather(cur: torch.Tensor, old: torch.Tensor, counts: torch.Tensor, bitmap: t
     _gather(cur, old, counts, starts, bitmap, values, offsets, update_old, values, 0, 0, 0, 0, 0, 1)
 
 
-def plan(counts: torch.Tensor, parts: torch.Tensor, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def plan(scanned: Scanned, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(starts, head) of ``scan``'s counts and partial sums over its ``tiles`` tiles:
     ``starts`` (int64, tiles + 1) each tile's first changed unit's place among all, then the
     total; ``head`` (int64, 2) the changed units and the checksum's word sum (wrapping), the
     encoding's one read back to the host. One launch of one program (FINISH "device")."""
+    counts, parts = scanned.counts, scanned.parts
     if FINISH == "torch":
         head = torch.stack([counts.sum(dtype=torch.int64), parts.sum()])
         mark("prefix")
@@ -426,17 +537,27 @@ def plan(counts: torch.Tensor, parts: torch.Tensor, tiles: int) -> tuple[torch.T
     return out.narrow(0, 0, tiles + 1), out.narrow(0, tiles + 1, 2)
 
 
-def gather_into(cur: torch.Tensor, old: torch.Tensor, counts: torch.Tensor, starts: torch.Tensor,
-                bitmap: torch.Tensor, blob: torch.Tensor, sparse: bool, k: int, at_offs: int, at_vals: int,
-                update_old: bool, block: int) -> None:
+def gather_into(cur: torch.Tensor, old: torch.Tensor, scanned: Scanned, starts: torch.Tensor, blob: torch.Tensor,
+                sparse: bool, k: int, at_offs: int, at_vals: int, update_old: bool, block: int) -> None:
     """Fill all of ``blob`` (uint8): the ``k`` changed units' values from byte ``at_vals`` on,
     and either (``sparse``) the count of changed units of each ``block`` units from byte 0 and
     their offsets in their blocks from byte ``at_offs``, or the bitmap from byte 0; the padding
     between sections zeroed. ``starts``: :func:`plan`'s. ``old`` refreshed when ``update_old``.
-    One launch (FINISH "device"; "torch": torch operations for the header and padding)."""
+    One launch: the gather, or for a sparse blob whose units the fused scan kept, a copy of
+    those (FINISH "torch": torch operations for the header and padding, then the gather)."""
     unit, n, size = cur.element_size(), cur.numel(), blob.numel()
+    counts, bitmap = scanned.counts, scanned.bitmap
     values = blob.narrow(0, at_vals, k * unit).view(cur.dtype)
     offsets = blob.narrow(0, at_offs, 2 * k).view(torch.int16) if sparse else None
+    update_old = update_old and not scanned.updated
+    tpb = block // tile_units(unit)
+    if sparse and scanned.values is not None and k <= scanned.values.numel():
+        tiles = bitmap.numel() * 8 // tile_units(unit)
+        grid = max(-(-k // _ASSEMBLE_CH), -(-counts.numel() // tpb // _ASSEMBLE_BPP), 1)
+        _assemble_kernel[(grid,)](scanned.offsets, scanned.values, counts, offsets, values, blob, tiles, k, at_offs,
+                                  at_vals, size, CH=_ASSEMBLE_CH, BPP=_ASSEMBLE_BPP, TPB=tpb, UNIT=unit,
+                                  num_warps=NUM_WARPS)
+        return
     if FINISH == "torch":
         if sparse:
             nblocks = -(-n // block)
@@ -453,7 +574,10 @@ def gather_into(cur: torch.Tensor, old: torch.Tensor, counts: torch.Tensor, star
         _gather(cur, old, counts, starts, bitmap, values, offsets, update_old, values, 0, 0, 0, 0, 0, 1)
         return
     _gather(cur, old, counts, starts, bitmap, values, offsets, update_old, blob, k, at_offs, at_vals, size,
-            1 if sparse else 2, block // tile_units(unit))
+            1 if sparse else 2, tpb)
+
+
+_ASSEMBLE_CH, _ASSEMBLE_BPP = 4096, 64  # a copy program's units and blocks
 
 
 def _gather(cur, old, counts, starts, bitmap, values, offsets, update_old, blob, k, at_offs, at_vals, size, glue,

@@ -10,9 +10,10 @@ process) or ``--device cuda`` prints one JSON object, per case whether:
   path's; the old tensor, refreshed on the way (by the gather or by the scan, case by
   case; the scan's and the gather's forms in turn, and the units scan where a stream is
   not 8-byte aligned), equals the new one; ``apply`` of the blob onto the old units gives
-  the new ones. The finish between scan and gather is the device's (one program for the
-  tiles' starts and totals, the blob's header and padding written by the gather) or, in
-  every third case, torch's; every tensor the encoding allocates starts as 0xA5 bytes, so a
+  the new ones. The finish is, case by case, the device's (one program for the tiles'
+  starts and totals, the blob's header and padding written by the gather), the fused
+  scan's (changed units placed by a look-back in the scan, a sparse blob copied from its
+  scratch) or torch's; every tensor the encoding allocates starts as 0xA5 bytes, so a
   byte left unwritten shows;
 * checksums: the kernel's checksum of each byte segment equals the torch path's.
 
@@ -141,13 +142,13 @@ def run(device: torch.device, scale: int = 1) -> dict:
         new, old = _case(n * scale, unit, fraction, seed=n + unit, where=where)
         out[f"encode unit={unit} n={n * scale} changed={fraction} {where}"] = check_encode(
             ops, new, old, device, ("gather", "scan")[i % 2], FORMS[(i // 2) % len(FORMS)],
-            finish=("device", "torch")[i % 3 == 2])
+            finish=("device", "fused", "torch")[i % 3])
     new, old = _case(70_001 * scale, 2, 0.01, seed=11, where="random")  # not 8-byte aligned: the units scan
     out["encode unit=2 at a 2-byte offset"] = check_encode(ops, new, old, device, "scan", FORMS[0], offset=1)
-    for fraction, forms in ((0.003, FORMS[0]), (0.1, FORMS[1])):  # 1 KiB tiles: the prefix over many steps
-        new, old = _case(17_003 * scale, 2, fraction, seed=12, where="random")
-        out[f"encode unit=2 changed={fraction} 1 KiB tiles, 16 a plan step"] = check_encode(
-            ops, new, old, device, "gather", forms, settings=dict(tile_bytes=1024, plan_chunk=16))
+    for fraction, forms, finish in ((0.003, FORMS[0], "device"), (0.1, FORMS[1], "device"), (0.01, FORMS[0], "fused")):
+        new, old = _case(17_003 * scale, 2, fraction, seed=12, where="random")  # 1 KiB tiles: many prefix steps
+        out[f"encode unit=2 changed={fraction} 1 KiB tiles, 16 a plan step, {finish}"] = check_encode(
+            ops, new, old, device, "gather", forms, finish=finish, settings=dict(tile_bytes=1024, plan_chunk=16))
     for i, dtype in enumerate((torch.bfloat16, torch.float32)):
         out[f"encode {dtype} signed zeros and NaN payloads"] = check_encode(ops, *_specials(dtype), device,
                                                                             ("gather", "scan")[i])
