@@ -58,7 +58,11 @@ _SWEEP = [(16384, 4, "gather", "units", "bits", "device", 4096), (16384, 4, "gat
           (16384, 2, "gather", "units", "bits", "device", 4096), (32768, 8, "gather", "units", "bits", "device", 4096),
           (16384, 4, "gather", "units", "bits", "device", 1024), (16384, 4, "gather", "units", "bits", "device", 16384),
           (8192, 4, "gather", "units", "bits", "torch", 4096), (8192, 4, "gather", "words", "bits", "torch", 4096),
-          (8192, 4, "gather", "words", "units", "device", 4096), (8192, 4, "gather", "units", "units", "device", 4096)]
+          (8192, 4, "gather", "words", "units", "device", 4096), (8192, 4, "gather", "units", "units", "device", 4096),
+          (16384, 4, "gather", "units", "bits", "fused", 4096), (8192, 4, "gather", "units", "bits", "fused", 4096),
+          (4096, 4, "gather", "units", "bits", "fused", 4096), (4096, 2, "gather", "units", "bits", "fused", 4096),
+          (2048, 2, "gather", "units", "bits", "fused", 4096), (8192, 8, "gather", "units", "bits", "fused", 4096),
+          (16384, 8, "gather", "units", "bits", "fused", 4096), (8192, 4, "scan", "units", "bits", "fused", 4096)]
 
 
 def _sync() -> None:
@@ -145,6 +149,9 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true",
                     help="also time a few tile sizes / warp counts / kernel forms (at --sweep-fractions)")
     ap.add_argument("--sweep-fractions", default="0.03")
+    ap.add_argument("--sweep-finishes", default="device,torch,fused",
+                    help="the sweep's rows of these finishes only (the fused scan in a process of its own: a kernel "
+                         "that hangs there cannot take the other rows with it)")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a dry run in Triton's interpreter)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
@@ -255,7 +262,7 @@ def main() -> int:
     sweep = []
     if args.sweep:  # every variant is checked before it is timed
         for frac in (float(f) for f in args.sweep_fractions.split(",")):
-            sweep += _sweep(ops, old, n, gen, args.reps, frac)
+            sweep += _sweep(ops, old, n, gen, args.reps, frac, set(args.sweep_finishes.split(",")))
     goal = [r for r in rows if abs(r["changed_fraction"] - 0.03) < 1e-9]
     if goal:
         ratio, worst = goal[0]["encode_kernels_over_copy"], max(goal[0]["encode_kernels_over_copy_per_rep"])
@@ -287,7 +294,8 @@ def main() -> int:
     return 0 if all(r["exact"] for r in rows) else 1
 
 
-def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, fraction: float) -> list[dict]:
+def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, fraction: float,
+           finishes: set[str]) -> list[dict]:
     """The kernels at ``fraction`` changed under other tile sizes / warps / refreshing passes /
     forms (each checked against the torch path, then timed, step by step too)."""
     cur = old.clone()
@@ -303,7 +311,7 @@ def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, frac
     default = dict(tile_bytes=ops.TILE_BYTES, num_warps=ops.NUM_WARPS, refresh=ops.REFRESH, scan=ops.SCAN,
                    gather=ops.GATHER, finish=ops.FINISH, plan_chunk=ops.PLAN_CHUNK)
     try:
-        for tile, warps, refresh, scan, gather, finish, chunk in _SWEEP:
+        for tile, warps, refresh, scan, gather, finish, chunk in (r for r in _SWEEP if r[5] in finishes):
             setting = {"changed_fraction": fraction, "tile_bytes": tile, "num_warps": warps, "refresh": refresh,
                        "scan": scan, "gather": gather, "finish": finish, "plan_chunk": chunk}
             ops.configure(tile_bytes=tile, num_warps=warps, refresh=refresh, scan=scan, gather=gather, finish=finish,

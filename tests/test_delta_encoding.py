@@ -266,8 +266,8 @@ def test_kernels_compile_for_hopper_with_16_byte_loads_of_whole_tiles(monkeypatc
                                         "at_offs": "i64", "at_vals": "i64", "size": "i64"},
                    dict(CH=4096, BPP=64, TPB=8, UNIT=2))
     assert "st.global" in assemble
-    plan = ptx(K._plan_kernel, {"counts_ptr": "*i32", "parts_ptr": "*i64", "tiles": "i32", "out_ptr": "*i64"},
-               dict(CHUNK=K.PLAN_CHUNK))
+    plan = ptx(K._plan_kernel, {"counts_ptr": "*i32", "parts_ptr": "*i64", "tiles": "i32", "out_ptr": "*i64",
+                                "err_ptr": "*i64"}, dict(CHUNK=K.PLAN_CHUNK, ERR=True))
     assert "ld.global" in plan and "st.global" in plan
 
 

@@ -147,6 +147,8 @@ def _encode_fused(ops, cur: torch.Tensor, old: torch.Tensor, update_old: bool, w
     starts, head = ops.plan(scanned, scanned.bitmap.numel() * 8 // ops.tile_units(unit))
     k, words = head.tolist()  # the encoding's one read back to the host
     ops.mark("sync")
+    if k < 0:
+        raise ProtocolError("delta kernels: the fused scan's look-back gave up waiting (a kernel fault)")
     total = (words + n * unit) & _M64 if with_checksum else None
     if k == 0:
         return Encoded(NONE, 0, torch.empty(0, dtype=torch.uint8, device=cur.device), total)

@@ -75,6 +75,7 @@ LOOKBACK = 32
 #: When a list, :func:`mark` appends (step name, recorded CUDA event) to it.
 PROFILE: list | None = None
 _GROUP = 1 << 16  # units per block of the sparse encoding: a tile never straddles one
+_SPINS = tl.constexpr(1 << 22)  # status reads a look-back may wait (seconds; never expected to be reached)
 _UNSIGNED = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 
 
@@ -229,9 +230,10 @@ def _gather_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_ptr, 
 
 
 @triton.jit
-def _plan_kernel(counts_ptr, parts_ptr, tiles, out_ptr, CHUNK: tl.constexpr):
+def _plan_kernel(counts_ptr, parts_ptr, tiles, out_ptr, err_ptr, CHUNK: tl.constexpr, ERR: tl.constexpr):
     """One program: each tile's start among the changed units (exclusive prefix sum of the
-    counts) into ``out[:tiles]``, then the total, then the checksum's word sum (wrapping)."""
+    counts) into ``out[:tiles]``, then the total (-1 when ``ERR`` and ``*err_ptr``: the fused
+    scan's look-back gave up), then the checksum's word sum (wrapping)."""
     total = tl.program_id(0).to(tl.int64) * 0
     words = total.to(tl.uint64)
     for c in range(0, tiles, CHUNK):
@@ -242,6 +244,8 @@ def _plan_kernel(counts_ptr, parts_ptr, tiles, out_ptr, CHUNK: tl.constexpr):
         total += tl.sum(x, axis=0)
         words += tl.sum(tl.load(parts_ptr + i, mask=m, other=0).to(tl.uint64, bitcast=True), axis=0)
     tl.store(out_ptr + tiles, total)
+    if ERR:
+        total = tl.where(tl.load(err_ptr) != 0, -1, total)
     tl.store(out_ptr + tiles + 1, total)
     tl.store(out_ptr + tiles + 2, words.to(tl.int64, bitcast=True))
 
@@ -340,15 +344,17 @@ def _gather_bits_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_
 
 
 @triton.jit
-def _lookback(status_ptr, t, count, W: tl.constexpr):
+def _lookback(status_ptr, err_ptr, t, count, W: tl.constexpr):
     """Tile ``t``'s start among the changed units (decoupled look-back): publish its count,
     add the counts of the tiles before it, W at a time, back to the nearest whose inclusive
     prefix is published, then publish its own. A status word is ``value << 2 | flag``
-    (flag 1: the tile's count, 2: the inclusive prefix through the tile, 0: not yet)."""
+    (flag 1: the tile's count, 2: the inclusive prefix through the tile, 0: not yet). A wait
+    past ``_SPINS`` reads (never expected: every earlier tile is running) sets ``*err_ptr``."""
     tl.atomic_xchg(status_ptr + t, (count.to(tl.int64) << 2) | 1)
     prefix = t * 0
     j = t
     done = (t == 0).to(tl.int32)
+    spins = t * 0
     w = tl.arange(0, W)
     while done == 0:
         idx = j - W + w
@@ -357,8 +363,11 @@ def _lookback(status_ptr, t, count, W: tl.constexpr):
         ready = tl.min(flag, axis=0) > 0
         last = tl.max(tl.where(flag == 2, w, -1), axis=0)
         prefix = tl.where(ready, prefix + tl.sum(tl.where(w >= last, st >> 2, 0), axis=0), prefix)
-        done = (ready & (last >= 0)).to(tl.int32)
         j = tl.where(ready, j - W, j)
+        spins += 1
+        done = ((ready & (last >= 0)) | (spins > _SPINS)).to(tl.int32)
+    if spins > _SPINS:
+        tl.atomic_or(err_ptr, 1)
     tl.atomic_xchg(status_ptr + t, ((prefix + count) << 2) | 2)
     return prefix
 
@@ -388,7 +397,7 @@ def _fused_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, state_ptr
     packed = tl.sum(tl.reshape(changed, (T // 8, 8)) << weights[None, :], axis=1)
     tl.store(bits_ptr + t * (T // 8) + tl.arange(0, T // 8), packed.to(tl.uint8))
     tl.store(part_ptr + t, _tile_sum(a, t * (T // PER // 128), T, PER, UBITS, UDT).to(tl.int64, bitcast=True))
-    start = _lookback(state_ptr + 1, t, count, W)
+    start = _lookback(state_ptr + 1, state_ptr + 1 + (n + T - 1) // T, t, count, W)
     if count > 0:
         lane = tl.arange(0, 32).to(tl.uint32)
         v = tl.sum(tl.reshape(changed, (T // 32, 32)).to(tl.uint32) << lane[None, :], axis=1)  # unit i at bit i
@@ -465,6 +474,7 @@ class Scanned(NamedTuple):
     offsets: torch.Tensor | None  # the fused scan's: the first ``cap`` changed units' offsets in their groups
     values: torch.Tensor | None  # ... and their values
     updated: bool  # the fused scan refreshed ``old``'s changed units
+    state: torch.Tensor | None = None  # the fused scan's ticket, tile statuses and error word
 
 
 def scan(cur: torch.Tensor, old: torch.Tensor, group: int, refresh: bool = False, update: bool = False,
@@ -486,12 +496,12 @@ def scan(cur: torch.Tensor, old: torch.Tensor, group: int, refresh: bool = False
         return Scanned(counts, bitmap, parts, None, None, False)
     consts = _consts(cur)
     if FINISH == "fused":
-        state = torch.zeros(tiles + 1, dtype=torch.int64, device=cur.device)  # the ticket, then each tile's status
+        state = torch.zeros(tiles + 2, dtype=torch.int64, device=cur.device)  # ticket, each tile's status, error
         offsets = torch.empty(max(cap, 1), dtype=torch.int16, device=cur.device)
         values = torch.empty(max(cap, 1), dtype=cur.dtype, device=cur.device)
         _fused_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, state, offsets, values, cap, T=t, REFRESH=refresh,
                                 UPDATE=update, W=LOOKBACK, num_warps=NUM_WARPS, **consts)
-        return Scanned(counts, bitmap, parts, offsets, values, update)
+        return Scanned(counts, bitmap, parts, offsets, values, update, state)
     if SCAN == "words" and cur.data_ptr() % 8 == 0 and old.data_ptr() % 8 == 0:
         _scan_words_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, T=t, REFRESH=refresh, num_warps=NUM_WARPS,
                                      **consts, **_lane_masks(cur.element_size()))
@@ -524,15 +534,17 @@ def gather(cur: torch.Tensor, old: torch.Tensor, counts: torch.Tensor, bitmap: t
 def plan(scanned: Scanned, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(starts, head) of ``scan``'s counts and partial sums over its ``tiles`` tiles:
     ``starts`` (int64, tiles + 1) each tile's first changed unit's place among all, then the
-    total; ``head`` (int64, 2) the changed units and the checksum's word sum (wrapping), the
-    encoding's one read back to the host. One launch of one program (FINISH "device")."""
+    total; ``head`` (int64, 2) the changed units (-1: the fused scan failed, see ``_lookback``)
+    and the checksum's word sum (wrapping), the encoding's one read back to the host. One launch of one program (FINISH "device")."""
     counts, parts = scanned.counts, scanned.parts
     if FINISH == "torch":
         head = torch.stack([counts.sum(dtype=torch.int64), parts.sum()])
         mark("prefix")
         return torch.cumsum(counts.narrow(0, 0, tiles), 0, dtype=torch.int64) - counts.narrow(0, 0, tiles), head
     out = torch.empty(tiles + 3, dtype=torch.int64, device=counts.device)
-    _plan_kernel[(1,)](counts, parts, tiles, out, CHUNK=PLAN_CHUNK, num_warps=PLAN_WARPS)
+    err = scanned.state.narrow(0, tiles + 1, 1) if scanned.state is not None else out
+    _plan_kernel[(1,)](counts, parts, tiles, out, err, CHUNK=PLAN_CHUNK, ERR=scanned.state is not None,
+                       num_warps=PLAN_WARPS)
     mark("prefix")
     return out.narrow(0, 0, tiles + 1), out.narrow(0, tiles + 1, 2)
 
