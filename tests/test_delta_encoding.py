@@ -286,6 +286,18 @@ def test_encode_options_on_the_cpu_paths(monkeypatch):
         assert D.encode(new, old).checksum is None
 
 
+def test_the_fused_scans_scratch_holds_every_sparse_blob():
+    # the fused scan keeps at most _sparse_cap(n, unit) changed units: exactly the most a sparse blob can have
+    for unit in (1, 2, 4, 8):
+        for n in (1, 7, 100, 4_097):
+            sparse = [k for k in range(1, n + 1) if D._smallest(n, k, unit) == D.SPARSE]
+            assert D._sparse_cap(n, unit) == max(sparse, default=0)
+            assert sparse == list(range(1, len(sparse) + 1))  # an interval from 1
+        for n in (65_537, 200_003, 1 << 30):
+            cap = D._sparse_cap(n, unit)
+            assert D._smallest(n, cap, unit) == D.SPARSE != D._smallest(n, cap + 1, unit)
+
+
 def test_kernel_settings_are_checked():
     pytest.importorskip("triton")
     from policyworker.ops import delta_triton as K

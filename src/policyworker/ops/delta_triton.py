@@ -67,7 +67,7 @@ from policyworker.ops.delta_kernels import (_assemble_kernel, _fused_kernel, _ga
 
 __all__ = ["FINISH", "GATHER", "LOOKBACK", "NUM_WARPS", "PLAN_CHUNK", "PLAN_WARPS", "PROFILE", "REFRESH", "SCAN",
            "Scanned", "TILE_BYTES",
-           "checksums", "configure", "gather", "gather_into", "mark", "plan", "scan", "tile_units"]
+           "checksums", "configure", "gather_into", "mark", "plan", "scan", "tile_units"]
 
 #: Bytes of one stream a program covers (a power of two, 1 KiB .. 64 KiB), and warps per program.
 TILE_BYTES = 16384
@@ -202,15 +202,6 @@ def _lane_masks(unit: int) -> dict:
     return dict(LOW=sum(((1 << (bits - 1)) - 1) << (bits * i) for i in lanes),
                 HIGH=sum(1 << (bits * i + bits - 1) for i in lanes), ONES=sum(1 << (bits * i) for i in lanes),
                 PACK=sum(1 << (63 - (bits + 1) * i) for i in lanes))
-
-
-def gather(cur: torch.Tensor, old: torch.Tensor, counts: torch.Tensor, bitmap: torch.Tensor,
-           values: torch.Tensor, offsets: torch.Tensor | None, update_old: bool) -> None:
-    """Write the changed units of ``cur`` (marked in ``scan``'s ``bitmap``) into ``values``
-    in order, their low 16 index bits into ``offsets`` (int16) when given, and into
-    ``old`` when ``update_old``."""
-    starts = torch.cumsum(counts, 0, dtype=torch.int64) - counts
-    _gather(cur, old, counts, starts, bitmap, values, offsets, update_old, values, 0, 0, 0, 0, 0, 1)
 
 
 def plan(scanned: Scanned, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
