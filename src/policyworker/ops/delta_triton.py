@@ -78,8 +78,9 @@ REFRESH = "gather"
 SCAN = "units"
 GATHER = "bits"
 #: What happens between the scan and the gather: "device" (one kernel sums the tiles' counts and
-#: checksum shares and lays out their starts; the gather writes the blob's header and padding) or
-#: "torch" (torch reductions, a cumsum and copies: the first form, kept to compare).
+#: checksum shares and lays out their starts; the gather writes the blob's header and padding),
+#: "torch" (torch reductions, a cumsum and copies: the first form, kept to compare) or "fused"
+#: (the scan, in its units form whatever SCAN says, places the changed units itself).
 FINISH = "device"
 #: Tile counts per step of the device finish's one-program prefix sum, and its warps.
 PLAN_CHUNK = 4096
@@ -208,7 +209,8 @@ def plan(scanned: Scanned, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(starts, head) of ``scan``'s counts and partial sums over its ``tiles`` tiles:
     ``starts`` (int64, tiles + 1) each tile's first changed unit's place among all, then the
     total; ``head`` (int64, 2) the changed units (-1: the fused scan failed, see ``_lookback``)
-    and the checksum's word sum (wrapping), the encoding's one read back to the host. One launch of one program (FINISH "device")."""
+    and the checksum's word sum (wrapping), the encoding's one read back to the host. One
+    launch of one program (FINISH "torch": torch reductions and a cumsum)."""
     counts, parts = scanned.counts, scanned.parts
     if FINISH == "torch":
         head = torch.stack([counts.sum(dtype=torch.int64), parts.sum()])
