@@ -204,7 +204,9 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     res = json.loads(lines[-1])
     assert {k: v for k, v in res.items() if not v["ok"]} == {}
     encodes = [v for k, v in res.items() if k.startswith("encode")]
-    assert len(encodes) == len(ENCODE_CASES) + 3 and len(res) >= len(encodes) + 8
+    assert len(encodes) == len(ENCODE_CASES) + 6 and len(res) >= len(encodes) + 8
+    assert {(v["finish"], v["kind"]) for v in encodes} >= {(f, kind) for f in ("device", "fused", "torch")
+                                                           for kind in (D.SPARSE, D.BITMAP)}
     assert {tuple(v["forms"]) for v in encodes} == set(FORMS)
     assert {v["kind"] for v in encodes if tuple(v["forms"]) == FORMS[0]} >= {D.SPARSE, D.BITMAP, D.NONE}
     assert any(v["offset"] for v in encodes)  # an unaligned stream: the units scan under the words form
@@ -247,14 +249,27 @@ def test_kernels_compile_for_hopper_with_16_byte_loads_of_whole_tiles(monkeypatc
                                        "bits_ptr": "*u8", "part_ptr": "*i64"},
                 dict(bf16, REFRESH=False, **K._lane_masks(2)))
     assert "ld.global.v2.b64" in words or "ld.global.v4.b32" in words  # whole tiles: 16-byte word loads
-    bits = ptx(K._gather_bits_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "counts_ptr": "*i32",
-                                       "starts_ptr": "*i64", "bits_ptr": "*u8", "val_ptr": "*i16", "off_ptr": "*i16"},
-               dict(T=K.tile_units(2), OFFSETS=True, UPDATE=True))
-    assert "st.global.b16" in bits
-    gather = ptx(K._gather_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "counts_ptr": "*i32", "starts_ptr": "*i64",
-                                    "bits_ptr": "*u8", "val_ptr": "*i16", "off_ptr": "*i16"},
-                 dict(T=K.tile_units(2), OFFSETS=True, UPDATE=True))
-    assert "st.global.b16" in gather
+    gsig = {"cur_ptr": "*i16", "old_ptr": "*i16", "counts_ptr": "*i32", "starts_ptr": "*i64", "bits_ptr": "*u8",
+            "val_ptr": "*i16", "off_ptr": "*i16", "blob_ptr": "*u8", "tiles": "i64", "k": "i64", "at_offs": "i64",
+            "at_vals": "i64", "size": "i64"}
+    # the header and padding: none, the sparse block counts, the bitmap copy (vector stores)
+    for kernel, glue in ((K._gather_kernel, 0), (K._gather_bits_kernel, 1), (K._gather_bits_kernel, 2)):
+        code = ptx(kernel, gsig, dict(T=K.tile_units(2), OFFSETS=glue != 2, UPDATE=True, GLUE=glue, TPB=8, UNIT=2))
+        assert "st.global.b16" in code and (glue != 2 or "st.global.v2.b32" in code or "st.global.v4.b32" in code)
+    fused = ptx(K._fused_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "n": "i64", "counts_ptr": "*i32",
+                                  "bits_ptr": "*u8", "part_ptr": "*i64", "state_ptr": "*i64", "off_ptr": "*i16",
+                                  "val_ptr": "*i16", "cap": "i64"},
+                dict(bf16, REFRESH=False, UPDATE=True, W=K.LOOKBACK))
+    assert "ld.global.v4.b32" in fused and "atom.global" in fused and "ld.volatile.global" in fused
+    assemble = ptx(K._assemble_kernel, {"off_ptr": "*i16", "val_ptr": "*i16", "counts_ptr": "*i32", "odst_ptr": "*i16",
+                                        "vdst_ptr": "*i16", "blob_ptr": "*u8", "tiles": "i64", "k": "i64",
+                                        "at_offs": "i64", "at_vals": "i64", "size": "i64"},
+                   dict(CH=4096, BPP=64, TPB=8, UNIT=2))
+    assert "st.global" in assemble
+    plan = ptx(K._plan_kernel, {"counts_ptr": "*i32", "parts_ptr": "*i64", "tiles": "i32", "out_ptr": "*i64",
+                                "err_ptr": "*i64"}, dict(CHUNK=K.PLAN_CHUNK, ERR=True))
+    assert "ld.global" in plan and "st.global" in plan
+
 
 def test_encode_options_on_the_cpu_paths(monkeypatch):
     # update_old / with_checksum mean the same without the kernels (numpy and torch paths)
@@ -271,6 +286,18 @@ def test_encode_options_on_the_cpu_paths(monkeypatch):
         assert D.encode(new, old).checksum is None
 
 
+def test_the_fused_scans_scratch_holds_every_sparse_blob():
+    # the fused scan keeps at most _sparse_cap(n, unit) changed units: exactly the most a sparse blob can have
+    for unit in (1, 2, 4, 8):
+        for n in (1, 7, 100, 4_097):
+            sparse = [k for k in range(1, n + 1) if D._smallest(n, k, unit) == D.SPARSE]
+            assert D._sparse_cap(n, unit) == max(sparse, default=0)
+            assert sparse == list(range(1, len(sparse) + 1))  # an interval from 1
+        for n in (65_537, 200_003, 1 << 30):
+            cap = D._sparse_cap(n, unit)
+            assert D._smallest(n, cap, unit) == D.SPARSE != D._smallest(n, cap + 1, unit)
+
+
 def test_kernel_settings_are_checked():
     pytest.importorskip("triton")
     from policyworker.ops import delta_triton as K
@@ -279,8 +306,9 @@ def test_kernel_settings_are_checked():
                 {"refresh": "both"}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
-    for bad in ({"scan": "bytes"}, {"gather": "all"}):
+    for bad in ({"scan": "bytes"}, {"gather": "all"}, {"finish": "host"}, {"plan_chunk": 100}, {"plan_chunk": 8}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
     assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH, K.SCAN, K.GATHER) == (16384, 4, "gather", "units", "bits")
+    assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS) == ("device", 4096, 8)
     assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [16384, 8192, 4096, 2048]  # each divides a 65,536-unit block
