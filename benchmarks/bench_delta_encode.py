@@ -21,7 +21,7 @@ that cannot run on the device, exits 1. Each row also gives the kernels' encodin
 step by step (CUDA events, each step named by its end: the scan; the prefix, i.e. the
 tiles' starts and the totals; the sync, the one read of the totals to the host; the glue,
 torch's blob header and padding, only with the torch finish; the gather) and, interleaved,
-the kernels with the torch finish (the previous default: torch sums, cumsum and copies
+the kernels with the torch finish (torch sums, cumsum and copies
 between the scan and the gather). ``--sweep`` also times the kernels at
 ``--sweep-fractions`` changed (3%) under tile sizes, warp counts, refreshing passes,
 the passes' forms (``words``/``units`` scan, ``bits``/``units`` gather), the finish and
@@ -46,7 +46,7 @@ import torch
 from policyworker.layout import delta
 
 #: (tile bytes, warps, refreshing pass, scan form, gather form, finish, plan chunk) tried by --sweep; the first is
-#: the library's default, the second the same kernels with the torch finish (the previous default), the
+#: the library's default, the second the same kernels with the torch finish, the
 #: "units"/"units" rows the first kernels
 _SWEEP = [(16384, 4, "gather", "units", "bits", "device", 4096), (16384, 4, "gather", "units", "bits", "torch", 4096),
           (8192, 4, "gather", "words", "bits", "device", 4096), (8192, 4, "scan", "words", "bits", "device", 4096),

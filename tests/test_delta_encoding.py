@@ -310,5 +310,5 @@ def test_kernel_settings_are_checked():
         with pytest.raises(ConfigError):
             K.configure(**bad)
     assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH, K.SCAN, K.GATHER) == (16384, 4, "gather", "units", "bits")
-    assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS) == ("device", 4096, 8)
+    assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS) == ("torch", 4096, 8)
     assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [16384, 8192, 4096, 2048]  # each divides a 65,536-unit block
