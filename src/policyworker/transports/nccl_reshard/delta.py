@@ -27,11 +27,25 @@ trainers may ask for a full one (``refit(..., delta=False)``). One refit, both s
 3. **Apply**, receiver: nothing live is written until every payload arrived. Then per
    transfer the changed units go into the live bytes (or a staging copy when the
    transfer's destination is not one contiguous span, unpacked after the check) and
-   every copy's checksum is computed over the bytes the receiver now holds (a full
-   pass: what proves them equal to what the trainer sent) and verified; a mismatch
-   fails the refit, marks the receiver torn (its bytes are proven not to be the
-   trainers') and its base becomes -1, so the next refit is full. A failure before
-   the apply leaves the live bytes intact.
+   every copy's checksum is computed and verified; a mismatch fails the refit, marks
+   the receiver torn (its bytes are proven not to be the trainers') and its base
+   becomes -1, so the next refit is full. A failure before the apply leaves the live
+   bytes intact. How the checksums are computed is ``delta_verify``:
+
+   * ``"full"`` (the default): a pass over every byte the receiver holds after the
+     apply. It proves those bytes equal what the trainer sent, whatever happened to
+     them before (a stale staging set, a byte written outside any refit).
+   * ``"incremental"``: the receiver keeps the checksums it verified at its last
+     commit and adds the weighted differences of the changed units (their old values
+     read just before they are overwritten, their new ones from the payload): no
+     pass over its bytes. This proves the result equal to the trainer's **if and
+     only if the receiver's bytes outside the changed units are still the ones it
+     verified at that commit**; a byte written since, where the delta does not
+     touch, goes unseen (and one where it does fails the check). So it is not as
+     strong as ``"full"``, only cheaper: it trusts the memory between refits. The
+     first delta after a full refit, a fallback, a failed or torn refit, a reconnect,
+     or tensors that moved (another storage, e.g. a vLLM staging set) is checked in
+     full, and that check is what later deltas build on.
 4. **Verdict** over the update group (:func:`exchange_leftovers`), as for a full
    refit: a receiver commits only when every rank succeeded. A trainer's shadow
    counts as version S only after a successful verdict; any failure makes it
@@ -48,7 +62,7 @@ import torch
 
 from policyworker.errors import ConfigError, PeerLost, PolicyWorkerError, ProtocolError, RefitAborted, TransportError
 from policyworker.layout import delta as _delta
-from policyworker.layout.delta_inc import encode_update, segment_checksums
+from policyworker.layout.delta_inc import apply_update, encode_update
 from policyworker.layout.apply import _as_bytes, _region, copy_nbytes, pack, unpack
 from policyworker.layout.plan import Copy, ReshardPlan, dtype_size
 from policyworker.transports.base import RefitReport, TransportContext
@@ -75,15 +89,28 @@ _SAMPLES = 4096  # units sampled per stream for the changed-fraction estimate
 # Below this estimated changed fraction (ppm) a trainer encodes in one cache-sized pass
 # with incremental checksums (:func:`encode_update`); above it the dense path is cheaper.
 _SPARSE_PPM = 60_000
+_M64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
 class DeltaSettings:
     """``delta_max_fraction``: above this estimated changed fraction the refit is full;
-    ``full_every``: every N-th version is full (None: never forced)."""
+    ``full_every``: every N-th version is full (None: never forced); ``verify``: the
+    receiver's check, ``"full"`` or ``"incremental"`` (step 3 of the module docstring)."""
 
     max_fraction: float = 0.25
     full_every: int | None = None
+    verify: str = "full"
+
+
+_VERIFY = ("full", "incremental")
+
+
+def check_verify(mode: Any) -> str:
+    """``mode`` when it is a ``delta_verify`` value, else ``ConfigError``."""
+    if mode not in _VERIFY:
+        raise ConfigError(f"delta_verify must be one of {_VERIFY}, got {mode!r}", transport="nccl_reshard")
+    return mode
 
 
 @dataclass(slots=True)
@@ -99,6 +126,7 @@ class _Stream:
     scratch: torch.Tensor | None = None  # the stream packed, when it is not one span
     stride: int = 1  # trainer: every stride-th unit is sampled for the changed fraction
     index: int = 0  # its key among the state's direct spans
+    verified: list[int] | None = None  # receiver: its copies' checksums (unsigned) as last verified
 
 
 @dataclass(slots=True)
@@ -109,6 +137,20 @@ class _State:
     base_valid: bool = True  # receiver: False after a failed delta (next refit full)
     received: int | None = None  # receiver: the version its last good refit returned
     spans: _DirectSpans = field(default_factory=_DirectSpans)  # each stream's span, while the tensors stay put
+    # receiver: where its tensors lived when the streams' ``verified`` checksums were
+    # committed (None: not trusted; the next delta is checked in full)
+    verified_at: tuple | None = None
+
+
+def forget_verified(state: dict) -> None:
+    """The receiver's verified checksums are no longer trusted (a reconnect)."""
+    st = state.get("delta")
+    if st is not None:
+        st.verified_at = None
+
+
+def _held_at(ctx: TransportContext) -> tuple:
+    return tuple(t.data_ptr() for t in ctx.params.values())
 
 
 def _make_stream(plan: ReshardPlan, copies: list[Copy], index: int) -> _Stream:
@@ -185,11 +227,6 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def checksums(units: torch.Tensor, s: _Stream) -> list[int]:
-    """One checksum per copy of the stream (signed 64-bit, for an int64 tensor)."""
-    return [_signed(c) for c in segment_checksums(units, s.segments)]
-
-
 # -- the refit -------------------------------------------------------------------------------
 def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitReport:
     """One refit in delta mode (either side): handshake, then delta or the plain full refit."""
@@ -214,6 +251,9 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
         held = ledger is None or (ledger.version == st.received and not ledger.torn)
         base = st.received if st.received is not None and held and st.base_valid else -1
         st.received = None  # until this refit succeeds
+        at = _held_at(ctx)
+        trusted = base != -1 and st.verified_at == at
+        st.verified_at = None  # until this refit succeeds
         row = [_HS_MAGIC, _RECEIVER, base, 0, 0, 0]
     transport._active = [update_group]
     try:
@@ -239,7 +279,10 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
             wire, nbytes, failure = _send(ctx, st, streams, int(version), deadline, sparse=row[5] <= _SPARSE_PPM)
         else:
             ctx.touched = False
-            wire, nbytes, failure = _receive(ctx, st, announced, deadline)
+            verify = check_verify(ctx.option("delta_verify") or settings.verify)
+            wire, nbytes, failure, checked = _receive(ctx, st, announced, deadline,
+                                                      trusted and verify == "incremental")
+            reason = f"{reason}; checked {checked}"
         scales, got_version, failures, lost = exchange_leftovers(
             update_group, is_source=ctx.role == "send" and update_group.rank == 0,
             kv_scales=ctx.option("kv_scales"), deadline=deadline, version=announced,
@@ -262,6 +305,7 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
         st.shadow_version = int(version)
     else:
         st.received = int(got_version)
+        st.verified_at = at  # the streams' checksums are of what this commit holds
     shadow = sum(s.nbytes for s in streams.values()) if streams else 0
     return RefitReport(transport=transport.name, role=ctx.role, version=int(got_version), bytes=nbytes,
                        seconds=time.perf_counter() - t0, wire_bytes=wire, shadow_bytes=shadow,
@@ -373,8 +417,12 @@ def _send(ctx: TransportContext, st: _State, streams, version: int, deadline: fl
     return wire, sum(t.nbytes for t in _my_transfers(ctx)), failure
 
 
-def _receive(ctx: TransportContext, st: _State, version: int, deadline: float):
-    """Receive every transfer's header and payload, then apply and verify them."""
+def _receive(ctx: TransportContext, st: _State, version: int, deadline: float, incremental: bool):
+    """Receive every transfer's header and payload, then apply and verify them.
+
+    ``incremental``: each stream's checksums follow from its ``verified`` ones and the
+    changed units (else a pass over its bytes). Returns (wire bytes, bytes landed,
+    failure or None, how the bytes were checked: "in full", "incrementally" or both)."""
     plan = ctx.plan
     hash63 = plan_hash63(plan)
     members = stage_members(plan)
@@ -405,19 +453,23 @@ def _receive(ctx: TransportContext, st: _State, version: int, deadline: float):
     failure = _post_all(entries, deadline, "delta payload receive") or failure
     wire = sum(p.numel() for p in payloads) + 8 * _HDR_LEN * len(transfers)
     if failure is not None:
-        return wire, 0, failure
+        return wire, 0, failure, ""
     if ctx.deadline is not None and ctx.deadline.fired:
         raise RefitAborted("delta refit aborted before it was applied", rank=ctx.rank, transport="nccl_reshard")
+    ways = set()
     try:
         for i, (t, s) in enumerate(zip(transfers, streams)):
-            _apply_one(ctx, t, s, heads[i], payloads[i])
+            ways.add(_apply_one(ctx, t, s, heads[i], payloads[i], incremental))
     except ProtocolError as exc:
         st.base_valid = False  # these bytes are not the trainers': the next refit is full
-        return wire, 0, exc
-    return wire, sum(t.nbytes for t in transfers), None
+        return wire, 0, exc, ""
+    checked = " and ".join(w for w in ("incrementally", "in full") if w in ways) or "(nothing)"
+    return wire, sum(t.nbytes for t in transfers), None, checked
 
 
-def _apply_one(ctx: TransportContext, t, s: _Stream, head: list[int], payload: torch.Tensor) -> None:
+def _apply_one(ctx: TransportContext, t, s: _Stream, head: list[int], payload: torch.Tensor,
+               incremental: bool) -> str:
+    """Apply one transfer's delta and verify its copies' checksums; returns how they were computed."""
     kind, count = head[2], head[3]
     ncopies = len(s.copies)
     want = payload.narrow(0, 0, 8 * ncopies).view(torch.int64).cpu().tolist()
@@ -425,8 +477,9 @@ def _apply_one(ctx: TransportContext, t, s: _Stream, head: list[int], payload: t
     units, live = _units(s, ctx, "dst")
     if live:
         ctx.touched = True  # the live bytes change from here on
-    _delta.apply(units, kind, count, blob)
-    got = checksums(units, s)
+    known, s.verified = (s.verified if incremental else None), None  # trusted again only once verified
+    got, updated = apply_update(units, kind, count, blob, s.segments, known)
+    got = [_signed(c) for c in got]
     names = ctx.plan.body.tensor_names
     for c, a, b in zip(s.copies, got, want):
         if a != b:
@@ -437,6 +490,8 @@ def _apply_one(ctx: TransportContext, t, s: _Stream, head: list[int], payload: t
             raise ProtocolError(f"delta checksum mismatch in {names[c.dst_tensor]!r} from train rank {t.src}: "
                                 f"the bytes after the delta are not the trainer's", rank=ctx.rank,
                                 transport="nccl_reshard", param=names[c.dst_tensor])
+    s.verified = [c & _M64 for c in got]
     if not live:
         ctx.touched = True
         unpack(ctx.plan, s.copies, units.view(torch.uint8), ctx.params)
+    return "incrementally" if updated else "in full"
