@@ -72,7 +72,7 @@ from policyworker.transports.nccl_reshard.schedule import (
 from policyworker.transports.nccl_reshard import delta as nccl_delta
 from policyworker.transports.nccl_reshard.attempts import check_fresh, spoil
 from policyworker.transports.nccl_reshard.receive import bucket_crc, recv_bulk
-from policyworker.transports.nccl_reshard.delta import DeltaSettings, check_verify, forget_verified
+from policyworker.transports.nccl_reshard.delta_state import DeltaSettings, check_verify, forget_verified
 from policyworker.transports.nccl_reshard.verdict import exchange_leftovers
 
 __all__ = ["NcclReshardTransport", "exchange_leftovers", "stage_members"]
