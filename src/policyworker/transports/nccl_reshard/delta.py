@@ -54,6 +54,7 @@ trainers may ask for a full one (``refit(..., delta=False)``). One refit, both s
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -180,23 +181,36 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
         trusted = base != -1 and st.verified_at == at
         st.verified_at = None  # until this refit succeeds
         row = [_HS_MAGIC, _RECEIVER, base, 0, 0, 0]
-    transport._active = [update_group]
-    try:
-        use_delta, reason, announced = handshake(update_group, row, deadline)
-    finally:
-        transport._active = []
+    early = None
     if ctx.role == "send":
         st.shadow_version = None  # unknown until this refit's verdict
-    if not use_delta:
-        report = transport._refit(ctx, version)
-        if ctx.role == "send":
-            shadow = _refresh(ctx, streams)
-            st.shadow_version = int(version)
-        else:
-            shadow = 0
-            st.base_valid, st.received = True, report.version
-        return _report(report, notes=(f"full: {reason}",), wire=report.bytes, shadow=shadow,
-                       seconds=time.perf_counter() - t0)
+        if row[4] != _WANT_DELTA:
+            # This trainer refuses a delta, so the refit is full whatever the others say:
+            # its shadow is no base any more and takes the bytes about to be sent now, on
+            # another thread, while the handshake and the bulk run (copies release the GIL).
+            early = _EarlyRefresh(ctx, streams)
+    try:
+        transport._active = [update_group]
+        try:
+            use_delta, reason, announced = handshake(update_group, row, deadline)
+        finally:
+            transport._active = []
+        if not use_delta:
+            report = transport._refit(ctx, version)
+            if ctx.role == "send":
+                shadow = early.result() if early is not None else _refresh(ctx, streams)
+                st.shadow_version = int(version)
+            else:
+                shadow = 0
+                st.base_valid, st.received = True, report.version
+            return _report(report, notes=(f"full: {reason}",), wire=report.bytes, shadow=shadow,
+                           seconds=time.perf_counter() - t0)
+    finally:
+        if early is not None:
+            early.join()  # nothing writes a shadow once this refit returns
+    if early is not None:  # a refusing trainer and a delta: the handshake is broken
+        raise ProtocolError("delta handshake decided a delta over a trainer's refusal", rank=ctx.rank,
+                            transport=transport.name)
     groups = [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
     transport._active = [*groups, update_group]
     try:
@@ -281,6 +295,32 @@ def _refresh(ctx: TransportContext, streams: dict[tuple, _Stream]) -> int:
             s.shadow = torch.empty(s.nbytes, dtype=torch.uint8, device=units.device)
         s.shadow.copy_(units.view(torch.uint8))
     return sum(s.nbytes for s in streams.values())
+
+
+class _EarlyRefresh:
+    """:func:`_refresh` on a thread of its own; :meth:`result` waits for it and returns its
+    bytes or raises its error, :meth:`join` only waits."""
+
+    def __init__(self, ctx: TransportContext, streams: dict[tuple, _Stream]) -> None:
+        self._out: list = []
+        self._thread = threading.Thread(target=self._run, args=(ctx, streams), name="pw-delta-shadow", daemon=True)
+        self._thread.start()
+
+    def _run(self, ctx: TransportContext, streams: dict[tuple, _Stream]) -> None:
+        try:
+            self._out.append(_refresh(ctx, streams))
+        except BaseException as exc:  # handed to result()
+            self._out.append(exc)
+
+    def join(self) -> None:
+        self._thread.join()  # a copy of this rank's shard: bounded by the memory bus
+
+    def result(self) -> int:
+        self.join()
+        out = self._out[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
 
 def _post_all(entries: list[tuple[Any, str, torch.Tensor, int, int]], deadline: float, what: str):
