@@ -8,7 +8,7 @@ import torch
 from policyworker.errors import ConfigError, ProtocolError
 from policyworker.transports.nccl_reshard.transport import NcclReshardOptions, NcclReshardSetup
 from policyworker.layout import delta as D
-from policyworker.layout.delta_inc import apply_update, encode_update, segment_checksums
+from policyworker.layout.delta_inc import INCREMENTAL_MAX, apply_update, encode_update, segment_checksums
 from policyworker.transports.nccl_reshard.delta_handshake import (
     _HS_MAGIC,
     _NO_SHADOW,
@@ -141,14 +141,15 @@ def test_apply_update_lands_the_delta_and_updates_the_checksums_from_the_changed
     held = torch.randint(0, 256, (n * unit,), dtype=torch.uint8, generator=g).view(D.unit_dtype(unit))
     segs = _segments(n * unit, g)[:-1]  # every copy on an 8-byte boundary (the empty one at the end is not)
     sums = segment_checksums(held, segs)
-    for fraction in (0.001, 0.01, 0.2, "last"):
+    for fraction in (0.001, 0.004, 0.01, 0.2, "last"):
         cur = held.clone()
         mask = torch.zeros(n, dtype=torch.bool) if fraction == "last" else torch.rand(n, generator=g) < fraction
         mask[-1] = fraction == "last" or bool(mask[-1])
         cur[mask] = torch.randint(-100, 100, (int(mask.sum()),), generator=g).to(cur.dtype)
         enc = D.encode(cur, held)
         sums, updated = apply_update(held, enc.kind, enc.count, enc.blob, segs, sums)
-        assert updated and enc.kind in (D.SPARSE, D.BITMAP), fraction
+        # past INCREMENTAL_MAX of the units changed: a full pass (cheaper there), same sums
+        assert updated == (enc.count <= n * INCREMENTAL_MAX) and enc.kind in (D.SPARSE, D.BITMAP), fraction
         assert torch.equal(held, cur) and sums == segment_checksums(cur, segs), fraction
     # Unknown sums or a raw blob: a full pass. A damaged blob: nothing written.
     cur = held.clone() ^ 1

@@ -101,7 +101,7 @@ def test_incremental_check_lands_deltas_bit_exact_trusts_held_bytes_and_a_full_c
     # with that byte wrong. At v5 the rollouts ask for a full check: it catches the byte
     # (ProtocolError on rollout 0, torn; nobody commits v5). v6 is full (rollout 0 has
     # no base) and heals it; v7 is checked in full again, v8 incrementally.
-    spec = DeltaSpec(fractions=[1.0, 0.01, 0.01, 0.01, 0.01, 0.01, 0.01, 0.02], corrupt=(0, 3),
+    spec = DeltaSpec(fractions=[1.0, 0.003, 0.003, 0.003, 0.003, 0.003, 0.003, 0.004], corrupt=(0, 3),
                      options={"delta": True, "delta_verify": "incremental"},
                      receiver_options={5: {"delta_verify": "full"}})
     results = _world(spec)
