@@ -204,7 +204,7 @@ def test_the_handshake_decides_delta_only_when_every_base_matches():
 
 
 @pytest.mark.parametrize("bad", [{"delta_max_fraction": 1.5}, {"delta_max_fraction": -0.1},
-                                 {"delta_full_every": 0}])
+                                 {"delta_full_every": 0}, {"delta_verify": "sometimes"}])
 def test_bad_delta_settings_fail_at_attach(bad):
     with pytest.raises(ConfigError):
         NcclReshardSetup(delta=True, **bad)
@@ -216,6 +216,10 @@ def test_delta_settings_parse_from_plain_keywords():
     setup = parse(NcclReshardSetup, {"delta": True, "delta_max_fraction": 0.1, "delta_full_every": 8}, what="t")
     assert (setup.delta, setup.delta_max_fraction, setup.delta_full_every) == (True, 0.1, 8)
     assert parse(NcclReshardOptions, {"delta": False}, what="t").delta is False
+    assert parse(NcclReshardSetup, {"delta": True, "delta_verify": "incremental"}, what="t").delta_verify == "incremental"
+    assert parse(NcclReshardOptions, {"delta_verify": "full"}, what="t").delta_verify == "full"
+    with pytest.raises(ConfigError):
+        parse(NcclReshardOptions, {"delta_verify": "none"}, what="t")
     with pytest.raises(ConfigError):
         parse(NcclReshardSetup, {"delta": "yes"}, what="t")
 
