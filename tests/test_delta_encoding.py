@@ -8,7 +8,7 @@ import torch
 from policyworker.errors import ConfigError, ProtocolError
 from policyworker.transports.nccl_reshard.transport import NcclReshardOptions, NcclReshardSetup
 from policyworker.layout import delta as D
-from policyworker.layout.delta_inc import encode_update, segment_checksums
+from policyworker.layout.delta_inc import INCREMENTAL_MAX, apply_update, encode_update, segment_checksums
 from policyworker.transports.nccl_reshard.delta_handshake import (
     _HS_MAGIC,
     _NO_SHADOW,
@@ -130,6 +130,46 @@ def test_one_pass_encode_matches_encode_refreshes_the_shadow_and_updates_the_che
     assert torch.equal(dense_shadow, cur) and dense_sums == segment_checksums(cur, segs)
 
 
+@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 200_003), (torch.float32, 70_001), (torch.uint8, 1_001),
+                                      (torch.float64, 9_001)])
+def test_apply_update_lands_the_delta_and_updates_the_checksums_from_the_changed_units(dtype, n):
+    # The receiver's incremental check: from the checksums of its bytes before a delta,
+    # the changed units' old and new values give the checksums after it, equal to a
+    # full pass over the bytes (few changes: sparse; many: bitmap; one at the ragged end).
+    g = torch.Generator().manual_seed(5)
+    unit = torch.empty(0, dtype=dtype).element_size()
+    held = torch.randint(0, 256, (n * unit,), dtype=torch.uint8, generator=g).view(D.unit_dtype(unit))
+    segs = _segments(n * unit, g)[:-1]  # every copy on an 8-byte boundary (the empty one at the end is not)
+    sums = segment_checksums(held, segs)
+    for fraction in (0.001, 0.004, 0.01, 0.2, "last"):
+        cur = held.clone()
+        mask = torch.zeros(n, dtype=torch.bool) if fraction == "last" else torch.rand(n, generator=g) < fraction
+        mask[-1] = fraction == "last" or bool(mask[-1])
+        cur[mask] = torch.randint(-100, 100, (int(mask.sum()),), generator=g).to(cur.dtype)
+        enc = D.encode(cur, held)
+        sums, updated = apply_update(held, enc.kind, enc.count, enc.blob, segs, sums)
+        # past INCREMENTAL_MAX of the units changed: a full pass (cheaper there), same sums
+        assert updated == (enc.count <= n * INCREMENTAL_MAX) and enc.kind in (D.SPARSE, D.BITMAP), fraction
+        assert torch.equal(held, cur) and sums == segment_checksums(cur, segs), fraction
+    # Unknown sums or a raw blob: a full pass. A damaged blob: nothing written.
+    cur = held.clone() ^ 1
+    enc = D.encode(cur, held)
+    assert enc.kind == D.RAW and apply_update(held, enc.kind, enc.count, enc.blob, segs, sums) == (
+        segment_checksums(cur, segs), False)
+    cur[3] ^= 2
+    enc, before = D.encode(cur, held), held.clone()
+    with pytest.raises(ProtocolError):
+        apply_update(held, enc.kind, enc.count + 1, enc.blob, segs, segment_checksums(held, segs))
+    assert torch.equal(held, before)
+    # The trust it rests on: bytes changed after their checksums were taken, where the
+    # delta does not touch, go unseen (the sums are the old ones plus the delta's).
+    sums = segment_checksums(held, segs)
+    held[n // 2] ^= 4
+    enc = D.encode(cur, before)
+    got, _ = apply_update(held, enc.kind, enc.count, enc.blob, segs, sums)
+    assert got == segment_checksums(cur, segs) != segment_checksums(held, segs)
+
+
 @pytest.mark.parametrize("aligned", [True, False])
 def test_segment_checksums_equal_checksum_per_segment(aligned):
     g = torch.Generator().manual_seed(4)
@@ -164,7 +204,7 @@ def test_the_handshake_decides_delta_only_when_every_base_matches():
 
 
 @pytest.mark.parametrize("bad", [{"delta_max_fraction": 1.5}, {"delta_max_fraction": -0.1},
-                                 {"delta_full_every": 0}])
+                                 {"delta_full_every": 0}, {"delta_verify": "sometimes"}])
 def test_bad_delta_settings_fail_at_attach(bad):
     with pytest.raises(ConfigError):
         NcclReshardSetup(delta=True, **bad)
@@ -176,6 +216,10 @@ def test_delta_settings_parse_from_plain_keywords():
     setup = parse(NcclReshardSetup, {"delta": True, "delta_max_fraction": 0.1, "delta_full_every": 8}, what="t")
     assert (setup.delta, setup.delta_max_fraction, setup.delta_full_every) == (True, 0.1, 8)
     assert parse(NcclReshardOptions, {"delta": False}, what="t").delta is False
+    assert parse(NcclReshardSetup, {"delta": True, "delta_verify": "incremental"}, what="t").delta_verify == "incremental"
+    assert parse(NcclReshardOptions, {"delta_verify": "full"}, what="t").delta_verify == "full"
+    with pytest.raises(ConfigError):
+        parse(NcclReshardOptions, {"delta_verify": "none"}, what="t")
     with pytest.raises(ConfigError):
         parse(NcclReshardSetup, {"delta": "yes"}, what="t")
 
