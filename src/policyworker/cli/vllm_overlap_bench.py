@@ -1,0 +1,329 @@
+"""``policyworker bench --engine vllm --overlap``: how long vLLM stops generating during a refit.
+
+A vLLM ``AsyncLLM`` in this process serves a continuous generation load (``streams``
+greedy requests, each resubmitted as it ends) before, during and after every refit.
+Refits alternate between the overlapped path (``update_info.overlap=true``: the receive
+and vLLM's post-processing run in the background while the engine steps; the controller
+polls ``weight_update_ready`` and then calls ``finish_weight_update``, which only swaps)
+and today's paused path (``overlap=false``: the receive runs inside ``update_weights``
+and the post-processing inside ``finish_weight_update``, both collective RPCs between
+engine steps), with the same engine, trainers and load, in the same run.
+
+Measured per refit:
+
+* the engine's forward passes (start and end, ``time.monotonic()`` in vLLM's worker,
+  the backend's ``StepCounter`` ring, read with ``collective_rpc``); the **stall** is
+  the longest time between the end of one pass and the start of the next among the
+  gaps that overlap the refit (controller's ``start_weight_update`` call to the return
+  of ``finish_weight_update``); the same statistic over the ``phase_s`` before the refit
+  is the baseline (scheduling, sampling and output processing between passes);
+* the load's tokens per second (arrival times of streamed tokens) in three phases:
+  ``phase_s`` before the refit, during it, ``phase_s`` after it;
+* the refit's duration and its parts (controller spans; the worker's phase times of an
+  overlapped refit: receive end, post-processing end, swap).
+
+After each commit the load is stopped and two prompts are generated greedily: their
+tokens must equal Hugging Face transformers' with that version's weights (checked once
+the engine is down; the command fails when any differs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from policyworker.errors import ConfigError, PlanError, RefitTimeout
+from policyworker.models.config import get_preset
+from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
+
+__all__ = ["run_vllm_overlap_bench", "stall", "tokens_per_second"]
+
+PROMPTS = [[1, 2, 3, 4], [100, 7, 8, 9, 11]]
+CHECK_TOKENS = 8
+MODES = ("overlap", "paused")
+
+
+# -- run inside vLLM's workers (collective_rpc) ------------------------------------------
+def _passes(worker: Any, since: float) -> list[tuple[float, float]]:
+    return worker.weight_transfer_engine.steps.times(since)
+
+
+def _ready(worker: Any) -> bool:
+    return worker.weight_transfer_engine.weight_update_ready()
+
+
+def _overlap_times(worker: Any) -> dict[str, float]:
+    last = worker.weight_transfer_engine.last_overlap
+    return dict(last.times) if last is not None else {}
+
+
+# -- statistics ---------------------------------------------------------------------------
+def stall(passes: list[tuple[float, float]], start: float, end: float) -> float:
+    """The longest gap between the end of a pass and the start of the next among the gaps
+    that overlap [start, end], whole (a gap that began before ``start`` or ends after
+    ``end`` counts in full; one still open when the passes run out counts up to ``end``).
+    ConfigError if no pass ended before ``start`` (nothing to measure from)."""
+    ended = [e for _, e in passes if e <= start]
+    if not ended:
+        raise ConfigError("no engine step ended before the window: the load did not run")
+    longest, last_end = 0.0, max(ended)
+    for s, e in sorted(passes):
+        if e <= last_end:
+            continue  # ended before the gap being measured
+        if s > start:  # the gap (last_end, s) overlaps the window
+            longest = max(longest, s - last_end)
+        if s >= end:
+            return longest
+        last_end = e
+    return max(longest, end - last_end)
+
+
+def tokens_per_second(arrivals: list[tuple[float, int]], start: float, end: float) -> float:
+    return sum(n for t, n in arrivals if start <= t < end) / (end - start)
+
+
+# -- the load --------------------------------------------------------------------------------
+class _Load:
+    """``streams`` greedy requests kept in flight; the arrival time of every streamed token."""
+
+    def __init__(self, engine: Any, streams: int, max_tokens: int, vocab: int) -> None:
+        self.engine, self.streams, self.max_tokens, self.vocab = engine, streams, max_tokens, vocab
+        self.arrivals: list[tuple[float, int]] = []
+        self._tasks: list[asyncio.Task] = []
+        self._n = 0
+        self._rng = random.Random(0)
+
+    def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(self._stream(i)) for i in range(self.streams)]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()  # AsyncLLM aborts a request whose consumer is cancelled
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks = []
+
+    async def _stream(self, i: int) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(temperature=0, max_tokens=self.max_tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        while True:
+            self._n += 1
+            prompt = [self._rng.randrange(1, self.vocab) for _ in range(8)]
+            async for out in self.engine.generate({"prompt_token_ids": prompt}, params, f"load-{i}-{self._n}"):
+                self.arrivals.append((time.monotonic(), len(out.outputs[0].token_ids)))
+
+
+async def _check_tokens(engine: Any, tag: str) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=CHECK_TOKENS, ignore_eos=True)
+
+    async def one(j: int, prompt: list[int]) -> list[int]:
+        final = None
+        async for out in engine.generate({"prompt_token_ids": prompt}, params, f"check-{tag}-{j}"):
+            final = out
+        return list(final.outputs[0].token_ids)
+
+    return list(await asyncio.gather(*(one(j, p) for j, p in enumerate(PROMPTS))))
+
+
+# -- the run ---------------------------------------------------------------------------------
+class _Bench:
+    def __init__(self, engine: Any, pool: TrainerPool, spec: WorldSpec, *, tp: int, phase_s: float,
+                 load: _Load, log) -> None:
+        self.engine, self.pool, self.spec, self.tp, self.phase_s, self.load, self.log = \
+            engine, pool, spec, tp, phase_s, load, log
+        self.timeout_s = spec.refit_timeout_s
+
+    async def rpc(self, fn: Any, *args: Any) -> list[Any]:
+        return await asyncio.wait_for(self.engine.collective_rpc(fn, args=args), self.timeout_s)
+
+    async def replies(self, ranks: list[int] | None = None) -> list[dict[str, Any]]:
+        replies = await asyncio.to_thread(self.pool.replies, self.spec.refit_timeout_s, ranks)
+        bad = [r for r in replies if not r["ok"]]
+        if bad:
+            raise RuntimeError(f"trainers failed: {bad}")
+        return replies
+
+    async def connect(self, cpu_linear: str) -> int:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        info = {**self.pool.connect(gen_world_size=self.tp, version=0), "cpu_linear": cpu_linear}
+        await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
+                               self.spec.timeout_s * 3)
+        replies = await self.replies()
+        return replies[0]["total_bytes"]
+
+    async def refit(self, version: int, mode: str) -> dict[str, Any]:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self.pool.send({"cmd": "load", "version": version})
+        await self.replies()
+        await asyncio.sleep(self.phase_s)  # the "before" phase, load running, trainers idle
+        self.pool.send({"cmd": "refit", "version": version, "load": False})
+        e = self.engine
+        t0 = time.monotonic()
+        await asyncio.wait_for(e.start_weight_update(), self.timeout_s)
+        t1 = time.monotonic()
+        update = {"version": version, "overlap": mode == "overlap"}
+        await asyncio.wait_for(e.update_weights(WeightTransferUpdateRequest(update_info=update)), self.timeout_s)
+        t2 = time.monotonic()
+        polls = 0
+        if mode == "overlap":
+            while not all(await self.rpc(_ready)):
+                polls += 1
+                if time.monotonic() - t2 > self.timeout_s:
+                    raise RefitTimeout(f"the overlapped refit of version {version} was not ready within "
+                                       f"{self.timeout_s} s")
+                await asyncio.sleep(0.005)
+        t3 = time.monotonic()
+        await asyncio.wait_for(e.finish_weight_update(weight_version=str(version)), self.timeout_s)
+        t4 = time.monotonic()
+        replies = await self.replies()
+        await asyncio.sleep(self.phase_s)  # the "after" phase
+        passes = (await self.rpc(_passes, t0 - self.phase_s - 1.0))[0]
+        worker = (await self.rpc(_overlap_times))[0] if mode == "overlap" else {}
+        await self.load.stop()
+        tokens = await _check_tokens(e, str(version))  # alone: HF runs each prompt alone too
+        self.load.start()
+        arrivals, ph = self.load.arrivals, self.phase_s
+        in_refit = [p for p in passes if t0 <= p[0] < t4]
+        before_gaps = [s2 - e1 for (_, e1), (s2, _) in zip(passes, passes[1:]) if t0 - ph <= e1 and s2 <= t0]
+        if not before_gaps:
+            raise ConfigError(f"refit {version}: no engine steps in the {ph} s before it: the load did not run")
+        row = {"version": version, "mode": mode, "refit_seconds": t4 - t0, "start_call_seconds": t1 - t0,
+               "update_call_seconds": t2 - t1, "ready_wait_seconds": t3 - t2, "ready_polls": polls,
+               "finish_call_seconds": t4 - t3, "trainer_send_seconds": max(r["seconds"] for r in replies),
+               "stall_seconds": stall(passes, t0, t4),
+               "baseline_gap_max_seconds": max(before_gaps), "baseline_gap_median_seconds": statistics.median(before_gaps),
+               "steps_during_refit": len(in_refit),
+               "tokens_per_second": {"before": tokens_per_second(arrivals, t0 - ph, t0),
+                                     "during": tokens_per_second(arrivals, t0, t4),
+                                     "after": tokens_per_second(arrivals, t4, t4 + ph)},
+               "tokens": tokens}
+        if worker:
+            row["worker_phase_seconds"] = {k: v - t0 for k, v in worker.items()}
+        # What a timeline needs, relative to t0 (kept for the plotted refits only).
+        row["_timeline"] = {"passes": [(s - t0, en - t0) for s, en in passes if t0 - 0.25 <= en and s <= t4 + 0.25],
+                            "calls": {"start_weight_update": (0.0, t1 - t0), "update_weights": (t1 - t0, t2 - t0),
+                                      "ready polls": (t2 - t0, t3 - t0), "finish_weight_update": (t3 - t0, t4 - t0)},
+                            "worker": row.get("worker_phase_seconds", {})}
+        self.log(f"refit {version} ({mode}): {row['refit_seconds'] * 1e3:.0f} ms, stall "
+                 f"{row['stall_seconds'] * 1e3:.1f} ms (baseline max gap {row['baseline_gap_max_seconds'] * 1e3:.1f} ms), "
+                 f"tokens/s before {row['tokens_per_second']['before']:.0f} during "
+                 f"{row['tokens_per_second']['during']:.0f} after {row['tokens_per_second']['after']:.0f}")
+        return row
+
+
+def _start_engine(path: str, spec: WorldSpec, tp: int, streams: int) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(model=path, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype=spec.dtype,
+                           enforce_eager=True, max_model_len=128, max_num_seqs=max(streams, len(PROMPTS)), seed=0,
+                           enable_prefix_caching=False,  # a check prompt must not reuse KV of older weights
+                           weight_transfer_config={"backend": "policyworker"})
+    return AsyncLLM.from_engine_args(args)
+
+
+async def _run(spec: WorldSpec, path: str, *, tp: int, refits: int, streams: int, phase_s: float,
+               max_tokens: int, cpu_linear: str, log) -> dict[str, Any]:
+    pool_task = asyncio.ensure_future(asyncio.to_thread(TrainerPool, spec))
+    t0 = time.perf_counter()
+    engine = await asyncio.to_thread(_start_engine, path, spec, tp, streams)
+    startup_s = time.perf_counter() - t0
+    pool = None
+    try:
+        pool = await asyncio.wait_for(pool_task, 300)
+        log(f"AsyncLLM up in {startup_s:.1f} s (tp={tp}); {spec.n_train} trainers ({spec.train})")
+        load = _Load(engine, streams, max_tokens, spec.config["vocab_size"])
+        bench = _Bench(engine, pool, spec, tp=tp, phase_s=phase_s, load=load, log=log)
+        total = await bench.connect(cpu_linear)
+        load.start()
+        cold = await bench.refit(1, "paused")  # the first refit attaches the plan: reported apart
+        rows = []
+        for i in range(refits):
+            for mode in (MODES if i % 2 == 0 else MODES[::-1]):
+                rows.append(await bench.refit(len(rows) + 2, mode))
+        await load.stop()
+        return {"rows": rows, "cold": cold, "bytes_per_refit": total, "startup_s": startup_s}
+    finally:
+        if pool is not None:
+            pool.close()
+        engine.shutdown()
+
+
+def run_vllm_overlap_bench(*, preset: str = "small", train: str = "tp=2", tp: int = 1, refits: int = 3,
+                           dtype: str = "float32", bucket_bytes: int = 16 << 20, cpu_linear: str = "prepack",
+                           streams: int = 4, phase_s: float = 1.0, max_tokens: int = 96, timeout_s: float = 300.0,
+                           log=print) -> dict[str, Any]:
+    """See the module docstring; ``refits`` of each path, alternating. Returns the JSON-ready result
+    (the refits' timelines under ``timelines``: one overlapped and one paused refit)."""
+    from policyworker.cli.vllm_bench import hf_kwargs, minimum_bytes
+
+    if refits < 1:
+        raise ConfigError("bench --engine vllm --overlap needs --refits >= 1 (refits of each path)")
+    config = get_preset(preset)
+    spec = WorldSpec(config=hf_kwargs(config), model_type=config.family, dtype=dtype, train=train,
+                     timeout_s=timeout_s, refit_timeout_s=timeout_s, reshard_options={"bucket_bytes": bucket_bytes})
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (the step ring)
+    directory = tempfile.mkdtemp(prefix="policyworker-vllm-overlap-")
+    try:
+        path = os.path.join(directory, "model")
+        save_hf_model(spec, 0, path)
+        out = asyncio.run(_run(spec, path, tp=tp, refits=refits, streams=streams, phase_s=phase_s,
+                               max_tokens=max_tokens, cpu_linear=cpu_linear, log=log))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    need = minimum_bytes(hf_model(spec, 0), tp)
+    if out["bytes_per_refit"] != need:
+        raise PlanError(f"the plan moves {out['bytes_per_refit']} bytes a refit; vLLM's {tp} ranks need {need}")
+    rows, cold = out["rows"], out["cold"]
+    for row in [cold, *rows]:  # the oracle, once the engine is down (HF needs the cores)
+        row["tokens_match_hf"] = row["tokens"] == greedy_tokens(hf_model(spec, row["version"]), PROMPTS, CHECK_TOKENS)
+    timelines = {}
+    for mode in MODES:
+        first = next(r for r in rows if r["mode"] == mode)
+        timelines[mode] = {"version": first["version"], **first["_timeline"]}
+    for row in [cold, *rows]:
+        del row["_timeline"]
+    med = statistics.median
+    summary = {}
+    for mode in MODES:
+        mine = [r for r in rows if r["mode"] == mode]
+        summary[mode] = {
+            "stall_ms_median": 1e3 * med(r["stall_seconds"] for r in mine),
+            "stall_ms_max": 1e3 * max(r["stall_seconds"] for r in mine),
+            "refit_ms_median": 1e3 * med(r["refit_seconds"] for r in mine),
+            "tokens_per_second_median": {ph: med(r["tokens_per_second"][ph] for r in mine)
+                                         for ph in ("before", "during", "after")}}
+    baseline = max(r["baseline_gap_max_seconds"] for r in rows)
+    return {
+        "engine": "vllm", "api": "AsyncLLM", "backend": "policyworker", "transport": "nccl_reshard", "device": "cpu",
+        "comm": "gloo", "preset": preset, "dtype": dtype, "train": train, "vllm_tp": tp, "cpu_linear": cpu_linear,
+        "bytes_per_refit": out["bytes_per_refit"], "bytes_minimum": need, "load_streams": streams,
+        "load_max_tokens": max_tokens, "phase_seconds": phase_s, "engine_startup_seconds": out["startup_s"],
+        "refits_per_path": refits, "order": "alternating, overlap first in even rounds, paused first in odd ones",
+        "stall_method": "longest gap between the end of one forward pass and the start of the next (vLLM worker's "
+                        "monotonic clock) among the gaps overlapping the controller's start_weight_update call .. "
+                        "finish_weight_update return; baseline: the same gaps in the phase before each refit",
+        "cold_refit": cold, "refits": rows, "summary": summary,
+        "baseline_gap_max_ms": 1e3 * baseline,
+        "overlap_stall_goal_ms": 10.0, "overlap_stall_goal_met": summary["overlap"]["stall_ms_max"] <= 10.0,
+        "tokens_match_hf": all(r["tokens_match_hf"] for r in [cold, *rows]),
+        "timelines": timelines,
+    }
