@@ -30,6 +30,7 @@ the engine is down; the command fails when any differs).
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import shutil
@@ -42,7 +43,7 @@ from policyworker.errors import ConfigError, PlanError, RefitTimeout
 from policyworker.models.config import get_preset
 from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
 
-__all__ = ["run_vllm_overlap_bench", "stall", "tokens_per_second"]
+__all__ = ["longest_gap", "run_vllm_overlap_bench", "stall", "tokens_per_second"]
 
 PROMPTS = [[1, 2, 3, 4], [100, 7, 8, 9, 11]]
 CHECK_TOKENS = 8
@@ -65,23 +66,29 @@ def _overlap_times(worker: Any) -> dict[str, float]:
 
 # -- statistics ---------------------------------------------------------------------------
 def stall(passes: list[tuple[float, float]], start: float, end: float) -> float:
-    """The longest gap between the end of a pass and the start of the next among the gaps
+    """Seconds of the :func:`longest_gap`."""
+    a, b = longest_gap(passes, start, end)
+    return b - a
+
+
+def longest_gap(passes: list[tuple[float, float]], start: float, end: float) -> tuple[float, float]:
+    """(end of a pass, start of the next): the longest such gap among the gaps
     that overlap [start, end], whole (a gap that began before ``start`` or ends after
     ``end`` counts in full; one still open when the passes run out counts up to ``end``).
     ConfigError if no pass ended before ``start`` (nothing to measure from)."""
     ended = [e for _, e in passes if e <= start]
     if not ended:
         raise ConfigError("no engine step ended before the window: the load did not run")
-    longest, last_end = 0.0, max(ended)
+    longest, last_end = (0.0, 0.0), max(ended)
     for s, e in sorted(passes):
         if e <= last_end:
             continue  # ended before the gap being measured
-        if s > start:  # the gap (last_end, s) overlaps the window
-            longest = max(longest, s - last_end)
+        if s > start and s - last_end > longest[1] - longest[0]:  # the gap (last_end, s) overlaps the window
+            longest = (last_end, s)
         if s >= end:
             return longest
         last_end = e
-    return max(longest, end - last_end)
+    return longest if longest[1] - longest[0] >= end - last_end else (last_end, end)
 
 
 def tokens_per_second(arrivals: list[tuple[float, int]], start: float, end: float) -> float:
@@ -203,10 +210,16 @@ class _Bench:
         before_gaps = [s2 - e1 for (_, e1), (s2, _) in zip(passes, passes[1:]) if t0 - ph <= e1 and s2 <= t0]
         if not before_gaps:
             raise ConfigError(f"refit {version}: no engine steps in the {ph} s before it: the load did not run")
+        gap = longest_gap(passes, t0, t4)
+        calls = {"start_weight_update": (0.0, t1 - t0), "update_weights": (t1 - t0, t2 - t0),
+                 "ready polls": (t2 - t0, t3 - t0), "finish_weight_update": (t3 - t0, t4 - t0)}
         row = {"version": version, "mode": mode, "refit_seconds": t4 - t0, "start_call_seconds": t1 - t0,
                "update_call_seconds": t2 - t1, "ready_wait_seconds": t3 - t2, "ready_polls": polls,
                "finish_call_seconds": t4 - t3, "trainer_send_seconds": max(r["seconds"] for r in replies),
-               "stall_seconds": stall(passes, t0, t4),
+               "stall_seconds": gap[1] - gap[0],
+               "stall_excess_seconds": gap[1] - gap[0] - statistics.median(before_gaps),
+               "stall_from_seconds": gap[0] - t0,
+               "stall_in": [name for name, (a, b) in calls.items() if a <= gap[1] - t0 and b >= gap[0] - t0],
                "baseline_gap_max_seconds": max(before_gaps), "baseline_gap_median_seconds": statistics.median(before_gaps),
                "steps_during_refit": len(in_refit),
                "tokens_per_second": {"before": tokens_per_second(arrivals, t0 - ph, t0),
@@ -217,11 +230,11 @@ class _Bench:
             row["worker_phase_seconds"] = {k: v - t0 for k, v in worker.items()}
         # What a timeline needs, relative to t0 (kept for the plotted refits only).
         row["_timeline"] = {"passes": [(s - t0, en - t0) for s, en in passes if t0 - 0.25 <= en and s <= t4 + 0.25],
-                            "calls": {"start_weight_update": (0.0, t1 - t0), "update_weights": (t1 - t0, t2 - t0),
-                                      "ready polls": (t2 - t0, t3 - t0), "finish_weight_update": (t3 - t0, t4 - t0)},
+                            "calls": calls,
                             "worker": row.get("worker_phase_seconds", {})}
         self.log(f"refit {version} ({mode}): {row['refit_seconds'] * 1e3:.0f} ms, stall "
-                 f"{row['stall_seconds'] * 1e3:.1f} ms (baseline max gap {row['baseline_gap_max_seconds'] * 1e3:.1f} ms), "
+                 f"{row['stall_seconds'] * 1e3:.1f} ms in {'+'.join(row['stall_in'])} (baseline gap median "
+                 f"{row['baseline_gap_median_seconds'] * 1e3:.1f} ms, max {row['baseline_gap_max_seconds'] * 1e3:.1f} ms), "
                  f"tokens/s before {row['tokens_per_second']['before']:.0f} during "
                  f"{row['tokens_per_second']['during']:.0f} after {row['tokens_per_second']['after']:.0f}")
         return row
@@ -268,15 +281,20 @@ async def _run(spec: WorldSpec, path: str, *, tp: int, refits: int, streams: int
 def run_vllm_overlap_bench(*, preset: str = "small", train: str = "tp=2", tp: int = 1, refits: int = 3,
                            dtype: str = "float32", bucket_bytes: int = 16 << 20, cpu_linear: str = "prepack",
                            streams: int = 4, phase_s: float = 1.0, max_tokens: int = 96, timeout_s: float = 300.0,
-                           log=print) -> dict[str, Any]:
+                           qwen3: dict[str, Any] | None = None, log=print) -> dict[str, Any]:
     """See the module docstring; ``refits`` of each path, alternating. Returns the JSON-ready result
-    (the refits' timelines under ``timelines``: one overlapped and one paused refit)."""
+    (the timelines of the first overlapped and the first paused refit under ``timelines``).
+    ``qwen3``: a Hugging Face ``Qwen3Config``'s keyword arguments instead of ``preset``'s."""
     from policyworker.cli.vllm_bench import hf_kwargs, minimum_bytes
 
     if refits < 1:
         raise ConfigError("bench --engine vllm --overlap needs --refits >= 1 (refits of each path)")
-    config = get_preset(preset)
-    spec = WorldSpec(config=hf_kwargs(config), model_type=config.family, dtype=dtype, train=train,
+    if qwen3 is not None:
+        preset, kwargs, family = "custom", dict(qwen3), "qwen3"
+    else:
+        config = get_preset(preset)
+        kwargs, family = hf_kwargs(config), config.family
+    spec = WorldSpec(config=kwargs, model_type=family, dtype=dtype, train=train,
                      timeout_s=timeout_s, refit_timeout_s=timeout_s, reshard_options={"bucket_bytes": bucket_bytes})
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
@@ -288,6 +306,7 @@ def run_vllm_overlap_bench(*, preset: str = "small", train: str = "tp=2", tp: in
         out = asyncio.run(_run(spec, path, tp=tp, refits=refits, streams=streams, phase_s=phase_s,
                                max_tokens=max_tokens, cpu_linear=cpu_linear, log=log))
     finally:
+        gc.collect()  # the AsyncLLM (shut down) goes now, not at interpreter exit
         shutil.rmtree(directory, ignore_errors=True)
     need = minimum_bytes(hf_model(spec, 0), tp)
     if out["bytes_per_refit"] != need:
@@ -308,6 +327,7 @@ def run_vllm_overlap_bench(*, preset: str = "small", train: str = "tp=2", tp: in
         summary[mode] = {
             "stall_ms_median": 1e3 * med(r["stall_seconds"] for r in mine),
             "stall_ms_max": 1e3 * max(r["stall_seconds"] for r in mine),
+            "stall_excess_ms_max": 1e3 * max(r["stall_excess_seconds"] for r in mine),
             "refit_ms_median": 1e3 * med(r["refit_seconds"] for r in mine),
             "tokens_per_second_median": {ph: med(r["tokens_per_second"][ph] for r in mine)
                                          for ph in ("before", "during", "after")}}
@@ -320,7 +340,8 @@ def run_vllm_overlap_bench(*, preset: str = "small", train: str = "tp=2", tp: in
         "refits_per_path": refits, "order": "alternating, overlap first in even rounds, paused first in odd ones",
         "stall_method": "longest gap between the end of one forward pass and the start of the next (vLLM worker's "
                         "monotonic clock) among the gaps overlapping the controller's start_weight_update call .. "
-                        "finish_weight_update return; baseline: the same gaps in the phase before each refit",
+                        "finish_weight_update return; baseline: the same gaps in the phase before each refit; "
+                        "excess: the stall minus that refit's median baseline gap",
         "cold_refit": cold, "refits": rows, "summary": summary,
         "baseline_gap_max_ms": 1e3 * baseline,
         "overlap_stall_goal_ms": 10.0, "overlap_stall_goal_met": summary["overlap"]["stall_ms_max"] <= 10.0,
