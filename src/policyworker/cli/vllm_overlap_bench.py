@@ -109,6 +109,17 @@ class _Load:
     def start(self) -> None:
         self._tasks = [asyncio.ensure_future(self._stream(i)) for i in range(self.streams)]
 
+    async def running(self, timeout_s: float) -> None:
+        """Return once a token arrived after this call (the load runs); raise what a stream raised."""
+        since, end = time.monotonic(), time.monotonic() + timeout_s
+        while not (self.arrivals and self.arrivals[-1][0] > since):
+            for task in self._tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+            if time.monotonic() > end:
+                raise RefitTimeout(f"the generation load produced no token within {timeout_s} s")
+            await asyncio.sleep(0.01)
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()  # AsyncLLM aborts a request whose consumer is cancelled
@@ -178,6 +189,7 @@ class _Bench:
 
         self.pool.send({"cmd": "load", "version": version})
         await self.replies()
+        await self.load.running(self.timeout_s)
         await asyncio.sleep(self.phase_s)  # the "before" phase, load running, trainers idle
         self.pool.send({"cmd": "refit", "version": version, "load": False})
         e = self.engine
@@ -212,7 +224,8 @@ class _Bench:
             raise ConfigError(f"refit {version}: no engine steps in the {ph} s before it: the load did not run")
         gap = longest_gap(passes, t0, t4)
         calls = {"start_weight_update": (0.0, t1 - t0), "update_weights": (t1 - t0, t2 - t0),
-                 "ready polls": (t2 - t0, t3 - t0), "finish_weight_update": (t3 - t0, t4 - t0)}
+                 **({"ready polls": (t2 - t0, t3 - t0)} if mode == "overlap" else {}),
+                 "finish_weight_update": (t3 - t0, t4 - t0)}
         row = {"version": version, "mode": mode, "refit_seconds": t4 - t0, "start_call_seconds": t1 - t0,
                "update_call_seconds": t2 - t1, "ready_wait_seconds": t3 - t2, "ready_polls": polls,
                "finish_call_seconds": t4 - t3, "trainer_send_seconds": max(r["seconds"] for r in replies),

@@ -31,7 +31,9 @@ worker (one per tp rank) and is driven by vLLM's four calls:
     on CPU the linear layers prepack their weights and drop the parameter, so bytes
     written into parameters in place would not be what the kernels read) on a copy of
     the layer holding the staged tensors, then swaps the copies' state into the live
-    layers. vLLM's ``weight_version`` is the string the controller passes here.
+    layers. vLLM's ``weight_version`` is the string the controller passes here. With
+    ``overlap`` the receive and the post-processing ran in the background and this call
+    only swaps (:mod:`.overlap`).
 
 Failure semantics (docs/vllm.md): every call answers for itself at any tp. The engine's
 tp ranks agree on each call's outcome before they reply, and raise the same error when
@@ -68,7 +70,8 @@ from policyworker.errors import (ConfigError, PlanMismatch, PolicyWorkerError, P
 from policyworker.layout.plan import ReshardPlan
 from policyworker.integrations.vllm.errors import engine_error, mark, typed_errors
 from policyworker.integrations.vllm.join import Joined, Loop as _Loop, join
-from policyworker.integrations.vllm.overlap import OverlappedReceive, StepCounter
+from policyworker.integrations.vllm.overlap import (OverlappedReceive, StepCounter, hold_live_state,
+                                                    release_in_background)
 from policyworker.integrations.vllm.plan import NEEDS_KEY, PLAN_KEY, encode_needs
 from policyworker.integrations.vllm.rpc import Agreement, install_single_reply
 from policyworker.integrations.vllm.stage import VllmStage
@@ -445,6 +448,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         # The receive and the post-processing ran in the background (.overlap); the ranks
         # agree on both outcomes, then every rank only swaps.
         self.last_overlap = pending
+        pending.times["finish_start"] = time.monotonic()
         try:
             version, prepared = self._agreed("finish_weight_update (overlapped refit)", pending.timeout_s + 60.0,
                                              lambda: pending.result(self.tp_rank))
@@ -455,10 +459,14 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self._stage.received(True)
         self.last_report, self.kv_scales = pending.report, pending.report.kv_scales
         self._received = None
+        held = hold_live_state(prepared.layers)  # freed after the swap, off the engine's step
         pending.times["swap_start"] = time.monotonic()
-        self._agreed("finish_weight_update (swap)", bound, lambda: self._swap(version, prepared),
-                     on_failure=self._torn_everywhere)
-        pending.times["swap_end"] = time.monotonic()
+        try:
+            self._agreed("finish_weight_update (swap)", bound, lambda: self._swap(version, prepared),
+                         on_failure=self._torn_everywhere)
+        finally:
+            pending.times["swap_end"] = time.monotonic()
+            release_in_background(held)
 
     def weight_update_ready(self) -> bool:
         """True unless an overlapped refit is still receiving or post-processing on this

@@ -32,7 +32,7 @@ import torch
 
 from policyworker.errors import ProtocolError, RefitTimeout
 
-__all__ = ["OverlappedReceive", "StepCounter"]
+__all__ = ["OverlappedReceive", "StepCounter", "hold_live_state", "release_in_background"]
 
 
 class StepCounter:
@@ -151,3 +151,25 @@ class OverlappedReceive:
         self.future.cancel()
         if self._thread is not None:
             self._thread.join(timeout_s)
+
+
+def hold_live_state(layers: list[tuple[torch.nn.Module, Any]]) -> list[Any]:
+    """References to what a swap of ``layers`` (live module, prepared copy) replaces."""
+    return [(dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m, _ in layers]
+
+
+def release_in_background(held: list[Any], pause_s: float = 0.001) -> None:
+    """Drop ``held`` (:func:`hold_live_state`) one layer at a time on a daemon thread.
+
+    The swap itself only moves references; freeing the replaced kernels' memory (on CPU
+    the old version's prepacked weights: as many bytes as the model) inside the commit
+    would stop the engine for as long, with the GIL held. Spread over short steps, the
+    engine's thread gets the GIL between them.
+    """
+
+    def run() -> None:
+        while held:
+            held.pop()
+            time.sleep(pause_s)
+
+    threading.Thread(target=run, daemon=True, name="policyworker-vllm-release").start()
