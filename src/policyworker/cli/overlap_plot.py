@@ -77,7 +77,8 @@ def plot_timelines(result: dict[str, Any], path: str) -> None:
         ax.set_title(f"{'overlapped' if mode == 'overlap' else 'paused'} refit (version {tl['version']}): "
                      f"{end:.0f} ms, stall {row['stall_seconds'] * 1e3:.1f} ms (orange)", fontsize=9)
     axes[-1, 0].set_xlabel("ms from the start_weight_update call")
-    fig.suptitle(f"vLLM engine steps during a refit: preset {result['preset']}, {result['dtype']}, "
+    fig.suptitle(f"vLLM engine steps during a refit: preset {result.get('preset', 'custom')}, "
+                 f"{result.get('dtype', '')}, "
                  f"{result['load_streams']} streams of load", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

@@ -4,7 +4,8 @@ A vLLM ``AsyncLLM`` in this process serves a continuous generation load (``strea
 greedy requests, each resubmitted as it ends) before, during and after every refit.
 Refits alternate between the overlapped path (``update_info.overlap=true``: the receive
 and vLLM's post-processing run in the background while the engine steps; the controller
-polls ``weight_update_ready`` and then calls ``finish_weight_update``, which only swaps)
+polls the version record (``receiving.ready``, :mod:`~policyworker.integrations.vllm.versions`)
+and then calls ``finish_weight_update``, which only swaps)
 and today's paused path (``overlap=false``: the receive runs inside ``update_weights``
 and the post-processing inside ``finish_weight_update``, both collective RPCs between
 engine steps), with the same engine, trainers and load, in the same run.
@@ -40,28 +41,15 @@ import time
 from typing import Any
 
 from policyworker.errors import ConfigError, PlanError, RefitTimeout
+from policyworker.integrations.vllm.versions import EXTENSION
 from policyworker.models.config import get_preset
 from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
 
-__all__ = ["longest_gap", "run_vllm_overlap_bench", "stall", "tokens_per_second"]
+__all__ = ["longest_gap", "measure", "run_vllm_overlap_bench", "stall", "summarize", "tokens_per_second"]
 
 PROMPTS = [[1, 2, 3, 4], [100, 7, 8, 9, 11]]
 CHECK_TOKENS = 8
 MODES = ("overlap", "paused")
-
-
-# -- run inside vLLM's workers (collective_rpc) ------------------------------------------
-def _passes(worker: Any, since: float) -> list[tuple[float, float]]:
-    return worker.weight_transfer_engine.steps.times(since)
-
-
-def _ready(worker: Any) -> bool:
-    return worker.weight_transfer_engine.weight_update_ready()
-
-
-def _overlap_times(worker: Any) -> dict[str, float]:
-    last = worker.weight_transfer_engine.last_overlap
-    return dict(last.times) if last is not None else {}
 
 
 # -- statistics ---------------------------------------------------------------------------
@@ -165,8 +153,9 @@ class _Bench:
             engine, pool, spec, tp, phase_s, load, log
         self.timeout_s = spec.refit_timeout_s
 
-    async def rpc(self, fn: Any, *args: Any) -> list[Any]:
-        return await asyncio.wait_for(self.engine.collective_rpc(fn, args=args), self.timeout_s)
+    async def rpc(self, method: str, *args: Any) -> list[Any]:
+        # By name: the worker extension (versions.EXTENSION) adds the methods.
+        return await asyncio.wait_for(self.engine.collective_rpc(method, args=args), self.timeout_s)
 
     async def replies(self, ranks: list[int] | None = None) -> list[dict[str, Any]]:
         replies = await asyncio.to_thread(self.pool.replies, self.spec.refit_timeout_s, ranks)
@@ -175,10 +164,10 @@ class _Bench:
             raise RuntimeError(f"trainers failed: {bad}")
         return replies
 
-    async def connect(self, cpu_linear: str) -> int:
+    async def connect(self, cpu_linear: str, version: int) -> int:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        info = {**self.pool.connect(gen_world_size=self.tp, version=0), "cpu_linear": cpu_linear}
+        info = {**self.pool.connect(gen_world_size=self.tp, version=version), "cpu_linear": cpu_linear}
         await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                                self.spec.timeout_s * 3)
         replies = await self.replies()
@@ -201,7 +190,8 @@ class _Bench:
         t2 = time.monotonic()
         polls = 0
         if mode == "overlap":
-            while not all(await self.rpc(_ready)):
+            while not all(r["receiving"] is None or r["receiving"]["ready"]
+                          for r in await self.rpc("policyworker_weight_versions")):
                 polls += 1
                 if time.monotonic() - t2 > self.timeout_s:
                     raise RefitTimeout(f"the overlapped refit of version {version} was not ready within "
@@ -212,8 +202,8 @@ class _Bench:
         t4 = time.monotonic()
         replies = await self.replies()
         await asyncio.sleep(self.phase_s)  # the "after" phase
-        passes = (await self.rpc(_passes, t0 - self.phase_s - 1.0))[0]
-        worker = (await self.rpc(_overlap_times))[0] if mode == "overlap" else {}
+        passes = [tuple(p) for p in (await self.rpc("policyworker_step_times", t0 - self.phase_s - 1.0))[0]]
+        worker = (await self.rpc("policyworker_refit_times"))[0] if mode == "overlap" else {}
         await self.load.stop()
         tokens = await _check_tokens(e, str(version))  # alone: HF runs each prompt alone too
         self.load.start()
@@ -260,12 +250,33 @@ def _start_engine(path: str, spec: WorldSpec, tp: int, streams: int) -> Any:
     args = AsyncEngineArgs(model=path, skip_tokenizer_init=True, tensor_parallel_size=tp, dtype=spec.dtype,
                            enforce_eager=True, max_model_len=128, max_num_seqs=max(streams, len(PROMPTS)), seed=0,
                            enable_prefix_caching=False,  # a check prompt must not reuse KV of older weights
-                           weight_transfer_config={"backend": "policyworker"})
+                           weight_transfer_config={"backend": "policyworker"}, worker_extension_cls=EXTENSION)
     return AsyncLLM.from_engine_args(args)
 
 
-async def _run(spec: WorldSpec, path: str, *, tp: int, refits: int, streams: int, phase_s: float,
-               max_tokens: int, cpu_linear: str, log) -> dict[str, Any]:
+async def measure(engine: Any, pool: TrainerPool, spec: WorldSpec, *, tp: int = 1, refits: int = 3,
+                  version: int = 0, streams: int = 4, phase_s: float = 1.0, max_tokens: int = 96,
+                  cpu_linear: str = "prepack", log=print) -> dict[str, Any]:
+    """The measurement on a running ``AsyncLLM`` (started with ``worker_extension_cls=EXTENSION``)
+    and its trainers, which hold version ``version``: connect, one cold refit, then ``refits``
+    of each path, alternating. Returns the raw rows for :func:`summarize`."""
+    load = _Load(engine, streams, max_tokens, spec.config["vocab_size"])
+    bench = _Bench(engine, pool, spec, tp=tp, phase_s=phase_s, load=load, log=log)
+    total = await bench.connect(cpu_linear, version)
+    load.start()
+    try:
+        cold = await bench.refit(version + 1, "paused")  # the first refit attaches the plan: reported apart
+        rows = []
+        for i in range(refits):
+            for mode in (MODES if i % 2 == 0 else MODES[::-1]):
+                rows.append(await bench.refit(version + 2 + len(rows), mode))
+    finally:
+        await load.stop()
+    return {"rows": rows, "cold": cold, "bytes_per_refit": total, "tp": tp, "streams": streams,
+            "phase_s": phase_s, "max_tokens": max_tokens, "cpu_linear": cpu_linear}
+
+
+async def _run(spec: WorldSpec, path: str, *, tp: int, streams: int, log, **options: Any) -> dict[str, Any]:
     pool_task = asyncio.ensure_future(asyncio.to_thread(TrainerPool, spec))
     t0 = time.perf_counter()
     engine = await asyncio.to_thread(_start_engine, path, spec, tp, streams)
@@ -274,17 +285,8 @@ async def _run(spec: WorldSpec, path: str, *, tp: int, refits: int, streams: int
     try:
         pool = await asyncio.wait_for(pool_task, 300)
         log(f"AsyncLLM up in {startup_s:.1f} s (tp={tp}); {spec.n_train} trainers ({spec.train})")
-        load = _Load(engine, streams, max_tokens, spec.config["vocab_size"])
-        bench = _Bench(engine, pool, spec, tp=tp, phase_s=phase_s, load=load, log=log)
-        total = await bench.connect(cpu_linear)
-        load.start()
-        cold = await bench.refit(1, "paused")  # the first refit attaches the plan: reported apart
-        rows = []
-        for i in range(refits):
-            for mode in (MODES if i % 2 == 0 else MODES[::-1]):
-                rows.append(await bench.refit(len(rows) + 2, mode))
-        await load.stop()
-        return {"rows": rows, "cold": cold, "bytes_per_refit": total, "startup_s": startup_s}
+        return {**await measure(engine, pool, spec, tp=tp, streams=streams, log=log, **options),
+                "startup_s": startup_s}
     finally:
         if pool is not None:
             pool.close()
@@ -311,7 +313,6 @@ def run_vllm_overlap_bench(*, preset: str = "small", train: str = "tp=2", tp: in
                      timeout_s=timeout_s, refit_timeout_s=timeout_s, reshard_options={"bucket_bytes": bucket_bytes})
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (the step ring)
     directory = tempfile.mkdtemp(prefix="policyworker-vllm-overlap-")
     try:
         path = os.path.join(directory, "model")
@@ -324,6 +325,15 @@ def run_vllm_overlap_bench(*, preset: str = "small", train: str = "tp=2", tp: in
     need = minimum_bytes(hf_model(spec, 0), tp)
     if out["bytes_per_refit"] != need:
         raise PlanError(f"the plan moves {out['bytes_per_refit']} bytes a refit; vLLM's {tp} ranks need {need}")
+    return {"engine": "vllm", "api": "AsyncLLM", "backend": "policyworker", "transport": "nccl_reshard",
+            "device": "cpu", "comm": "gloo", "preset": preset, "dtype": dtype, "train": train, "vllm_tp": tp,
+            "cpu_linear": cpu_linear, "bytes_minimum": need, "engine_startup_seconds": out["startup_s"],
+            "refits_per_path": refits, **summarize(out, spec)}
+
+
+def summarize(out: dict[str, Any], spec: WorldSpec) -> dict[str, Any]:
+    """:func:`measure`'s rows with Hugging Face's verdict per commit, the per-path summary and
+    the timelines of the first overlapped and the first paused refit (JSON-ready)."""
     rows, cold = out["rows"], out["cold"]
     for row in [cold, *rows]:  # the oracle, once the engine is down (HF needs the cores)
         row["tokens_match_hf"] = row["tokens"] == greedy_tokens(hf_model(spec, row["version"]), PROMPTS, CHECK_TOKENS)
@@ -346,11 +356,8 @@ def run_vllm_overlap_bench(*, preset: str = "small", train: str = "tp=2", tp: in
                                          for ph in ("before", "during", "after")}}
     baseline = max(r["baseline_gap_max_seconds"] for r in rows)
     return {
-        "engine": "vllm", "api": "AsyncLLM", "backend": "policyworker", "transport": "nccl_reshard", "device": "cpu",
-        "comm": "gloo", "preset": preset, "dtype": dtype, "train": train, "vllm_tp": tp, "cpu_linear": cpu_linear,
-        "bytes_per_refit": out["bytes_per_refit"], "bytes_minimum": need, "load_streams": streams,
-        "load_max_tokens": max_tokens, "phase_seconds": phase_s, "engine_startup_seconds": out["startup_s"],
-        "refits_per_path": refits, "order": "alternating, overlap first in even rounds, paused first in odd ones",
+        "bytes_per_refit": out["bytes_per_refit"], "load_streams": out["streams"],
+        "load_max_tokens": out["max_tokens"], "phase_seconds": out["phase_s"], "order": "alternating, overlap first in even rounds, paused first in odd ones",
         "stall_method": "longest gap between the end of one forward pass and the start of the next (vLLM worker's "
                         "monotonic clock) among the gaps overlapping the controller's start_weight_update call .. "
                         "finish_weight_update return; baseline: the same gaps in the phase before each refit; "

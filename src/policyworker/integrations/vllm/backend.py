@@ -494,6 +494,16 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         # A rank whose swap succeeded serves the new version while another does not.
         self.ledger.mark_torn()
 
+    def versions(self) -> dict[str, Any]:
+        """This rank's version record, JSON-safe (:mod:`.versions` serves it to a controller)."""
+        pending = self._pending
+        return {"rank": self.tp_rank, "version": self.ledger.version, "torn": self.torn, "steps": self.steps.count,
+                "commits": [list(c) for c in self.commits],
+                "receiving": None if pending is None else {"version": pending.version,
+                                                            "started_step": pending.started_step,
+                                                            "landed": pending.future.done(),
+                                                            "ready": pending.ready()}}
+
     @property
     def torn(self) -> bool:
         return self.ledger.torn
