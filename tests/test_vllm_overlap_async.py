@@ -159,7 +159,8 @@ class AsyncWorld:
         await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
         marks["update_returned"] = time.monotonic()
         receiving = (await self.rpc_versions())["receiving"]
-        assert receiving == {"version": version, "started_step": receiving["started_step"], "landed": False}, receiving
+        assert receiving == {"version": version, "started_step": receiving["started_step"], "landed": False,
+                             "ready": False}, receiving
         # The trainers send only once a request completed with the receive in flight.
         marks["during"] = await self.finished_after(marks["update_returned"])
         marks["send"] = time.monotonic()
@@ -173,7 +174,7 @@ class AsyncWorld:
         for rank in die:
             marks.setdefault("exit_codes", {})[rank] = await asyncio.to_thread(self.pool.wait_dead, rank, 10.0)
         if not die:
-            assert (await self.rpc_versions())["receiving"]["landed"]  # the finish below only swaps
+            assert (await self.rpc_versions())["receiving"]["landed"]  # every byte (post-processing may still run)
         marks["error"] = None
         if keep_pause:
             await self.engine.pause_generation(mode="keep", clear_cache=False)

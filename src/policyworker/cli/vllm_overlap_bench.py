@@ -223,7 +223,8 @@ class _Bench:
                "stall_excess_seconds": gap[1] - gap[0] - statistics.median(before_gaps),
                "stall_from_seconds": gap[0] - t0,
                "stall_in": [name for name, (a, b) in calls.items() if a <= gap[1] - t0 and b >= gap[0] - t0],
-               "baseline_gap_max_seconds": max(before_gaps), "baseline_gap_median_seconds": statistics.median(before_gaps),
+               "baseline_gap_max_seconds": max(before_gaps),
+               "baseline_gap_median_seconds": statistics.median(before_gaps),
                "steps_during_refit": len(in_refit),
                "tokens_per_second": {"before": tokens_per_second(arrivals, t0 - ph, t0),
                                      "during": tokens_per_second(arrivals, t0, t4),
@@ -237,7 +238,8 @@ class _Bench:
                             "worker": row.get("worker_phase_seconds", {})}
         self.log(f"refit {version} ({mode}): {row['refit_seconds'] * 1e3:.0f} ms, stall "
                  f"{row['stall_seconds'] * 1e3:.1f} ms in {'+'.join(row['stall_in'])} (baseline gap median "
-                 f"{row['baseline_gap_median_seconds'] * 1e3:.1f} ms, max {row['baseline_gap_max_seconds'] * 1e3:.1f} ms), "
+                 f"{row['baseline_gap_median_seconds'] * 1e3:.1f} ms, "
+                 f"max {row['baseline_gap_max_seconds'] * 1e3:.1f} ms), "
                  f"tokens/s before {row['tokens_per_second']['before']:.0f} during "
                  f"{row['tokens_per_second']['during']:.0f} after {row['tokens_per_second']['after']:.0f}")
         return row
@@ -357,7 +359,8 @@ def summarize(out: dict[str, Any], spec: WorldSpec) -> dict[str, Any]:
     baseline = max(r["baseline_gap_max_seconds"] for r in rows)
     return {
         "bytes_per_refit": out["bytes_per_refit"], "load_streams": out["streams"],
-        "load_max_tokens": out["max_tokens"], "phase_seconds": out["phase_s"], "order": "alternating, overlap first in even rounds, paused first in odd ones",
+        "load_max_tokens": out["max_tokens"], "phase_seconds": out["phase_s"],
+        "order": "alternating, overlap first in even rounds, paused first in odd ones",
         "stall_method": "longest gap between the end of one forward pass and the start of the next (vLLM worker's "
                         "monotonic clock) among the gaps overlapping the controller's start_weight_update call .. "
                         "finish_weight_update return; baseline: the same gaps in the phase before each refit; "

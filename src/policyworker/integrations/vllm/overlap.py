@@ -76,7 +76,7 @@ class OverlappedReceive:
         #: The receive's ``RefitReport`` once it ended well.
         self.report: Any = None
         #: Monotonic times of this refit's phases on this rank (receive_start, receive_end,
-        #: prepare_end, swap_start, swap_end), for timelines.
+        #: prepare_end, finish_start, swap_start, swap_end), for timelines.
         self.times: dict[str, float] = {"receive_start": time.monotonic()}
         self._prepared: Any = None
         self._error: BaseException | None = None
