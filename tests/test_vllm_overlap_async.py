@@ -159,7 +159,8 @@ class AsyncWorld:
         await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
         marks["update_returned"] = time.monotonic()
         receiving = (await self.rpc_versions())["receiving"]
-        assert receiving == {"version": version, "started_step": receiving["started_step"], "landed": False}, receiving
+        assert receiving == {"version": version, "started_step": receiving["started_step"], "landed": False,
+                             "ready": False}, receiving
         # The trainers send only once a request completed with the receive in flight.
         marks["during"] = await self.finished_after(marks["update_returned"])
         marks["send"] = time.monotonic()
@@ -173,7 +174,7 @@ class AsyncWorld:
         for rank in die:
             marks.setdefault("exit_codes", {})[rank] = await asyncio.to_thread(self.pool.wait_dead, rank, 10.0)
         if not die:
-            assert (await self.rpc_versions())["receiving"]["landed"]  # the finish below only swaps
+            assert (await self.rpc_versions())["receiving"]["landed"]  # every byte (post-processing may still run)
         marks["error"] = None
         if keep_pause:
             await self.engine.pause_generation(mode="keep", clear_cache=False)
@@ -355,3 +356,45 @@ def test_asyncllm_trainer_killed_mid_overlapped_transfer_keeps_v_then_recovers(w
     counts = _check_all(world, 1, 2, exact_spans=True)
     print(f"\nrequests: {counts}; commits {out['record']['commits']}")
     world.version = 2
+
+
+@pytest.mark.timeout(300)
+def test_bench_overlap_measures_both_paths_on_this_engine(world, tmp_path):
+    """``bench --engine vllm --overlap``'s measurement on this engine, under its own load: a
+    cold refit, then one overlapped and one paused refit; tokens == HF's after each commit."""
+    from policyworker.cli.vllm_overlap_bench import longest_gap, measure, summarize
+    from policyworker.errors import ConfigError
+
+    v = world.version
+    out = world.run(measure(world.engine, world.pool, world.spec, refits=1, version=v, streams=2, phase_s=0.3,
+                            max_tokens=32, log=lambda msg: None), 280)
+    world.version = v + 3
+    res = summarize(out, world.spec)
+    rows = res["refits"]
+    assert [(r["version"], r["mode"]) for r in rows] == [(v + 2, "overlap"), (v + 3, "paused")]
+    assert res["cold_refit"]["mode"] == "paused" and res["tokens_match_hf"] is True
+    assert all(r["tokens_match_hf"] and len(r["tokens"]) == 2 for r in [res["cold_refit"], *rows])
+    over, paused = rows
+    w = over["worker_phase_seconds"]  # the worker's clock, from the controller's start_weight_update call
+    assert 0 < w["receive_start"] <= w["receive_end"] <= w["prepare_end"] <= w["finish_start"] <= w["swap_start"] \
+        <= w["swap_end"]
+    tl = res["timelines"]["overlap"]
+    upd, fin = tl["calls"]["update_weights"], tl["calls"]["finish_weight_update"]
+    assert upd[0] <= w["receive_start"] <= upd[1]  # update_weights returned with the receive in flight
+    assert fin[0] <= w["finish_start"] and w["swap_end"] <= fin[1]  # finish only swapped: post-processed before
+    assert not any(s < w["swap_end"] and e > w["swap_start"] for s, e in tl["passes"])  # between two steps
+    assert "worker_phase_seconds" not in paused and paused["ready_polls"] == 0
+    for mode, row in (("overlap", over), ("paused", paused)):
+        a, b = longest_gap([tuple(p) for p in res["timelines"][mode]["passes"]], 0.0, row["refit_seconds"])
+        assert b - a == pytest.approx(row["stall_seconds"]) and row["stall_seconds"] > 0
+        assert row["tokens_per_second"]["before"] > 0 and row["tokens_per_second"]["after"] > 0
+    assert res["summary"]["overlap"]["stall_ms_max"] == pytest.approx(1e3 * over["stall_seconds"])
+    assert res["overlap_stall_goal_met"] == (res["summary"]["overlap"]["stall_ms_max"] <= 10.0)
+    try:
+        from policyworker.cli.overlap_plot import plot_timelines
+
+        plot_timelines(res, str(tmp_path / "t.png"))
+    except ConfigError as exc:  # no matplotlib here: the error names the extra
+        assert "policyworker[plot]" in str(exc)
+    else:
+        assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -13,8 +13,9 @@ reads that record through vLLM's ``collective_rpc``, one dict per worker:
 
 The record: ``version`` (committed, 0: none yet), ``torn``, ``steps`` (forward passes so
 far), ``commits`` (``[version, step]`` pairs, oldest first) and ``receiving`` (the
-overlapped receive in flight: its version, the step it started at and whether every
-byte ``landed``, so ``finish_weight_update`` will only swap; None when none is). See
+overlapped receive in flight: its version, the step it started at, whether every
+byte ``landed`` and whether its post-processing ended too (``ready``: then
+``finish_weight_update`` will only swap); None when none is). See
 docs/vllm-overlap.md for what this attributes and what it cannot.
 """
 
@@ -47,3 +48,16 @@ class WeightVersionsExtension:
 
     def policyworker_weight_versions(self) -> dict[str, Any]:
         return weight_versions(self)
+
+    def policyworker_step_times(self, since: float = 0.0) -> list[tuple[float, float]]:
+        """(start, end) of the kept forward passes that started at or after ``since``
+        (``time.monotonic()`` of this host): how long the engine stood still between steps."""
+        weight_versions(self)  # refuses a worker without our backend
+        return self.weight_transfer_engine.steps.times(since)
+
+    def policyworker_refit_times(self) -> dict[str, float]:
+        """Monotonic times of the phases of the last overlapped refit that reached
+        ``finish_weight_update`` on this rank ({} if none)."""
+        weight_versions(self)
+        last = self.weight_transfer_engine.last_overlap
+        return dict(last.times) if last is not None else {}
