@@ -466,7 +466,7 @@ class NcclReshardTransport(Transport):
         deadline = self._deadline(ctx)
         schedule = ctx.state["schedule"]
         headers = _header_rows(ctx, version, self.checksum, schedule)
-        spans = ctx.state.setdefault("direct_spans", _DirectSpans()).check(plan, params)
+        spans = ctx.state.setdefault("direct_spans", _DirectSpans()).check(plan, params, ring)
         pending: deque = deque()  # (work, msg, tensor, slot or None), key order
         batch: list = []  # messages collected but not posted yet
         free = list(range(len(ring)))
@@ -503,7 +503,10 @@ class NcclReshardTransport(Transport):
                         settle()
                 slot = free.pop()
                 buf = self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0))
-                end = pack(plan, m.copies, params, buf)
+                if spans.moves(plan, m.key, slot, m.copies, params, buf, "src"):
+                    end = m.nbytes
+                else:
+                    end = pack(plan, m.copies, params, buf)
                 if self.checksum:
                     buf.narrow(0, end, 8).view(torch.int64).fill_(bucket_crc(buf.narrow(0, 0, end)))
                     end += 8
