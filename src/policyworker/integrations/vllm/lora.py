@@ -115,6 +115,11 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
 
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        if self.tp_size != 1:
+            # Each rank installs inside finish_weight_update on its own: at tp > 1 a rank
+            # that fails to install would leave the others on the new adapter (a mix).
+            raise ConfigError(f"backend {BACKEND_LORA!r} supports vLLM tensor_parallel_size=1 only (this engine: "
+                              f"{self.tp_size}); the tp ranks do not agree before installing an adapter yet")
         self.lora_config = vllm_config.lora_config
         self._committed: Any = None
         #: Installs later versions into ``_committed``'s own tensors (None: a new LoRAModel each time).
