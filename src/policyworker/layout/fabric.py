@@ -30,6 +30,12 @@ Three strategies, for one plan's model and layouts:
 * ``full_tensor`` — every generation rank receives every parameter whole (vLLM's m2n
   transfer): each source box's replicas share the receivers round robin (receiver g
   from replica ``g % replicas``), so senders are as balanced as in the plan.
+* ``topology`` — the relay routes (:mod:`.topology`, NVLink domains as nodes): each
+  class crosses into a domain once and its entry relays it over NVLink. ``bound_s``
+  is the larger of the ports' bound and the relay path: an entry forwards a piece
+  once it landed, so its last relayed piece leaves after everything it relays came in
+  and arrives one bucket's NVLink time later. (The broadcast's own ring has a fill
+  too; its figure leaves it out.)
 """
 
 from __future__ import annotations
