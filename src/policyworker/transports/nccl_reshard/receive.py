@@ -153,7 +153,13 @@ def recv_bulk(t: Any, ctx: TransportContext):
                     finish()
                 while m.dep is not None and m.dep not in done and pending:
                     finish()  # a send forwards bytes that must have landed
-                work, buf = post_fanout(m, params, plan)
+                try:
+                    work, buf = post_fanout(m, params, plan)
+                except PeerLost as exc:  # gloo refuses a send to a peer already gone
+                    (lost_dst if m.relay == "send" else lost).add(m.key[2] if m.relay == "send" else m.key[1])
+                    failure = failure if isinstance(failure, PeerLost) else exc
+                    done.add(m.key)
+                    continue
                 pending.append((work, m, buf, None))
                 continue
             if m.key[1] in lost:
