@@ -238,19 +238,22 @@ async def read_while(refit: asyncio.Future, w: RolloutWorker, want: dict[str, to
 
 def _die_in_fanout(version_box: list[int], version: int) -> None:
     """Make this process exit (as a SIGKILL would leave it: no clean-up) inside the relay
-    phase of refit ``version``, after its first fan-out message was posted."""
+    phase of refit ``version``, as it posts its second fan-out message (its first is out)."""
     import os
 
     from policyworker.transports.nccl_reshard import relay as nccl_relay
 
-    real = nccl_relay.run_fanout
+    real = nccl_relay.post_fanout
+    posted = [0]
 
-    def dying(fanouts, rank, group, *args, **kwargs):
+    def dying(*args, **kwargs):
         if version_box[0] == version:
-            os._exit(17)
-        return real(fanouts, rank, group, *args, **kwargs)
+            posted[0] += 1
+            if posted[0] == 2:
+                os._exit(17)
+        return real(*args, **kwargs)
 
-    nccl_relay.run_fanout = dying
+    nccl_relay.post_fanout = dying
 
 
 def refit_rank(rank: int, spec: RefitSpec) -> dict[str, Any]:

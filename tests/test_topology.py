@@ -78,6 +78,20 @@ def test_fabric_model_qwen3_8b_on_h100_meets_its_goal():
     assert topo["bytes_by_kind"]["nic"] == model == topo["cross_node_bytes"]   # the model crosses once
     assert topo["bound_s"] <= 0.045
     assert topo["bound_s"] <= report["plan"]["bound_s"] and topo["bound_s"] <= report["broadcast"]["bound_s"] + 1e-3
+    # Every byte is relayed: the last piece leaves its entry after the whole intake, so the
+    # relay path (intake + one bucket over NVLink) sets the bound.
+    assert topo["bound_s"] == topo["relay_path_s"] > topo["ports_bound_s"]
+
+
+def test_fabric_model_charges_the_relay_fill_only_where_the_relay_path_bounds():
+    """tp=2 -> tp=8 on the next node: only kv heads and norms are relayed (a small part of
+    each entry's intake), so the ports bound the refit and the relays' fill hides under them."""
+    plan = build_plan(get_preset("small"), Parallelism.parse("tp=2"), Parallelism.parse("tp=8"), 2, 8)
+    report = fabric_report(plan, Fabric(gpus_per_node=8, nvlink_gbps=450, nic_gbps=50))
+    topo = report["topology"]
+    assert 0 < topo["relayed_bytes"] < plan.total_bytes / 8
+    assert topo["relay_path_s"] < topo["ports_bound_s"] == topo["bound_s"]
+    assert topo["bound_s"] <= report["plan"]["bound_s"]
 
 
 def test_nodes_must_cover_the_plan():

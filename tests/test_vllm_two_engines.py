@@ -3,10 +3,12 @@
 Engine A holds generation rank 0, engine B rank 1 (``rank_offset``), both of
 ``gen_world_size`` 2. They refit together from the same trainer processes (gloo), each
 rank receiving only its own bytes; after each refit both engines' greedy tokens equal
-Hugging Face transformers' with the same weights. Then engine B dies mid-refit: A
-raises a typed error and keeps serving the previous version, the controller re-forms
-the group without B and A commits the next version. Last, a replacement engine catches up
+Hugging Face transformers' with the same weights. Then engine B dies mid-refit (in the
+relay phase of a relayed refit, below): A raises a typed error and keeps serving the
+previous version, the controller re-forms the group without B and A commits the next version. Last, a replacement engine catches up
 to A's version in a group of its own (A receives nothing), and both refit the next one together.
+With the trainers on another (fake) node, each byte crosses into the engines' node once
+and one engine relays it to the other; B's death in that relay phase is a lost peer too.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import os
+import time
 from typing import Any
 
 import pytest
@@ -47,10 +50,13 @@ class TwoEngines:
     def oracle(self, version: int) -> list[list[int]]:
         return greedy_tokens(hf_model(self.spec, version), PROMPTS, MAX_TOKENS)
 
-    def connect(self, version: int, engines: list[int]) -> list[dict[str, Any]]:
-        """Fresh ports; the trainers and ``engines`` (in that order of generation ranks) join."""
+    def connect(self, version: int, engines: list[int], node: str | None = None) -> list[dict[str, Any]]:
+        """Fresh ports; the trainers and ``engines`` (in that order of generation ranks) join.
+
+        ``node``: the trainers claim that node (both engines stay on this host's), so a
+        refit crosses into the engines' node once and relays inside it."""
         n_gen = len(engines)
-        info = self.pool.connect(gen_world_size=n_gen, version=version)
+        info = self.pool.connect(gen_world_size=n_gen, version=version, node=node)
         futs = [self.ex.submit(self.llms[e].init_weight_transfer_engine,
                                {"init_info": {**info, "rank_offset": g, "gen_world_size": n_gen}})
                 for g, e in enumerate(engines)]
@@ -146,6 +152,35 @@ def test_two_engines_refit_together_each_rank_only_its_bytes(engines):
         w.version, before = version, want
 
 
+def _received_bytes(llm) -> int:
+    """The bytes the engine's last update received (first hop and relay)."""
+    return llm.collective_rpc(lambda worker: worker.weight_transfer_engine.last_report.bytes)[0]
+
+
+@pytest.mark.timeout(300)
+def test_trainers_on_another_node_cross_once_and_the_engines_relay(engines):
+    """Trainers on a fake node of their own, both engines on this host: each byte leaves
+    the trainers' node once (the cross-node minimum: each engine holds the whole model,
+    so every byte is needed once on the engines' node, not twice), one engine relays it to
+    the other, and both serve Hugging Face's tokens."""
+    w = engines
+    v = w.version
+    sends = w.connect(version=v, engines=[0, 1], node="trainers-node")
+    assert all(r["ok"] for r in sends), sends
+    full = _model_bytes(w.spec)
+    assert sends[0]["total_bytes"] == 2 * full  # the plan, unrouted: each engine pulls its own copy
+    errors, replies = w.refit(v + 1, [0, 1])
+    assert errors == [None, None], errors
+    assert [r["version"] for r in replies] == [v + 1, v + 1], replies
+    assert sum(r["bytes"] for r in replies) == full  # every trainer byte crossed: the minimum
+    assert [_received_bytes(llm) for llm in w.llms] == [full, full]  # each its whole model, bulk + relay
+    want = w.oracle(v + 1)
+    assert want != w.oracle(v)
+    assert [_tokens(llm) for llm in w.llms] == [want, want]
+    assert [llm.get_weight_version() for llm in w.llms] == [str(v + 1)] * 2
+    w.version = v + 1
+
+
 def _committed(w: TwoEngines) -> int:
     """The version the engines serve; version 1 is refitted first when no earlier test ran."""
     if w.version == 0:
@@ -155,20 +190,30 @@ def _committed(w: TwoEngines) -> int:
     return w.version
 
 
-def _die_mid_refit(worker) -> bool:
-    """Run by vLLM inside engine B's worker: SIGKILL itself after its 3rd group wait."""
-    from policyworker.testing.faults import die_after_waits
+def _die_mid_fanout(worker) -> bool:
+    """Run by vLLM inside engine B's worker: SIGKILL itself as it posts its second relay
+    (fan-out) message of the next refit."""
+    import signal
 
-    die_after_waits(3)
+    from policyworker.testing.faults import after_calls, signal_self
+    from policyworker.transports.nccl_reshard import relay
+
+    after_calls(relay, "post_fanout", 2, signal_self(signal.SIGKILL))
     return True
 
 
 @pytest.mark.timeout(300)
-def test_engine_killed_mid_refit_survivor_serves_no_mix_then_commits_alone(engines):
+def test_engine_killed_mid_relay_survivor_serves_no_mix_then_commits_alone(engines):
+    """Engine B dies in the relay phase of a relayed refit (trainers on another node):
+    A, whose bulk landed and whose relay from B is cut, raises a typed error within the
+    refit's deadline and keeps serving v (the relayed bytes landed in its staging set)."""
     w = engines
     v = _committed(w)
-    assert w.llms[1].collective_rpc(_die_mid_refit) == [True]
+    assert all(r["ok"] for r in w.connect(version=v, engines=[0, 1], node="trainers-node"))
+    assert w.llms[1].collective_rpc(_die_mid_fanout) == [True]
+    began = time.monotonic()
     errors, replies = w.refit(v + 1, [0, 1])
+    assert time.monotonic() - began < w.spec.refit_timeout_s
     # The survivor's update_weights raises policyworker's own error type; nothing of
     # v + 1 is served by it: the version and the tokens are v's.
     assert isinstance(errors[0], PeerLost), errors

@@ -30,6 +30,12 @@ Three strategies, for one plan's model and layouts:
 * ``full_tensor`` — every generation rank receives every parameter whole (vLLM's m2n
   transfer): each source box's replicas share the receivers round robin (receiver g
   from replica ``g % replicas``), so senders are as balanced as in the plan.
+* ``topology`` — the relay routes (:mod:`.topology`, NVLink domains as nodes): each
+  class crosses into a domain once and its entry relays it over NVLink. ``bound_s``
+  is the larger of the ports' bound and the relay path: an entry forwards a piece
+  once it landed, so its last relayed piece leaves after everything it relays came in
+  and arrives one bucket's NVLink time later. (The broadcast's own ring has a fill
+  too; its figure leaves it out.)
 """
 
 from __future__ import annotations
@@ -279,21 +285,28 @@ def _topology(plan: ReshardPlan, fabric: Fabric, place: Placement, bucket: int) 
     ports: dict[Port, float] = {}
     by_kind = dict.fromkeys(KINDS, 0.0)
     got = [dict.fromkeys(KINDS, 0.0) for _ in place.gen]
+    relay_in: dict[int, float] = {}  # per entry: seconds its relayed classes take to come in
     for r in routes.routes:
         entry = place.gen[r.entry]
         kind = _add(ports, fabric, place.train[r.src], entry, r.nbytes)
         by_kind[kind] += r.nbytes
         got[r.entry][kind] += r.nbytes
+        if r.fanout and kind != "local":
+            relay_in[r.entry] = relay_in.get(r.entry, 0.0) + r.nbytes / fabric.bandwidth(kind)
         for d in r.fanout:
             kind = _add(ports, fabric, entry, place.gen[d], r.nbytes)
             by_kind[kind] += r.nbytes
             got[d][kind] += r.nbytes
     bound, port = port_bound(fabric, ports)
-    # A relay forwards a bucket once it landed: the fan-out trails the first hop by one
-    # bucket at NVLink speed (the pipeline's fill), on top of the port bound.
+    # A relay forwards a piece once it landed, so its last piece leaves one bucket's
+    # NVLink time after the entry took in everything it relays: a path that bounds the
+    # refit only when it is longer than the ports' bound. (An entry can take the classes
+    # it relays first; then the fill hides under its other bytes.)
     fill = bucket / fabric.bandwidth("nvlink") if routes.relayed_bytes else 0.0
-    return {"bytes_by_kind": {k: int(v) for k, v in by_kind.items()}, "bound_s": bound + fill,
-            "bound_port": _port_name(port), "pipeline_fill_s": fill,
+    relay_path = max(relay_in.values(), default=0.0) + fill if routes.relayed_bytes else 0.0
+    return {"bytes_by_kind": {k: int(v) for k, v in by_kind.items()}, "bound_s": max(bound, relay_path),
+            "bound_port": _port_name(port) if bound >= relay_path else "relay path",
+            "ports_bound_s": bound, "relay_path_s": relay_path, "pipeline_fill_s": fill,
             "cross_node_bytes": routes.cross_node_bytes, "relayed_bytes": routes.relayed_bytes,
             "received_by_gen_rank": [{k: int(v) for k, v in x.items()} for x in got]}
 
@@ -343,7 +356,8 @@ def format_fabric_report(d: dict[str, Any], *, per_rank: bool = True) -> str:
         f"  (gather {b['gather_s']:.3f} s, broadcast {b['broadcast_s']:.3f} s)",
         f"  {'full_tensor':<14}{m['bound_s']:>10.3f}{'':>11}   {kinds(m['bytes_by_kind'])}",
         f"  {'topology':<14}{t['bound_s']:>10.3f}{'':>11}   {kinds(t['bytes_by_kind'])}"
-        f"  (relays {gib(t['relayed_bytes']).strip()}, pipeline fill {t['pipeline_fill_s'] * 1e3:.2f} ms)",
+        f"  (relays {gib(t['relayed_bytes']).strip()}, relay path {t['relay_path_s']:.3f} s "
+        f"incl. pipeline fill {t['pipeline_fill_s'] * 1e3:.2f} ms)",
         f"  plan bound set by {p['bound_port']}; full_tensor by {m['bound_port']}",
     ]
     if per_rank:

@@ -122,9 +122,12 @@ def _trainer_main(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> No
 async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> None:
     from policyworker.testing.faults import die_after_waits
 
+    from policyworker.transports.nccl_reshard.relay import NODE_ENV
+
     w = spec.make_worker(rank)
     model = w.model
     loop = asyncio.get_running_loop()
+    own_node = os.environ.get(NODE_ENV)
     while True:
         cmd = await loop.run_in_executor(None, commands.get, True, 600.0)
         kind = cmd["cmd"]
@@ -134,6 +137,13 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
                 replies.put({"ok": True})
                 return
             if kind == "connect":
+                # The node this trainer claims from now on (a fake one puts the trainers on
+                # another "node" than the engines, so the refit relays); None: its own.
+                node = cmd.get("node") or own_node
+                if node is None:
+                    os.environ.pop(NODE_ENV, None)
+                else:
+                    os.environ[NODE_ENV] = node
                 w.refit_version = cmd["version"]
                 await w.init_collective("127.0.0.1", cmd["update_port"], spec.n_train + cmd["gen_world_size"],
                                         train_world_size=spec.n_train)
@@ -250,15 +260,16 @@ class TrainerPool:
         return [self.reply(r, timeout_s) for r in (range(self.spec.n_train) if ranks is None else ranks)]
 
     def connect(self, gen_world_size: int, version: int, train: str | None = None,
-                prepare: dict[str, Any] | None = None) -> dict[str, Any]:
+                prepare: dict[str, Any] | None = None, node: str | None = None) -> dict[str, Any]:
         """Fresh ports; tell every trainer to join them. Returns the ``init_info`` for vLLM.
 
         ``train``: plan from this trainer layout (same world size) instead of the spec's;
-        ``prepare``: more keyword arguments of the trainers' prepare call."""
+        ``prepare``: more keyword arguments of the trainers' prepare call; ``node``: the
+        node the trainers claim (``POLICYWORKER_NODE``; None: their own)."""
         update_port, stage_port = free_port(), free_port()
         self.send({"cmd": "connect", "update_port": update_port, "stage_port": stage_port,
                    "gen_world_size": gen_world_size, "version": version, "train": train,
-                   "prepare": dict(prepare or {})})
+                   "prepare": dict(prepare or {}), "node": node})
         return {"host": "127.0.0.1", "update_port": update_port, "stage_ports": [stage_port],
                 "trainers_per_stage": [self.spec.n_train], "timeout_s": self.spec.timeout_s,
                 "refit_timeout_s": self.spec.refit_timeout_s, "reshard_options": dict(self.spec.reshard_options)}

@@ -44,8 +44,13 @@ def recv_bulk(t: Any, ctx: TransportContext):
     A protocol failure (bad header, checksum) does not stop the loop: the rest is
     drained into the ring without touching the weights, so the senders finish and
     every rank reaches the verdict round, where the failure is shared. A trainer
-    that is gone (``PeerLost``) is skipped the same way.
+    that is gone (``PeerLost``) is skipped the same way, and so is a relay peer.
+
+    A relayed refit's fan-out messages (:mod:`.relay`) are in the same schedule, in
+    the same order; the bytes returned count them (the bulk check does not).
     """
+    from policyworker.transports.nccl_reshard.relay import land_fanout, post_fanout
+
     plan, params, ring = ctx.state.get("bulk_plan") or ctx.plan, ctx.params, ctx.state["ring"]
     deadline = t._deadline(ctx)
     hash63 = plan_hash63(plan)
@@ -58,7 +63,10 @@ def recv_bulk(t: Any, ctx: TransportContext):
     total = buckets = 0
     version: int | None = None
     failure: ProtocolError | PlanMismatch | PeerLost | None = None
-    lost: set[int] = set()
+    lost: set[int] = set()  # gone senders: trainers (their rank), relays (train_world_size + rank)
+    lost_dst: set[int] = set()  # gone fan-out receivers
+    done: set[tuple] = set()  # keys of messages completed or skipped (a fan-out send waits for its bulk)
+    relayed = 0
     expected = ctx.state["pair_bytes"]
     # Torn accounting: a receive posted straight into a live tensor can be written only
     # after its sender started this refit, i.e. after that sender's header arrived (one
@@ -89,17 +97,27 @@ def recv_bulk(t: Any, ctx: TransportContext):
                                 rank=ctx.rank, transport=t.name)
 
     def finish() -> None:
-        nonlocal total, buckets, failure
+        nonlocal total, buckets, failure, relayed
         work, m, tensor, slot = pending.popleft()
         try:
-            m.group.wait(work, deadline=deadline, what="reshard receive")
+            m.group.wait(work, deadline=deadline, what="relay fan-out" if m.relay else "reshard receive")
         except PeerLost as exc:
-            lost.add(m.key[1])
+            if m.relay == "send":
+                lost_dst.add(m.key[2])
+            else:
+                lost.add(m.key[1])
             failure = failure if isinstance(failure, PeerLost) else exc
+        done.add(m.key)
         if slot is not None:
             free.append(slot)
         if failure is not None:
             return  # draining: bytes are discarded
+        if m.relay is not None:
+            if m.relay == "recv":
+                ctx.touched = True  # live bytes from here on
+                land_fanout(m, tensor, params, plan)
+                relayed += m.nbytes
+            return
         try:
             if m.copies is None:
                 headers_seen.add(m.key[1])
@@ -126,7 +144,27 @@ def recv_bulk(t: Any, ctx: TransportContext):
 
     try:
         for i, m in enumerate(schedule):
+            if m.relay is not None:
+                if (m.key[2] in lost_dst) if m.relay == "send" else (m.key[1] in lost):
+                    done.add(m.key)
+                    continue
+                if batch:
+                    t._post(batch, "recv", pending)  # every earlier key is posted first
+                while pending and len(pending) >= t.in_flight:
+                    finish()
+                while m.dep is not None and m.dep not in done and pending:
+                    finish()  # a send forwards bytes that must have landed
+                try:
+                    work, buf = post_fanout(m, params, plan)
+                except PeerLost as exc:  # gloo refuses a send to a peer already gone
+                    (lost_dst if m.relay == "send" else lost).add(m.key[2] if m.relay == "send" else m.key[1])
+                    failure = failure if isinstance(failure, PeerLost) else exc
+                    done.add(m.key)
+                    continue
+                pending.append((work, m, buf, None))
+                continue
             if m.key[1] in lost:
+                done.add(m.key)
                 continue
             kind = m.copies is not None
             t._make_room(batch, pending, kind, "recv", finish)
@@ -161,4 +199,4 @@ def recv_bulk(t: Any, ctx: TransportContext):
     want = sum(expected.values())
     if failure is None and total != want:
         failure = ProtocolError(f"refit received {total} of {want} bytes", rank=ctx.rank, transport=t.name)
-    return total, buckets, version, failure
+    return total + relayed, buckets, version, failure

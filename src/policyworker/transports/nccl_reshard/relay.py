@@ -3,23 +3,41 @@
 When the ranks of a refit span nodes, `connect` gathers every rank's node over the
 update group (``POLICYWORKER_NODE``, else the host name; the same list on every rank)
 and routes the plan by node (:func:`policyworker.layout.topology.relay_routes`). If
-any copy would reach a node more than once, the refit runs in two phases on the same
-groups and under the same deadline and verdict:
+any copy would reach a node more than once, the refit runs the *first-hop plan* — the
+plan's copies, each class sent once into each node that needs it, to that node's
+*entry* rank (a generation rank that needs the bytes itself, so they land in its own
+destination tensors); an ordinary `ReshardPlan` with its own hash, checked by every
+rank's headers — and each entry forwards what it received to the ranks of its node
+that need it, point to point over stage 0's group (it holds every generation rank),
+under the same deadline and verdict.
 
-1. **bulk**: the *first-hop plan* — the plan's copies, each class sent once into each
-   node that needs it, to that node's *entry* rank (a generation rank that needs the
-   bytes itself, so they land in its own destination tensors). It is an ordinary
-   `ReshardPlan` (its own hash, checked by every rank's headers) run by the usual
-   schedule.
-2. **fan-out**: each entry forwards what it received to the ranks of its node that need
-   it, point to point over stage 0's group (it holds every generation rank), in one
-   global order ``(route, chunk, destination)`` that every rank derives from the
-   routes, with at most ``in_flight`` messages outstanding and chunks of at most
-   ``bucket_bytes`` (bounded staging). A relay that dies is a lost peer: the fan-out
-   receivers' works fail or time out, and the verdict star makes every rank raise.
+**Pipelined.** The entry forwards each piece as soon as the bulk message that carries
+it has landed, not after the whole bulk: a fan-out message is cut exactly like the
+bulk's pieces of that class (``bucket_copies``: one piece per bucket-sized row block),
+so each one depends on exactly one bulk message into its entry.
 
-A fan-out receiver writes live bytes, so it is *touched* from its first chunk on (a
-failure then leaves it torn, as a direct receive would).
+**One global order, deadlock-free.** Every message of the refit has a key: a bulk
+message ``(round, src, dst)`` (trainer ranks as ``src``), a fan-out message
+``(round, train_world_size + entry, dst, route, piece)`` where ``round`` is the round
+of the bulk message it depends on. So a fan-out message comes after its dependency and
+after every bulk message of that round. Every rank issues its own messages (bulk
+receives, fan-out sends and receives) in key order, with at most ``in_flight``
+outstanding, completing the oldest first; before an entry posts a fan-out send, it
+completes messages (oldest first) until that send's dependency has landed. Take the
+smallest key ``m`` not yet complete, anywhere: each end of ``m`` has completed every
+one of its messages with a smaller key, so neither end waits on anything before ``m``
+(its window's oldest message is ``m`` or later, and ``m``'s dependency, a smaller key,
+is complete): both post ``m`` and it completes. Hence every message completes.
+
+**Bounded staging.** A fan-out receive lands in a buffer of at most ``bucket_bytes``,
+copied into the destination tensors when it completes; a send reads the entry's
+tensors (a packed copy of at most ``bucket_bytes`` when the region is strided). With
+the window, at most ``in_flight`` such chunks exist per rank.
+
+**Failures.** A relay that dies is a lost peer: the receives it owed fail (or time out),
+the survivors skip its remaining messages and the verdict star makes every rank raise.
+A fan-out receiver writes live bytes, so it is *touched* from its first landed chunk
+on (a failure then leaves it torn, as a direct receive would).
 """
 
 from __future__ import annotations
@@ -32,11 +50,13 @@ from dataclasses import dataclass
 
 import torch
 
-from policyworker.layout.apply import _region
+from policyworker.layout.apply import _region, bucket_copies
 from policyworker.layout.plan import Copy, PlanBody, ReshardPlan, Transfer, dtype_size
 from policyworker.layout.topology import RelayRoutes, relay_routes
+from policyworker.transports.nccl_reshard.schedule import _buckets, _Msg
 
-__all__ = ["NODE_ENV", "Fanout", "gather_nodes", "node_name", "relay_setup", "run_fanout"]
+__all__ = ["NODE_ENV", "Fanout", "gather_nodes", "land_fanout", "merge_fanouts", "node_name", "post_fanout",
+           "relay_setup"]
 
 NODE_ENV = "POLICYWORKER_NODE"
 _TAG_FANOUT = 1 << 20
@@ -60,9 +80,12 @@ def gather_nodes(update_group, train_world_size: int, node: str, deadline: float
 
 @dataclass(frozen=True, slots=True)
 class Fanout:
-    """One fan-out message: ``nbytes`` of ``copy``'s rows [row0, row1) from ``entry`` to ``dst``."""
+    """One fan-out message: ``copy`` (source: the entry's tensors; destination: ``dst``'s)
+    of ``nbytes`` from ``entry`` to ``dst``, after the bulk message ``dep`` into the entry.
+    ``key``: its place in the refit's global order (see the module docstring)."""
 
-    key: tuple[int, int, int]
+    key: tuple[int, ...]
+    dep: tuple[int, int, int]
     entry: int
     dst: int
     copy: Copy
@@ -109,26 +132,37 @@ def _box_bytes(start: Sequence[int], stop: Sequence[int], dtype: str) -> int:
     return n
 
 
-def _fanouts(plan: ReshardPlan, routes: RelayRoutes, dst_side: dict, bucket_bytes: int) -> list[Fanout]:
+def _pieces(plan: ReshardPlan, c: Copy, bucket_bytes: int) -> list[Copy]:
+    """``c`` cut as the bulk cuts it (the same row blocks, whatever bucket they travel in)."""
+    return [p for bucket in bucket_copies(plan, [c], bucket_bytes) for p in bucket]
+
+
+def _fanouts(first: ReshardPlan, routes: RelayRoutes, dst_side: dict, bucket_bytes: int) -> list[Fanout]:
     """Every fan-out message of the refit, in global key order (the same on every rank)."""
+    n_train = first.body.train_world_size
+    entries = {r.entry for r in routes.routes if r.fanout}
+    # Where each piece of each class lands in its entry's bulk: (entry, param, start, stop) -> bulk key.
+    landed: dict[tuple, tuple[int, int, int]] = {}
+    for t in first.transfers:
+        if t.dst not in entries:
+            continue
+        for rnd, bucket in enumerate(_buckets(first, t.all_copies(), bucket_bytes)):
+            for p in bucket:
+                landed[(t.dst, p.param, tuple(p.start), tuple(p.stop))] = (rnd, t.src, t.dst)
     out: list[Fanout] = []
-    params = plan.params
     for i, r in enumerate(routes.routes):
         if not r.fanout:
             continue
         key = (r.param, r.start, r.stop)
         src_tensor, src_at = dst_side[(key, r.entry)]
-        row = _box_bytes((0, *r.start[1:]), (1, *r.stop[1:]), params[r.param].dtype)
-        rows_per = max(1, bucket_bytes // max(1, row))
-        for k, row0 in enumerate(range(r.start[0], r.stop[0], rows_per)):
-            row1 = min(r.stop[0], row0 + rows_per)
-            start, stop = (row0, *r.start[1:]), (row1, *r.stop[1:])
-            shift = row0 - r.start[0]
-            for d in r.fanout:
-                d_tensor, d_at = dst_side[(key, d)]
-                c = Copy(r.param, start, stop, src_tensor, (src_at[0] + shift, *src_at[1:]),
-                         d_tensor, (d_at[0] + shift, *d_at[1:]))
-                out.append(Fanout((i, k, d), r.entry, d, c, row * (row1 - row0)))
+        for d in r.fanout:
+            d_tensor, d_at = dst_side[(key, d)]
+            whole = Copy(r.param, r.start, r.stop, src_tensor, src_at, d_tensor, d_at)
+            for k, c in enumerate(_pieces(first, whole, bucket_bytes)):
+                dep = landed[(r.entry, c.param, tuple(c.start), tuple(c.stop))]
+                nbytes = _box_bytes(c.start, c.stop, first.params[c.param].dtype)
+                out.append(Fanout((dep[0], n_train + r.entry, d, i, k), dep, r.entry, d, c, nbytes))
+    out.sort(key=lambda f: f.key)
     return out
 
 
@@ -141,44 +175,39 @@ def relay_setup(plan: ReshardPlan, train_nodes: Sequence[int], gen_nodes: Sequen
     if not routes.relayed_bytes:
         return None
     src_side, dst_side = _index(plan)
-    return _first_hop_plan(plan, routes, src_side, dst_side), _fanouts(plan, routes, dst_side, bucket_bytes)
+    first = _first_hop_plan(plan, routes, src_side, dst_side)
+    return first, _fanouts(first, routes, dst_side, bucket_bytes)
 
 
-def run_fanout(fanouts: Sequence[Fanout], rank: int, group, n_stage_trainers: int,
-               params: dict[str, torch.Tensor], plan: ReshardPlan, in_flight: int, deadline: float,
-               on_touch) -> int:
-    """This generation rank's part of the fan-out; returns the bytes it received.
+def merge_fanouts(schedule: list[_Msg], fanouts: Sequence[Fanout], rank: int, group, n_stage_trainers: int
+                  ) -> list[_Msg]:
+    """This generation rank's bulk ``schedule`` with its fan-out messages merged in, in key order."""
+    out = list(schedule)
+    for f in fanouts:
+        if rank not in (f.entry, f.dst):
+            continue
+        send = f.entry == rank
+        out.append(_Msg(f.key, group, n_stage_trainers + (f.dst if send else f.entry), _TAG_FANOUT, [f.copy],
+                        f.nbytes, relay="send" if send else "recv", dep=f.dep if send else None))
+    out.sort(key=lambda m: m.key)
+    return out
 
-    Posts its messages in global key order with at most ``in_flight`` outstanding: the
-    smallest pending message is then posted on both of its ends, so it completes.
-    """
+
+def post_fanout(m: _Msg, params: dict[str, torch.Tensor], plan: ReshardPlan):
+    """Post fan-out message ``m``: (work, buffer). A send reads the entry's tensors (its
+    dependency landed); a receive lands in a buffer of ``m.nbytes``."""
+    c = m.copies[0]
     names = plan.body.tensor_names
-    mine = [f for f in fanouts if f.entry == rank or f.dst == rank]
-    pending: list[tuple] = []
-    received = 0
+    if m.relay == "send":
+        src = _region(params[names[c.src_tensor]], c.src_at, c.start, c.stop)
+        buf = src.contiguous().view(-1).view(torch.uint8)
+        return m.group.isend(buf, m.peer, tag=m.tag), buf
+    buf = torch.empty(m.nbytes, dtype=torch.uint8, device=m.group.device)
+    return m.group.irecv(buf, m.peer, tag=m.tag), buf
 
-    def settle(item) -> int:
-        work, f, buf = item
-        group.wait(work, deadline=deadline, what="relay fan-out")
-        if f.dst == rank:
-            view = _region(params[names[f.copy.dst_tensor]], f.copy.dst_at, f.copy.start, f.copy.stop)
-            on_touch()
-            view.copy_(buf.view(view.dtype).view(view.shape))
-            return f.nbytes
-        return 0
 
-    for f in mine:
-        if len(pending) >= in_flight:
-            received += settle(pending.pop(0))
-        peer = n_stage_trainers + (f.dst if f.entry == rank else f.entry)
-        if f.entry == rank:
-            src = _region(params[names[f.copy.src_tensor]], f.copy.src_at, f.copy.start, f.copy.stop)
-            buf = src.contiguous().view(-1).view(torch.uint8)
-            work = group.isend(buf, peer, tag=_TAG_FANOUT)
-        else:
-            buf = torch.empty(f.nbytes, dtype=torch.uint8, device=group.device)
-            work = group.irecv(buf, peer, tag=_TAG_FANOUT)
-        pending.append((work, f, buf))
-    while pending:
-        received += settle(pending.pop(0))
-    return received
+def land_fanout(m: _Msg, buf: torch.Tensor, params: dict[str, torch.Tensor], plan: ReshardPlan) -> None:
+    """Copy a completed fan-out receive into this rank's destination tensors."""
+    c = m.copies[0]
+    view = _region(params[plan.body.tensor_names[c.dst_tensor]], c.dst_at, c.start, c.stop)
+    view.copy_(buf.view(view.dtype).view(view.shape))

@@ -47,6 +47,8 @@ class _Msg:
     tag: int
     copies: list[Copy] | None  # None: header
     nbytes: int
+    relay: str | None = None  # "send" / "recv": a fan-out message of a relayed refit (relay.py)
+    dep: tuple[int, int, int] | None = None  # a fan-out send: the bulk message it forwards
 
 
 def _schedule(plan: ReshardPlan, ctx: TransportContext, bucket_bytes: int) -> list[_Msg]:

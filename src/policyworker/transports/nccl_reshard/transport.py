@@ -102,7 +102,7 @@ class NcclReshardSetup:
     stage: int | None = None
     groups: Any = None
     # "auto": when the ranks span nodes, each byte crosses into a node once and is
-    # relayed inside it (:mod:`.nccl_relay`; full refits only); "off": every rank
+    # relayed inside it (:mod:`.relay`; full refits only); "off": every rank
     # receives from trainers.
     relay: str = "auto"
     delta: bool = False
@@ -253,11 +253,17 @@ class NcclReshardTransport(Transport):
                 pair = (m.key[1], m.key[2])
                 pair_bytes[pair] = pair_bytes.get(pair, 0) + m.nbytes
         ctx.state["pair_bytes"] = pair_bytes  # (src, dst) -> payload bytes; in every header
+        if ctx.role == "receive" and ctx.state.get("fanouts"):
+            from policyworker.transports.nccl_reshard.relay import merge_fanouts
+
+            # The relays' messages join this rank's schedule: one global order (relay.py).
+            schedule = ctx.state["schedule"] = merge_fanouts(schedule, ctx.state["fanouts"], ctx.rank,
+                                                             ctx.state["groups"][0], len(members[0]))
         # A copy the plan's format converts cannot be cut below the format's unit (a
         # quantization block), which may exceed a tiny bucket_bytes, and it is always
         # packed; the ring slots then grow to the largest such message.
         fmt = bulk.dest_format
-        biggest = max((m.nbytes for m in schedule if m.copies is not None
+        biggest = max((m.nbytes for m in schedule if m.copies is not None and m.relay is None
                        and any(fmt.converts(bulk, c) for c in m.copies)), default=0)
         ring_bytes = max(self.bucket_bytes, biggest) + (8 if self.checksum else 0)
         ring = ctx.state.get("ring")
@@ -267,7 +273,7 @@ class NcclReshardTransport(Transport):
         ctx.state["connected_hash"] = plan.hash
 
     def _route(self, ctx: TransportContext, plan: ReshardPlan) -> ReshardPlan:
-        """The plan the bulk runs: ``plan``, or its first hop when relays pay (:mod:`.nccl_relay`)."""
+        """The plan the bulk runs: ``plan``, or its first hop when relays pay (:mod:`.relay`)."""
         from policyworker.transports.nccl_reshard.relay import gather_nodes, node_name, relay_setup
 
         ctx.state.pop("bulk_plan", None)
@@ -352,22 +358,6 @@ class NcclReshardTransport(Transport):
         ctx.ready = ready
         return report
 
-    def _fan_out(self, ctx: TransportContext, nbytes: int, failure: Any) -> tuple[int, Any]:
-        """The relay phase (:func:`.nccl_relay.run_fanout`) after the bulk; a lost relay
-        is a failure like a lost trainer (shared in the verdict round)."""
-        from policyworker.transports.nccl_reshard.relay import run_fanout
-
-        def touch() -> None:
-            ctx.touched = True
-
-        members = stage_members(ctx.plan)
-        try:
-            got = run_fanout(ctx.state["fanouts"], ctx.rank, ctx.state["groups"][0], len(members[0]), ctx.params,
-                             ctx.plan, self.in_flight, self._deadline(ctx), touch)
-        except PeerLost as exc:
-            return nbytes, failure if failure is not None else exc
-        return nbytes + got, failure
-
     def _stream(self, ctx: TransportContext):
         device = self._groups(ctx)[0].device
         if device.type != "cuda":
@@ -390,8 +380,6 @@ class NcclReshardTransport(Transport):
                 nbytes, nbuckets, failure = self._send_bulk(ctx, version)
             else:
                 nbytes, nbuckets, version, failure = self._recv_bulk(ctx)
-                if ctx.state.get("fanouts"):
-                    nbytes, failure = self._fan_out(ctx, nbytes, failure)
             if update_group is not None:
                 scales, version, failures, lost = exchange_leftovers(
                     update_group,
