@@ -107,3 +107,14 @@ def test_cpu_linear_torch_and_background_then_prepack_again(world):
         assert got == world.oracle(v + 1) and got != world.history[v], mode
         assert world.llm.get_weight_version() == str(v + 1)
         world.version, world.history[v + 1] = v + 1, got
+
+
+@pytest.mark.timeout(300)
+def test_staging_modes_commit_like_hf_and_fail_as_documented(world):
+    # "device", "host", "none" on this engine: HF's tokens after each; a trainer killed
+    # mid-refit leaves the old version (staged) or a torn engine that a full refit heals.
+    cases.staging_refused(world)
+    cases.staging_modes(world)
+    replies = world.connect(version=world.version)  # back to "auto" for what runs next
+    assert all(r["ok"] for r in replies), replies
+    assert [r["requested"] for r in cases.staging_report(world)] == ["auto"]
