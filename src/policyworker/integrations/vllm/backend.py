@@ -72,7 +72,8 @@ from policyworker.integrations.vllm.overlap import OverlappedReceive, StepCounte
 from policyworker.integrations.vllm.plan import NEEDS_KEY, PLAN_KEY, encode_needs
 from policyworker.integrations.vllm.rpc import Agreement, install_single_reply
 from policyworker.integrations.vllm.stage import VllmStage, loaded_set_bytes
-from policyworker.integrations.vllm.staging import StagingReport, choose, validate as validate_staging
+from policyworker.integrations.vllm.staging import (build as build_stage, decide, report as staging_report,
+                                                    validate as validate_staging)
 from policyworker.integrations.vllm.targets import Target, needs_from_vllm_model, needs_of, vllm_targets
 
 __all__ = ["BACKEND", "PolicyworkerInitInfo", "PolicyworkerUpdateInfo", "PolicyworkerWeightTransferEngine",
@@ -305,24 +306,15 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self._received = None
 
     def _stage_for(self, init_info: PolicyworkerInitInfo) -> None:
-        """The staging of ``init_info.staging`` (built once per mode, before joining, and
-        checked against vLLM's own weight loaders: no refit pays for this)."""
-        delta = bool(init_info.reshard_options.get("delta"))
+        """The staging of ``init_info.staging`` (:mod:`.staging`), built once per mode before
+        joining (no refit pays for it); a replaced set is freed before the next is allocated."""
         set_bytes = self._stage.set_bytes if self._stage is not None else loaded_set_bytes(self.model)
-        mode, reason = choose(init_info.staging, set_bytes=set_bytes, device=self.device,
-                              overlap=init_info.overlap, delta=delta)
+        mode, reason, cpu_linear = decide(init_info, set_bytes=set_bytes, device=self.device)
         if self._stage is None or self._stage.staging != mode:
             if self._stage is not None:
                 self._stage.prepack.stop()
-                self._stage = None  # the old set goes before the new one is allocated
-            stage = VllmStage(self.model, self._targets, device=self.device, staging=mode)
-            stage.check_with_vllm_loaders()
-            self._stage = stage
-        cpu_linear = init_info.cpu_linear
-        if mode == "none" and self.device.type == "cpu" and cpu_linear == "prepack":
-            cpu_linear = "torch"
-            reason += ("; the linear layers read the received tensors as they are (cpu_linear='torch'): "
-                       "vLLM's prepack would need a second copy")
+                self._stage = None
+            self._stage = build_stage(self.model, self._targets, device=self.device, staging=mode)
         self._stage.cpu_linear = cpu_linear
         self._staging_choice = (init_info.staging, reason)
         logger.info("policyworker: vLLM rank %d stages refits %s: %s (one set: %.1f MB)", self.tp_rank,
@@ -332,13 +324,10 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
     @property
     def staging_report(self) -> dict[str, Any] | None:
         """The staging mode, why it was chosen, and the extra bytes it holds (``StagingReport``)."""
-        stage = self._stage
-        if stage is None:
+        if self._stage is None:
             return None
         requested, reason = self._staging_choice
-        return StagingReport(mode=stage.staging, requested=requested, reason=reason, set_bytes=stage.set_bytes,
-                             extra_bytes_steady=stage.extra_bytes(), extra_bytes_peak=stage.peak_extra,
-                             where="host" if stage.staging == "host" else self.device.type).as_dict()
+        return staging_report(self._stage, requested=requested, reason=reason, device=self.device).as_dict()
 
     def _copy_into_live(self, mode: str) -> bool:
         if mode != "auto":

@@ -55,7 +55,7 @@ import torch
 from policyworker.errors import ConfigError, PlanMismatch
 from policyworker.integrations.vllm.moe import kernel_built, loaded_form as _loaded_form, repack_experts
 from policyworker.integrations.vllm.prepack import MODULE_SLOTS, SKIP_FLAG, BackgroundPrepack, set_skip_flag, shallow_layer
-from policyworker.integrations.vllm.staging import live_storages, storage_key
+from policyworker.integrations.vllm.live import live_storages, storage_key
 
 __all__ = ["Prepared", "VllmStage", "loaded_set_bytes"]
 

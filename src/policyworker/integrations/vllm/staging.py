@@ -27,16 +27,15 @@ than one extra set of this rank's weights:
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from policyworker.errors import ConfigError
+from policyworker.integrations.vllm.stage import VllmStage
 
-__all__ = ["MODES", "StagingReport", "choose", "live_storages", "mem_available", "validate"]
+__all__ = ["MODES", "StagingReport", "choose", "mem_available", "build", "decide", "report", "validate"]
 
 MODES = ("auto", "device", "host", "none")
 #: "device" on CPU needs this many staging sets' worth of MemAvailable (one for the set,
@@ -129,54 +128,29 @@ def choose(requested: str, *, set_bytes: int, device: torch.device, overlap: boo
     return "none", f"{where} cannot hold a staging set ({_gib(set_bytes)}): refits land in place"
 
 
-def live_storages(layers: Iterable[torch.nn.Module]) -> set[tuple[str, int]]:
-    """(device, storage pointer) of every tensor the live ``layers`` can reach: parameters,
-    buffers, tensor attributes and what their callables close over (vLLM's CPU kernels are
-    lambdas over the weight they read). Opaque kernel handles (oneDNN's) hold copies."""
-    out: set[tuple[str, int]] = set()
-    for module in layers:
-        for value in _reachable(module):
-            if value.numel() > 0:
-                out.add((str(value.device), value.untyped_storage().data_ptr()))
-    return out
+def decide(init_info: Any, *, set_bytes: int, device: torch.device) -> tuple[str, str, str]:
+    """(mode, reason, the ``cpu_linear`` the stage uses) for ``init_info`` (:func:`choose`).
+
+    "none" on CPU reads the linear layers as received: vLLM's prepack would be a copy."""
+    mode, reason = choose(init_info.staging, set_bytes=set_bytes, device=device, overlap=init_info.overlap,
+                          delta=bool(init_info.reshard_options.get("delta")))
+    cpu_linear = init_info.cpu_linear
+    if mode == "none" and device.type == "cpu" and cpu_linear == "prepack":
+        cpu_linear = "torch"
+        reason += ("; the linear layers read the received tensors as they are (cpu_linear='torch'): "
+                   "vLLM's prepack would need a second copy")
+    return mode, reason, cpu_linear
 
 
-def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    return str(tensor.device), tensor.untyped_storage().data_ptr()
+def build(model: torch.nn.Module, targets: Any, *, device: torch.device, staging: str) -> VllmStage:
+    """A stage of mode ``staging``, checked against vLLM's own weight loaders."""
+    stage = VllmStage(model, targets, device=device, staging=staging)
+    stage.check_with_vllm_loaders()
+    return stage
 
 
-def _reachable(module: torch.nn.Module) -> Iterator[torch.Tensor]:
-    yield from (t for t in module._parameters.values() if t is not None)
-    yield from (t for t in module._buffers.values() if t is not None)
-    for key, value in module.__dict__.items():
-        if key not in ("_parameters", "_buffers", "_modules"):
-            yield from _tensors_in(value, depth=2)
-
-
-def _tensors_in(value: Any, depth: int) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-        return
-    if depth == 0:
-        return
-    if isinstance(value, (list, tuple)):
-        items: Iterable[Any] = value
-    elif isinstance(value, dict):
-        items = value.values()
-    elif isinstance(value, functools.partial):
-        items = (*value.args, *value.keywords.values())
-    elif callable(value) and hasattr(value, "__code__"):
-        cells = [c.cell_contents for c in (value.__closure__ or ()) if _filled(c)]
-        items = (*cells, *(value.__defaults__ or ()))
-    else:
-        return
-    for item in items:
-        yield from _tensors_in(item, depth - 1)
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 (an empty cell raises ValueError)
-    except ValueError:
-        return False
-    return True
+def report(stage: VllmStage, *, requested: str, reason: str, device: torch.device) -> StagingReport:
+    """What ``stage`` holds now (``engine.staging_report``)."""
+    return StagingReport(mode=stage.staging, requested=requested, reason=reason, set_bytes=stage.set_bytes,
+                         extra_bytes_steady=stage.extra_bytes(), extra_bytes_peak=stage.peak_extra,
+                         where="host" if stage.staging == "host" else device.type)
