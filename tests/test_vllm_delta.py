@@ -75,7 +75,7 @@ def test_delta_on_a_stale_staging_set_fails_then_full_refit_commits(world):
         _commits(world, 1, "full")
     served = world.version
 
-    def skip_catch_up(worker) -> bool:  # the free set keeps the version before: a wrong base
+    def skip_catch_up(worker) -> bool:  # the moved staging tensors keep the version before: a wrong base
         stage = worker.weight_transfer_engine._stage
         original = stage.catch_up
 
