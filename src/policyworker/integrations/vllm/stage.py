@@ -386,13 +386,18 @@ class VllmStage:
 
     def _commit_from_host(self, retired: list[Any]) -> list[Any]:
         background = []
+        tied: dict[int, torch.Tensor] = {}  # a parameter of several layers is copied once (stays tied)
         for module in self._layers:
             on_device = {}
             for pname, param in module._parameters.items():
                 if param is not None:
                     slot = self._by_owner[(id(module), pname)]
-                    if id(slot) not in on_device:
-                        on_device[id(slot)] = _wrap(slot.stage.to(self.device, copy=True), slot.stage)
+                    copy = tied.get(id(slot))
+                    if copy is None:
+                        copy = _wrap(slot.stage.to(self.device, copy=True), slot.stage)
+                        if len(slot.owners) > 1:
+                            tied[id(slot)] = copy
+                    on_device[id(slot)] = copy
             shadow, queued = self._post_process(module, on_device)
             if queued is not None:
                 background.append(queued)
