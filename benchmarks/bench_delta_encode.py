@@ -18,12 +18,15 @@ Before timing, at every fraction, the kernels' blob must be byte for byte the to
 path's (kind, count, bytes), their checksums the torch path's, the refreshed shadow
 the current bytes, and apply(old, blob) the current bytes: any mismatch, or kernels
 that cannot run on the device, exits 1. Each row also gives the kernels' encoding
-step by step (CUDA events: the scan, the sums and the one host sync, the blob's glue,
-the prefix sum, the gather). ``--sweep`` also times the kernels at
-``--sweep-fractions`` changed (3%) under tile sizes, warp counts, refreshing passes and
-the passes' forms (``words``/``units`` scan, ``bits``/``units`` gather; each variant
-checked first, then timed with its steps; the library's defaults stay as they are) and
-names the fastest.
+step by step (CUDA events, each step named by its end: the scan; the prefix, i.e. the
+tiles' starts and the totals; the sync, the one read of the totals to the host; the glue,
+torch's blob header and padding, only with the torch finish; the gather) and, interleaved,
+the kernels with the torch finish (torch sums, cumsum and copies
+between the scan and the gather). ``--sweep`` also times the kernels at
+``--sweep-fractions`` changed (3%) under tile sizes, warp counts, refreshing passes,
+the passes' forms (``words``/``units`` scan, ``bits``/``units`` gather), the finish and
+the prefix's chunk (each variant checked first, then timed with its steps; the library's
+defaults stay as they are) and names the fastest at each fraction.
 
 Usage: python benchmarks/bench_delta_encode.py --json out.json [--gib 2] [--reps 5] [--sweep]
 (``--device cpu`` with ``TRITON_INTERPRET=1`` and a small ``--gib`` runs the script's
@@ -42,20 +45,24 @@ import torch
 
 from policyworker.layout import delta
 
-#: (tile bytes, warps, refreshing pass, scan form, gather form) tried by --sweep; the first is the
-#: library's default, the "units"/"units" rows are the first kernels
-_SWEEP = [(16384, 4, "gather", "units", "bits"), (8192, 4, "gather", "words", "bits"), (8192, 4, "scan", "words", "bits"),
-          (4096, 4, "gather", "words", "bits"), (16384, 4, "gather", "words", "bits"),
-          (32768, 8, "gather", "words", "bits"), (4096, 2, "gather", "words", "bits"),
-          (2048, 2, "gather", "words", "bits"), (2048, 1, "gather", "words", "bits"),
-          (8192, 4, "gather", "units", "bits"), (8192, 2, "gather", "units", "bits"),
-          (4096, 4, "gather", "units", "bits"), (4096, 2, "gather", "units", "bits"),
-          (4096, 1, "gather", "units", "bits"), (2048, 2, "gather", "units", "bits"),
-          (2048, 1, "gather", "units", "bits"), (16384, 2, "gather", "units", "bits"),
-          (8192, 4, "gather", "words", "units"), (8192, 4, "gather", "units", "units")]
-#: the encoding's steps, as layout.delta marks them: (name, from mark, to mark)
-_STEPS = [("scan", "start", "scan"), ("sums_sync", "scan", "sync"), ("blob_glue", "sync", "glue"),
-          ("prefix", "glue", "prefix"), ("gather", "prefix", "gather")]
+#: (tile bytes, warps, refreshing pass, scan form, gather form, finish, plan chunk) tried by --sweep; the first is
+#: the library's default, the second the same kernels with the torch finish, the
+#: "units"/"units" rows the first kernels
+_SWEEP = [(16384, 4, "gather", "units", "bits", "device", 4096), (16384, 4, "gather", "units", "bits", "torch", 4096),
+          (8192, 4, "gather", "words", "bits", "device", 4096), (8192, 4, "scan", "words", "bits", "device", 4096),
+          (4096, 4, "gather", "words", "bits", "device", 4096), (16384, 4, "gather", "words", "bits", "device", 4096),
+          (32768, 8, "gather", "words", "bits", "device", 4096), (4096, 2, "gather", "words", "bits", "device", 4096),
+          (2048, 2, "gather", "words", "bits", "device", 4096), (8192, 4, "gather", "units", "bits", "device", 4096),
+          (8192, 2, "gather", "units", "bits", "device", 4096), (4096, 4, "gather", "units", "bits", "device", 4096),
+          (4096, 2, "gather", "units", "bits", "device", 4096), (2048, 2, "gather", "units", "bits", "device", 4096),
+          (16384, 2, "gather", "units", "bits", "device", 4096), (32768, 8, "gather", "units", "bits", "device", 4096),
+          (16384, 4, "gather", "units", "bits", "device", 1024), (16384, 4, "gather", "units", "bits", "device", 16384),
+          (8192, 4, "gather", "units", "bits", "torch", 4096), (8192, 4, "gather", "words", "bits", "torch", 4096),
+          (8192, 4, "gather", "words", "units", "device", 4096), (8192, 4, "gather", "units", "units", "device", 4096),
+          (16384, 4, "gather", "units", "bits", "fused", 4096), (8192, 4, "gather", "units", "bits", "fused", 4096),
+          (4096, 4, "gather", "units", "bits", "fused", 4096), (4096, 2, "gather", "units", "bits", "fused", 4096),
+          (2048, 2, "gather", "units", "bits", "fused", 4096), (8192, 8, "gather", "units", "bits", "fused", 4096),
+          (16384, 8, "gather", "units", "bits", "fused", 4096), (8192, 4, "scan", "units", "bits", "fused", 4096)]
 
 
 def _sync() -> None:
@@ -75,25 +82,24 @@ def _timed(fn, reps: int = 1) -> list[float]:
 
 
 def _steps(ops, fn, reps: int, setup=None) -> dict:
-    """Median device time (s) of each step of the kernels' encoding (CUDA events that
-    ``layout.delta`` records when ``ops.PROFILE`` is a list), and of the whole on the host
-    (``wall``); ``setup`` runs before each repetition, untimed."""
+    """Median device time (s) of each step of the kernels' encoding: from one CUDA event that
+    ``layout.delta`` / the kernels record when ``ops.PROFILE`` is a list to the next, named
+    by the later (scan, prefix, sync, [glue,] gather); and of the whole on the host (``wall``);
+    ``setup`` runs before each repetition, untimed."""
     if not torch.cuda.is_available():
         return {}
-    got = {name: [] for name, _, _ in _STEPS}
-    got["wall"] = []
+    got = {"wall": []}
     for _ in range(reps):
         if setup is not None:
             setup()
         ops.PROFILE = []
         try:
             got["wall"] += _timed(fn)
-            at = dict(ops.PROFILE)
+            marks = list(ops.PROFILE)
         finally:
             ops.PROFILE = None
-        for name, a, b in _STEPS:
-            if a in at and b in at:
-                got[name].append(at[a].elapsed_time(at[b]) / 1e3)
+        for (_, a), (name, b) in zip(marks, marks[1:]):
+            got.setdefault(name, []).append(a.elapsed_time(b) / 1e3)
     return {name: statistics.median(v) for name, v in got.items() if v}
 
 
@@ -143,6 +149,9 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true",
                     help="also time a few tile sizes / warp counts / kernel forms (at --sweep-fractions)")
     ap.add_argument("--sweep-fractions", default="0.03")
+    ap.add_argument("--sweep-finishes", default="device,torch,fused",
+                    help="the sweep's rows of these finishes only (the fused scan in a process of its own: a kernel "
+                         "that hangs there cannot take the other rows with it)")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a dry run in Triton's interpreter)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
@@ -182,14 +191,15 @@ def main() -> int:
             continue
         dst = torch.empty_like(old)
         shadow = torch.empty_like(old)
-        s = {name: [] for name in ("copy", "encode_torch", "encode_kernels", "encode_torch_refresh",
-                                   "encode_kernels_refresh", "apply", "checksum_torch", "checksum_kernels",
-                                   "copies_torch", "copies_kernels")}
+        s = {name: [] for name in ("copy", "encode_torch", "encode_kernels", "encode_kernels_torch_finish",
+                                   "encode_torch_refresh", "encode_kernels_refresh", "apply", "checksum_torch",
+                                   "checksum_kernels", "copies_torch", "copies_kernels")}
         box = {}
         for _ in range(args.reps):  # interleaved: the ceiling, then each step, per repetition
             s["copy"] += _timed(lambda: dst.copy_(cur))
             s["encode_torch"] += _timed(lambda: box.__setitem__("t", delta._encode_torch(cur, old)))
             s["encode_kernels"] += _timed(lambda: box.__setitem__("k", delta._encode_fused(ops, cur, old, False, True)))
+            s["encode_kernels_torch_finish"] += _timed(lambda: _finished(ops, "torch", cur, old))
             shadow.copy_(old)
             s["encode_torch_refresh"] += _timed(lambda: _torch_refresh(cur, shadow))
             shadow.copy_(old)
@@ -220,6 +230,8 @@ def main() -> int:
             **{f"{name}_s": v for name, v in med.items()},
             "copy_gbs": full_bytes / med["copy"] / 1e9,
             "encode_kernels_over_copy": med["encode_kernels"] / med["copy"],
+            "encode_kernels_over_copy_per_rep": [e / c for e, c in zip(s["encode_kernels"], s["copy"])],
+            "encode_kernels_torch_finish_over_copy": med["encode_kernels_torch_finish"] / med["copy"],
             "encode_kernels_refresh_over_copy": med["encode_kernels_refresh"] / med["copy"],
             "encode_torch_over_copy": med["encode_torch"] / med["copy"],
             "checksum_kernels_gbs": full_bytes / med["checksum_kernels"] / 1e9,
@@ -234,7 +246,8 @@ def main() -> int:
         rows.append(row)
         print(f"{frac:>6.3%}: blob {blob / full_bytes:.4f} x | copy {med['copy'] * 1e3:.2f} ms "
               f"({row['copy_gbs']:.0f} GB/s) | encode torch {med['encode_torch'] * 1e3:.2f} ms, kernels "
-              f"{med['encode_kernels'] * 1e3:.2f} ms ({row['encode_kernels_over_copy']:.2f} copies; with the shadow "
+              f"{med['encode_kernels'] * 1e3:.2f} ms ({row['encode_kernels_over_copy']:.2f} copies; torch finish "
+              f"{row['encode_kernels_torch_finish_over_copy']:.2f}; with the shadow "
               f"refresh {med['encode_kernels_refresh'] * 1e3:.2f} ms, torch {med['encode_torch_refresh'] * 1e3:.2f}) "
               f"| checksum torch {med['checksum_torch'] * 1e3:.2f} ms, kernels {med['checksum_kernels'] * 1e3:.2f} ms; "
               f"{len(segments)} copies torch {med['copies_torch'] * 1e3:.2f} ms, kernels "
@@ -249,23 +262,29 @@ def main() -> int:
     sweep = []
     if args.sweep:  # every variant is checked before it is timed
         for frac in (float(f) for f in args.sweep_fractions.split(",")):
-            sweep += _sweep(ops, old, n, gen, args.reps, frac)
+            sweep += _sweep(ops, old, n, gen, args.reps, frac, set(args.sweep_finishes.split(",")))
     goal = [r for r in rows if abs(r["changed_fraction"] - 0.03) < 1e-9]
     if goal:
-        ratio = goal[0]["encode_kernels_over_copy"]
-        print(f"goal (encode at 3% changed <= 2 flat copies): {ratio:.2f} copies -> "
-              f"{'met' if ratio <= 2 else 'NOT met'}", flush=True)
-    failures.update({f"sweep {r['changed_fraction']} {r['tile_bytes']} B {r['num_warps']} warps {r['refresh']} "
-                     f"{r['scan']}/{r['gather']}": [r.get("error", "blob, checksum or refresh")]
+        ratio, worst = goal[0]["encode_kernels_over_copy"], max(goal[0]["encode_kernels_over_copy_per_rep"])
+        print(f"goal (encode at 3% changed < 2 flat copies, defaults): median {ratio:.2f} copies, worst repetition "
+              f"{worst:.2f} -> {'met' if worst < 2 else 'met at the median only' if ratio < 2 else 'NOT met'} "
+              f"(torch finish, same run: {goal[0]['encode_kernels_torch_finish_over_copy']:.2f})", flush=True)
+    failures.update({f"sweep {r['changed_fraction']} {_name(r)}": [r.get("error", "blob, checksum or refresh")]
                      for r in sweep if not r["exact"]})
-    best = min((r for r in sweep if r["exact"]), key=lambda r: r["encode_over_copy"], default=None)
-    if best is not None:
-        print(f"best of the sweep: tile {best['tile_bytes']} B, {best['num_warps']} warps, scan {best['scan']}, "
-              f"gather {best['gather']}: {best['encode_over_copy']:.2f} copies", flush=True)
+    best = {}
+    for r in sweep:
+        if r["exact"] and r["encode_over_copy"] < best.get(r["changed_fraction"], {"encode_over_copy": 1e9})[
+                "encode_over_copy"]:
+            best[r["changed_fraction"]] = r
+    for frac, r in best.items():
+        print(f"best of the sweep at {frac:.1%}: {_name(r)}: {r['encode_over_copy']:.2f} copies "
+              f"(with the refresh {r['encode_refresh_over_copy']:.2f})", flush=True)
+    best = best.get(0.03, next(iter(best.values()), None))
     out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)",
            "torch": torch.__version__, "triton": __import__("triton").__version__, "gib": args.gib, "reps": args.reps,
            "link_gbs": args.link_gbs, "tile_bytes": ops.TILE_BYTES, "num_warps": ops.NUM_WARPS,
-           "refresh": ops.REFRESH, "scan": ops.SCAN, "gather": ops.GATHER, "rows": rows, "sweep": sweep,
+           "refresh": ops.REFRESH, "scan": ops.SCAN, "gather": ops.GATHER, "finish": ops.FINISH,
+           "plan_chunk": ops.PLAN_CHUNK, "rows": rows, "sweep": sweep,
            "sweep_best": best, "failures": failures}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
@@ -275,7 +294,8 @@ def main() -> int:
     return 0 if all(r["exact"] for r in rows) else 1
 
 
-def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, fraction: float) -> list[dict]:
+def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, fraction: float,
+           finishes: set[str]) -> list[dict]:
     """The kernels at ``fraction`` changed under other tile sizes / warps / refreshing passes /
     forms (each checked against the torch path, then timed, step by step too)."""
     cur = old.clone()
@@ -288,19 +308,20 @@ def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, frac
     dst = torch.empty_like(old)
     shadow = torch.empty_like(old)
     out = []
-    default = (ops.TILE_BYTES, ops.NUM_WARPS, ops.REFRESH, ops.SCAN, ops.GATHER)
+    default = dict(tile_bytes=ops.TILE_BYTES, num_warps=ops.NUM_WARPS, refresh=ops.REFRESH, scan=ops.SCAN,
+                   gather=ops.GATHER, finish=ops.FINISH, plan_chunk=ops.PLAN_CHUNK)
     try:
-        for tile, warps, refresh, scan, gather in _SWEEP:
-            ops.configure(tile_bytes=tile, num_warps=warps, refresh=refresh, scan=scan, gather=gather)
+        for tile, warps, refresh, scan, gather, finish, chunk in (r for r in _SWEEP if r[5] in finishes):
+            setting = {"changed_fraction": fraction, "tile_bytes": tile, "num_warps": warps, "refresh": refresh,
+                       "scan": scan, "gather": gather, "finish": finish, "plan_chunk": chunk}
+            ops.configure(tile_bytes=tile, num_warps=warps, refresh=refresh, scan=scan, gather=gather, finish=finish,
+                          plan_chunk=chunk)
             shadow.copy_(old)
             try:
                 got = delta._encode_fused(ops, cur, shadow, True, True)
             except Exception as exc:  # this variant does not compile or run here: a failure row, the rest go on
-                out.append({"changed_fraction": fraction, "tile_bytes": tile, "num_warps": warps, "refresh": refresh,
-                            "scan": scan, "gather": gather, "exact": False,
-                            "error": f"{type(exc).__name__}: {exc}"[:2000]})
-                print(f"  sweep {fraction:.1%}: tile {tile} B, {warps} warps, {refresh}, {scan}/{gather}: "
-                      f"FAILED {out[-1]['error'][:300]}", flush=True)
+                out.append({**setting, "exact": False, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+                print(f"  sweep {fraction:.1%}: {_name(setting)}: FAILED {out[-1]['error'][:300]}", flush=True)
                 continue
             ok = (torch.equal(got.blob, want.blob) and got.checksum == ref and delta.checksum(raw) == ref
                   and torch.equal(shadow, cur))
@@ -312,8 +333,7 @@ def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, frac
                 ref_s += _timed(lambda: delta._encode_fused(ops, cur, shadow, True, True))
                 ck += _timed(lambda: delta.checksum(raw))
             steps = _steps(ops, lambda: delta._encode_fused(ops, cur, old, False, True), reps)
-            row = {"changed_fraction": fraction, "tile_bytes": tile, "num_warps": warps, "refresh": refresh,
-                   "scan": scan, "gather": gather, "exact": bool(ok),
+            row = {**setting, "exact": bool(ok),
                    "copy_s": statistics.median(copy), "encode_s": statistics.median(enc),
                    "encode_refresh_s": statistics.median(ref_s), "checksum_s": statistics.median(ck),
                    "steps_s": steps}
@@ -321,16 +341,29 @@ def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, frac
             row["steps_over_copy"] = {k: v / row["copy_s"] for k, v in steps.items()}
             row["encode_refresh_over_copy"] = row["encode_refresh_s"] / row["copy_s"]
             out.append(row)
-            print(f"  sweep {fraction:.1%}: tile {tile} B, {warps} warps, refresh in the {refresh}, scan {scan}, "
-                  f"gather {gather}: encode {row['encode_s'] * 1e3:.2f} ms "
+            print(f"  sweep {fraction:.1%}: {_name(setting)}: encode {row['encode_s'] * 1e3:.2f} ms "
                   f"({row['encode_over_copy']:.2f} copies), with the refresh {row['encode_refresh_s'] * 1e3:.2f} ms "
                   f"({row['encode_refresh_over_copy']:.2f}), checksum {row['checksum_s'] * 1e3:.2f} ms, exact={ok}"
                   + ("; steps (ms) " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in steps.items()) if steps else ""),
                   flush=True)
     finally:
-        ops.configure(tile_bytes=default[0], num_warps=default[1], refresh=default[2], scan=default[3],
-                      gather=default[4])
+        ops.configure(**default)
     return out
+
+
+def _name(r: dict) -> str:
+    return (f"tile {r['tile_bytes']} B, {r['num_warps']} warps, refresh in the {r['refresh']}, scan {r['scan']}, "
+            f"gather {r['gather']}, finish {r['finish']} (plan chunk {r['plan_chunk']})")
+
+
+def _finished(ops, finish: str, cur: torch.Tensor, old: torch.Tensor):
+    """The kernels' encoding under another finish (the library's setting restored after)."""
+    before = ops.FINISH
+    ops.configure(finish=finish)
+    try:
+        return delta._encode_fused(ops, cur, old, False, True)
+    finally:
+        ops.configure(finish=before)
 
 
 if __name__ == "__main__":

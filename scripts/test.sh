@@ -10,7 +10,7 @@ bash scripts/setup.sh || exit 1
 PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider)
 "${PYTEST[@]}" -m serial --durations=25 "$@"
 serial=$?
-"${PYTEST[@]}" -m "not serial" -n 2 --dist loadfile --durations=40 "$@"
+"${PYTEST[@]}" -m "not serial" -n 2 --dist loadfile --no-loadscope-reorder --durations=40 "$@"
 parallel=$?
 if [ "$serial" -eq 5 ] && [ "$parallel" -eq 5 ]; then
     echo "test.sh: pytest ran no tests; failing" >&2

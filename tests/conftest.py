@@ -38,7 +38,37 @@ if _count > 1 and "POLICYWORKER_PORTS" not in os.environ:
     os.environ["POLICYWORKER_PORTS"] = f"{20000 + _index * _span}:{20000 + (_index + 1) * _span}"
 
 
+#: Rough seconds per module on an idle 2-core host (engine start included), for the
+#: parallel phase's order: xdist hands out whole modules in collection order
+#: (``--no-loadscope-reorder`` in scripts/test.sh), so the longest go first and the
+#: phase does not end on one worker running a vLLM module while the other idles.
+#: A module not listed weighs half a second per test. Rough is enough: it only orders.
+COST_S = {
+    "test_vllm_two_engines.py": 110, "test_vllm_lora.py": 90, "test_vllm_recovery_example.py": 70,
+    "test_vllm_tp2.py": 70, "test_vllm_async.py": 60, "test_vllm_overlap_async.py": 60,
+    "test_zmq_ipc.py": 60, "test_nccl_reshard.py": 60, "test_vllm.py": 50,
+    "test_vllm_http_example.py": 50, "test_vllm_moe.py": 45, "test_vllm_moe_tp2.py": 45,
+    "test_vllm_moe_ep.py": 45, "test_vllm_overlap.py": 45, "test_vllm_trainer_api.py": 40,
+    "test_demo.py": 40, "test_relay.py": 40, "test_vllm_bench.py": 35, "test_vllm_delta.py": 35,
+    "test_vllm_fp8.py": 35, "test_delta_refit.py": 35, "test_files_processes.py": 35,
+    "test_vllm_errors.py": 30, "test_vllm_refusal.py": 25, "test_lora_rollout.py": 25,
+}
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if Path(str(item.fspath)).name in SERIAL:
             item.add_marker(pytest.mark.serial)
+    counts: dict[str, int] = {}
+    for item in items:
+        name = Path(str(item.fspath)).name
+        counts[name] = counts.get(name, 0) + 1
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(str(item.fspath), i)
+
+    def cost(item) -> tuple[float, int]:
+        name = Path(str(item.fspath)).name
+        return (-COST_S.get(name, 0.5 * counts[name]), first[str(item.fspath)])
+
+    items.sort(key=cost)  # stable: a module's tests stay together and in their order

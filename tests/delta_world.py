@@ -35,6 +35,7 @@ class DeltaSpec:
     options: dict[str, Any] = field(default_factory=lambda: {"delta": True})
     full_at: tuple[int, ...] = ()  # versions the trainers refit with delta=False
     corrupt: tuple[int, int] | None = None  # (rollout rank, version): a live byte flipped after its commit
+    receiver_options: dict[int, dict[str, Any]] = field(default_factory=dict)  # version -> the rollouts' options
     refit_timeout_s: float | None = None
     stall: tuple[int, int, int, float] | None = None  # (train rank, version, its k-th group wait, seconds)
     update_port: int = 0
@@ -104,7 +105,11 @@ def delta_rank(rank: int, spec: DeltaSpec) -> dict[str, Any]:
                                             **extra)
                     out["outcomes"].append(_row(rep))
                 else:
-                    rep = await w.receive_nccl_reshard_refit(refit_timeout_s=spec.refit_timeout_s)
+                    if v in spec.receiver_options:
+                        rep = await w.refit("nccl_reshard", refit_timeout_s=spec.refit_timeout_s,
+                                            **spec.receiver_options[v])
+                    else:
+                        rep = await w.receive_nccl_reshard_refit(refit_timeout_s=spec.refit_timeout_s)
                     row = _row(rep)
                     want, have = dest_shards(plan, g, state), w.weights()
                     row["exact"] = set(want) == set(have) and all(same_bits(have[k], want[k]) for k in want)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TRANSPORTS = ("nccl_reshard", "zmq", "files", "memory", "sglang_ipc")
+TRANSPORTS = ("nccl_reshard", "zmq", "files", "files_delta", "memory", "sglang_ipc")
 
 #: The refit deadline of a failing step (``refit_timeout_s``), seconds.
 DEADLINE_S = 3.0
@@ -81,9 +81,10 @@ class Cell:
 
 # -- how each transport behaves ---------------------------------------------------------
 #: The recovery each transport documents after a failed refit.
-RECOVERY = {"nccl_reshard": "rebuild", "sglang_ipc": "rebuild", "zmq": "reattach", "files": "none", "memory": "none"}
+RECOVERY = {"nccl_reshard": "rebuild", "sglang_ipc": "rebuild", "zmq": "reattach", "files": "none",
+            "files_delta": "none", "memory": "none"}
 #: Senders that never wait for a receiver: a missing or dead receiver fails nothing on them.
-FIRE_AND_FORGET = ("files", "memory")
+FIRE_AND_FORGET = ("files", "files_delta", "memory")
 #: Transports whose rollouts receive straight into live tensors from a socket. When the
 #: sender dies (or stalls past the deadline) after its header arrived, the receiver cannot
 #: tell a partial write from none: it is torn although the bytes it holds may be
@@ -110,6 +111,13 @@ def exclusions() -> dict[tuple[str, str], str]:
                                "at receive, checked before any byte lands (tests/test_generic_road.py)")
     out[("sglang_ipc", "plan")] = ("plan-less: the engine takes tensors by name; the trainer ranks' tensor "
                                    "lists are compared at connect like their options (the options cell)")
+    # files_delta: the files plugin with delta=True; versions differ from the one before
+    # in ~2% of the elements, so v2 and later are deltas. Its cells cut a delta version.
+    for fault in FAULTS:
+        if fault not in _DELTA_FAULTS:
+            out[("files_delta", fault)] = ("delta mode differs from the files cells only in what a version holds and "
+                                           "how a reader replays it: its cells cut a delta mid-write, mid-replay and "
+                                           "past a deadline; the other faults are the files cells'")
     out[("memory", "stale")] = ("the sender never waits, so no attempt of it can be cut short; the hub "
                                 "holds one value per version")
     return out
@@ -183,6 +191,11 @@ def _cell(transport: str, fault: str) -> Cell:
 FAULTS = ("never_calls-trainer", "never_calls-rollout", "killed_before-trainer", "killed_before-rollout",
           "killed_mid-trainer", "killed_mid-rollout", "stall", "stand_down", "cancel_task", "cancel_anyio",
           "cancel_trio", "sigint", "options", "plan", "torn_again", "stale")
+
+
+#: The faults cut in the files plugin's delta mode: a writer killed mid-version, a
+#: reader killed mid-replay, a writer stopped past the reader's deadline.
+_DELTA_FAULTS = ("killed_mid-trainer", "killed_mid-rollout", "stall")
 
 
 def cells() -> list[Cell]:

@@ -278,6 +278,41 @@ class FilesSide(Side):
         return await self.w.refit("files", refit_timeout_s=timeout)
 
 
+class FilesDeltaSide(FilesSide):
+    """The files plugin in delta mode: version ``v`` is :func:`delta_weights` (``v``), so
+    every version after the first is written as a delta. Fault points: the writer's
+    encoding of a tensor (mid-version: some delta blobs written, none committed); the
+    reader's ``torch.frombuffer`` of a tensor's blob while it applies a delta (mid-replay)."""
+
+    transport = "files_delta"
+
+    def setup(self) -> dict[str, Any]:
+        return {**super().setup(), "delta": True}
+
+    def _load(self, version: int, seed: int | None) -> None:
+        new = delta_weights(version)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(new[name])
+
+    def reference(self, version: int) -> dict[str, torch.Tensor]:
+        return delta_weights(version)
+
+    def hook(self):
+        if self.name == "trainer":
+            from policyworker.layout import delta
+
+            return delta, "encode"
+        return torch, "frombuffer"
+
+
+def delta_weights(version: int) -> dict[str, torch.Tensor]:
+    """Version 0's weights with ~2% of the elements' lowest bit flipped per version after it."""
+    from policyworker.testing.delta_weights import versioned_state
+
+    return versioned_state(weights(0), [0.02] * version)
+
+
 # -- memory: both sides in one process, one hub -----------------------------------------------
 class MemorySide(Side):
     transport = "memory"
@@ -386,7 +421,7 @@ class SglangSide(Side):
             self.engine.close()
 
 
-SIDES = {c.transport: c for c in (NcclSide, ZmqSide, FilesSide, MemorySide, SglangSide)}
+SIDES = {c.transport: c for c in (NcclSide, ZmqSide, FilesSide, FilesDeltaSide, MemorySide, SglangSide)}
 
 
 def side_names(transport: str, rank: int) -> list[str]:

@@ -8,7 +8,7 @@ import torch
 from policyworker.errors import ConfigError, ProtocolError
 from policyworker.transports.nccl_reshard.transport import NcclReshardOptions, NcclReshardSetup
 from policyworker.layout import delta as D
-from policyworker.layout.delta_inc import encode_update, segment_checksums
+from policyworker.layout.delta_inc import INCREMENTAL_MAX, apply_update, encode_update, segment_checksums
 from policyworker.transports.nccl_reshard.delta_handshake import (
     _HS_MAGIC,
     _NO_SHADOW,
@@ -130,6 +130,46 @@ def test_one_pass_encode_matches_encode_refreshes_the_shadow_and_updates_the_che
     assert torch.equal(dense_shadow, cur) and dense_sums == segment_checksums(cur, segs)
 
 
+@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 200_003), (torch.float32, 70_001), (torch.uint8, 1_001),
+                                      (torch.float64, 9_001)])
+def test_apply_update_lands_the_delta_and_updates_the_checksums_from_the_changed_units(dtype, n):
+    # The receiver's incremental check: from the checksums of its bytes before a delta,
+    # the changed units' old and new values give the checksums after it, equal to a
+    # full pass over the bytes (few changes: sparse; many: bitmap; one at the ragged end).
+    g = torch.Generator().manual_seed(5)
+    unit = torch.empty(0, dtype=dtype).element_size()
+    held = torch.randint(0, 256, (n * unit,), dtype=torch.uint8, generator=g).view(D.unit_dtype(unit))
+    segs = _segments(n * unit, g)[:-1]  # every copy on an 8-byte boundary (the empty one at the end is not)
+    sums = segment_checksums(held, segs)
+    for fraction in (0.001, 0.004, 0.01, 0.2, "last"):
+        cur = held.clone()
+        mask = torch.zeros(n, dtype=torch.bool) if fraction == "last" else torch.rand(n, generator=g) < fraction
+        mask[-1] = fraction == "last" or bool(mask[-1])
+        cur[mask] = torch.randint(-100, 100, (int(mask.sum()),), generator=g).to(cur.dtype)
+        enc = D.encode(cur, held)
+        sums, updated = apply_update(held, enc.kind, enc.count, enc.blob, segs, sums)
+        # past INCREMENTAL_MAX of the units changed: a full pass (cheaper there), same sums
+        assert updated == (enc.count <= n * INCREMENTAL_MAX) and enc.kind in (D.SPARSE, D.BITMAP), fraction
+        assert torch.equal(held, cur) and sums == segment_checksums(cur, segs), fraction
+    # Unknown sums or a raw blob: a full pass. A damaged blob: nothing written.
+    cur = held.clone() ^ 1
+    enc = D.encode(cur, held)
+    assert enc.kind == D.RAW and apply_update(held, enc.kind, enc.count, enc.blob, segs, sums) == (
+        segment_checksums(cur, segs), False)
+    cur[3] ^= 2
+    enc, before = D.encode(cur, held), held.clone()
+    with pytest.raises(ProtocolError):
+        apply_update(held, enc.kind, enc.count + 1, enc.blob, segs, segment_checksums(held, segs))
+    assert torch.equal(held, before)
+    # The trust it rests on: bytes changed after their checksums were taken, where the
+    # delta does not touch, go unseen (the sums are the old ones plus the delta's).
+    sums = segment_checksums(held, segs)
+    held[n // 2] ^= 4
+    enc = D.encode(cur, before)
+    got, _ = apply_update(held, enc.kind, enc.count, enc.blob, segs, sums)
+    assert got == segment_checksums(cur, segs) != segment_checksums(held, segs)
+
+
 @pytest.mark.parametrize("aligned", [True, False])
 def test_segment_checksums_equal_checksum_per_segment(aligned):
     g = torch.Generator().manual_seed(4)
@@ -164,7 +204,7 @@ def test_the_handshake_decides_delta_only_when_every_base_matches():
 
 
 @pytest.mark.parametrize("bad", [{"delta_max_fraction": 1.5}, {"delta_max_fraction": -0.1},
-                                 {"delta_full_every": 0}])
+                                 {"delta_full_every": 0}, {"delta_verify": "sometimes"}])
 def test_bad_delta_settings_fail_at_attach(bad):
     with pytest.raises(ConfigError):
         NcclReshardSetup(delta=True, **bad)
@@ -176,6 +216,10 @@ def test_delta_settings_parse_from_plain_keywords():
     setup = parse(NcclReshardSetup, {"delta": True, "delta_max_fraction": 0.1, "delta_full_every": 8}, what="t")
     assert (setup.delta, setup.delta_max_fraction, setup.delta_full_every) == (True, 0.1, 8)
     assert parse(NcclReshardOptions, {"delta": False}, what="t").delta is False
+    assert parse(NcclReshardSetup, {"delta": True, "delta_verify": "incremental"}, what="t").delta_verify == "incremental"
+    assert parse(NcclReshardOptions, {"delta_verify": "full"}, what="t").delta_verify == "full"
+    with pytest.raises(ConfigError):
+        parse(NcclReshardOptions, {"delta_verify": "none"}, what="t")
     with pytest.raises(ConfigError):
         parse(NcclReshardSetup, {"delta": "yes"}, what="t")
 
@@ -204,7 +248,9 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     res = json.loads(lines[-1])
     assert {k: v for k, v in res.items() if not v["ok"]} == {}
     encodes = [v for k, v in res.items() if k.startswith("encode")]
-    assert len(encodes) == len(ENCODE_CASES) + 3 and len(res) >= len(encodes) + 8
+    assert len(encodes) == len(ENCODE_CASES) + 6 and len(res) >= len(encodes) + 8
+    assert {(v["finish"], v["kind"]) for v in encodes} >= {(f, kind) for f in ("device", "fused", "torch")
+                                                           for kind in (D.SPARSE, D.BITMAP)}
     assert {tuple(v["forms"]) for v in encodes} == set(FORMS)
     assert {v["kind"] for v in encodes if tuple(v["forms"]) == FORMS[0]} >= {D.SPARSE, D.BITMAP, D.NONE}
     assert any(v["offset"] for v in encodes)  # an unaligned stream: the units scan under the words form
@@ -247,14 +293,16 @@ def test_kernels_compile_for_hopper_with_16_byte_loads_of_whole_tiles(monkeypatc
                                        "bits_ptr": "*u8", "part_ptr": "*i64"},
                 dict(bf16, REFRESH=False, **K._lane_masks(2)))
     assert "ld.global.v2.b64" in words or "ld.global.v4.b32" in words  # whole tiles: 16-byte word loads
-    bits = ptx(K._gather_bits_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "counts_ptr": "*i32",
-                                       "starts_ptr": "*i64", "bits_ptr": "*u8", "val_ptr": "*i16", "off_ptr": "*i16"},
-               dict(T=K.tile_units(2), OFFSETS=True, UPDATE=True))
-    assert "st.global.b16" in bits
-    gather = ptx(K._gather_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "counts_ptr": "*i32", "starts_ptr": "*i64",
-                                    "bits_ptr": "*u8", "val_ptr": "*i16", "off_ptr": "*i16"},
-                 dict(T=K.tile_units(2), OFFSETS=True, UPDATE=True))
-    assert "st.global.b16" in gather
+    gsig = {"cur_ptr": "*i16", "old_ptr": "*i16", "counts_ptr": "*i32", "starts_ptr": "*i64", "bits_ptr": "*u8",
+            "val_ptr": "*i16", "off_ptr": "*i16", "blob_ptr": "*u8", "tiles": "i64", "k": "i64", "at_offs": "i64",
+            "at_vals": "i64", "size": "i64"}
+    # the header and padding: none, the sparse block counts, the bitmap copy (vector stores)
+    for kernel, glue in ((K._gather_kernel, 0), (K._gather_bits_kernel, 1), (K._gather_bits_kernel, 2)):
+        code = ptx(kernel, gsig, dict(T=K.tile_units(2), OFFSETS=glue != 2, UPDATE=True, GLUE=glue, TPB=8, UNIT=2))
+        assert "st.global.b16" in code and (glue != 2 or "st.global.v2.b32" in code or "st.global.v4.b32" in code)
+    # The opt-in finishes' kernels ("fused", "device") are compiled and checked bit for bit
+    # on the GPU (tests/test_delta_gpu.py); compiling them here too cost ~20 s of CI.
+
 
 def test_encode_options_on_the_cpu_paths(monkeypatch):
     # update_old / with_checksum mean the same without the kernels (numpy and torch paths)
@@ -271,6 +319,18 @@ def test_encode_options_on_the_cpu_paths(monkeypatch):
         assert D.encode(new, old).checksum is None
 
 
+def test_the_fused_scans_scratch_holds_every_sparse_blob():
+    # the fused scan keeps at most _sparse_cap(n, unit) changed units: exactly the most a sparse blob can have
+    for unit in (1, 2, 4, 8):
+        for n in (1, 7, 100, 4_097):
+            sparse = [k for k in range(1, n + 1) if D._smallest(n, k, unit) == D.SPARSE]
+            assert D._sparse_cap(n, unit) == max(sparse, default=0)
+            assert sparse == list(range(1, len(sparse) + 1))  # an interval from 1
+        for n in (65_537, 200_003, 1 << 30):
+            cap = D._sparse_cap(n, unit)
+            assert D._smallest(n, cap, unit) == D.SPARSE != D._smallest(n, cap + 1, unit)
+
+
 def test_kernel_settings_are_checked():
     pytest.importorskip("triton")
     from policyworker.ops import delta_triton as K
@@ -279,8 +339,9 @@ def test_kernel_settings_are_checked():
                 {"refresh": "both"}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
-    for bad in ({"scan": "bytes"}, {"gather": "all"}):
+    for bad in ({"scan": "bytes"}, {"gather": "all"}, {"finish": "host"}, {"plan_chunk": 100}, {"plan_chunk": 8}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
     assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH, K.SCAN, K.GATHER) == (16384, 4, "gather", "units", "bits")
+    assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS) == ("torch", 4096, 8)
     assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [16384, 8192, 4096, 2048]  # each divides a 65,536-unit block

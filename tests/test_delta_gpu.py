@@ -1,6 +1,7 @@
 """The delta kernels on CUDA against the torch and numpy paths, bit for bit: the
 interpreter's cases at several scales (many tiles and blocks), a large bf16 stream at
-a few changed fractions, the per-copy checksums of a transfer in one launch, and
+a few changed fractions (each kernel form, each finish), the per-copy checksums of a
+transfer in one launch, and
 ``layout.delta`` choosing the kernels for CUDA tensors."""
 
 from __future__ import annotations
@@ -41,6 +42,19 @@ def test_a_large_bf16_stream_encodes_as_the_torch_path(fraction, forms):
         _large_bf16_stream(fraction)
     finally:
         delta_triton.configure(scan=before[0], gather=before[1])
+
+
+@pytest.mark.parametrize("finish", ["torch", "fused"])
+@pytest.mark.parametrize("fraction", [0.001, 0.03, 0.1])
+def test_a_large_bf16_stream_encodes_as_the_torch_path_under_each_finish(fraction, finish):
+    from policyworker.ops import delta_triton
+
+    before = delta_triton.FINISH
+    delta_triton.configure(finish=finish)
+    try:
+        _large_bf16_stream(fraction)
+    finally:
+        delta_triton.configure(finish=before)
 
 
 def _large_bf16_stream(fraction):

@@ -89,3 +89,35 @@ def test_a_stall_mid_delta_times_out_and_leaves_the_rollouts_intact_at_their_ver
             assert not failed["torn"] and failed["intact"], failed
         else:  # it may have applied its own trainer's delta (then torn, as a full refit would be)
             assert failed["torn"] or failed["intact"], failed
+
+
+@pytest.mark.timeout(120)
+def test_incremental_check_lands_deltas_bit_exact_trusts_held_bytes_and_a_full_check_catches_them():
+    # The rollouts check deltas incrementally (delta_verify="incremental"). v1 is full;
+    # v2 a delta checked in full (the first after a full refit: nothing verified yet);
+    # v3, v4 deltas checked incrementally. Rollout 0's live byte is flipped after its v3
+    # commit, outside any refit, where v4's delta does not write: the incremental check
+    # cannot see it (it trusts the bytes it verified at v3), so v4 commits on rollout 0
+    # with that byte wrong. At v5 the rollouts ask for a full check: it catches the byte
+    # (ProtocolError on rollout 0, torn; nobody commits v5). v6 is full (rollout 0 has
+    # no base) and heals it; v7 is checked in full again, v8 incrementally.
+    spec = DeltaSpec(fractions=[1.0, 0.003, 0.003, 0.003, 0.003, 0.003, 0.003, 0.004], corrupt=(0, 3),
+                     options={"delta": True, "delta_verify": "incremental"},
+                     receiver_options={5: {"delta_verify": "full"}})
+    results = _world(spec)
+    n_train = spec.train_par.world_size
+    for r in results[:n_train]:
+        assert [o["ok"] for o in r["outcomes"]] == [True] * 4 + [False] + [True] * 3, r["outcomes"]
+    r0, r1 = results[n_train:]
+    for g, r in enumerate((r0, r1)):
+        outs = r["outcomes"]
+        ok = [o for i, o in enumerate(outs) if i != 4]
+        assert [o["version"] for o in ok] == [1, 2, 3, 4, 6, 7, 8]
+        assert [o["delta"] for o in ok] == [False, True, True, True, False, True, True], [o["notes"] for o in ok]
+        checked = [o["notes"][-1].rsplit("; checked ", 1)[-1] for o in ok if o["delta"]]
+        assert checked == ["in full", "incrementally", "incrementally", "in full", "incrementally"], checked
+        # bit-exact against the oracle, but for rollout 0's v4: the byte it cannot see
+        assert [o["exact"] for o in ok] == [True, True, True, g != 0, True, True, True], ok
+    assert r0["outcomes"][4]["error"] == "ProtocolError" and "checksum" in r0["outcomes"][4]["message"]
+    assert r0["outcomes"][4]["torn"] and r0["outcomes"][4]["weight_version"] == 4
+    assert r1["outcomes"][4]["error"] == "TransportError"

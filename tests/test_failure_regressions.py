@@ -452,7 +452,7 @@ def _exit_body(role: str, update: int, stage: int, vocab: int, hidden: int, mid_
             try:
                 # The interrupted rollout's sockets close, but a send already handed to gloo
                 # learns nothing of it: the trainer ends at its deadline (RefitTimeout).
-                await w.nccl_reshard_refit(refit_timeout_s=15 if mid_transfer else 60)
+                await w.nccl_reshard_refit(refit_timeout_s=6 if mid_transfer else 60)
             except PolicyWorkerError as exc:  # the rollout was interrupted: expected in that case
                 print("trainer", type(exc).__name__, flush=True)
         else:

@@ -225,3 +225,23 @@ def test_bench_lora_needs_the_vllm_engine():
     proc = subprocess.run([sys.executable, "-m", "policyworker.cli", "bench", "--lora", "16"], capture_output=True,
                           text=True, timeout=60, env=env)
     assert proc.returncode != 0 and "ConfigError: bench --lora RANK refits into vLLM" in proc.stderr
+
+
+def test_the_vllm_lora_backend_refuses_tensor_parallel_engines(monkeypatch):
+    # Its tp ranks install without agreeing first, so a tp=2 engine is refused at start
+    # (a typed error naming the limit), not half-updated at some later commit.
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    import vllm.distributed as vd
+
+    from policyworker.integrations.vllm.lora import PolicyworkerLoraEngine
+
+    monkeypatch.setattr(vd, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(vd, "get_tensor_model_parallel_world_size", lambda: 2)
+    model = torch.nn.Linear(2, 2)
+    model.lora_manager = SimpleNamespace(remove_all_adapters=lambda: None)
+    vllm_config = SimpleNamespace(lora_config=SimpleNamespace(max_lora_rank=16), model_config=None,
+                                  parallel_config=SimpleNamespace(pipeline_parallel_size=1))
+    with pytest.raises(ConfigError, match="tensor_parallel_size=1 only"):
+        PolicyworkerLoraEngine(None, vllm_config, torch.device("cpu"), model)

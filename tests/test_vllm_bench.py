@@ -45,3 +45,22 @@ def test_bench_engine_vllm_reports_interleaved_pairs_and_matches_hf(tmp_path):
     steady = sorted(r["ratio_to_ceiling"] for r in rows[1:])
     assert res["ratio_to_ceiling"] == pytest.approx(sum(steady) / 2) and res["ratio_spread"]["pairs"] == 2
     assert res["bytes_per_refit"] > 0 and len(res["checkpoint_reload"]) == 3
+
+
+# -- bench --engine vllm --overlap ----------------------------------------------------------
+def test_bench_overlap_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys):
+    from policyworker.cli import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it raises ImportError
+    code = main(["bench", "--engine", "vllm", "--overlap", "--plot", str(tmp_path / "t.png")])
+    assert code == 2 and "pip install 'policyworker[plot]'" in capsys.readouterr().err
+    assert not (tmp_path / "t.png").exists()
+
+
+def test_longest_gap_counts_whole_gaps_that_overlap_the_window():
+    from policyworker.cli.vllm_overlap_bench import longest_gap
+
+    passes = [(0.0, 1.0), (1.5, 2.0), (2.2, 3.0), (10.0, 11.0), (11.1, 12.0)]
+    assert longest_gap(passes, 2.5, 4.0) == (3.0, 10.0)     # runs past the window's end: whole
+    assert longest_gap(passes, 1.2, 1.3) == (1.0, 1.5)      # began before it: whole
+    assert longest_gap(passes, 11.5, 20.0) == (12.0, 20.0)  # still open: up to the end

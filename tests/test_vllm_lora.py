@@ -89,6 +89,9 @@ def test_three_adapter_refits_generate_like_hf_peft(world):
         # The base is untouched: without the adapter vLLM still generates the base's tokens.
         assert world.tokens(lora=False) == world.base
         assert world.llm.get_weight_version() == str(version)
+        # The first version builds vLLM's LoRAModel; later ones are copied into it.
+        in_place = world.llm.collective_rpc(lambda worker: worker.weight_transfer_engine.last_install_in_place)
+        assert in_place == [version > 1]
         world.history[version] = got
         world.version = version
 
@@ -182,6 +185,9 @@ def test_another_base_is_refused_by_default_and_sent_once_when_asked(world):
         assert sum(r["bytes"] for r in replies) == base_sent + adapter
         # What vLLM swapped in: the whole base once (tp=1, float32 as sent), then nothing of it.
         assert world.llm.collective_rpc(lambda worker: worker.weight_transfer_engine.last_base_bytes) == [base_sent]
+        # The adapter that came with the base is a new LoRAModel; the next one is copied into it.
+        in_place = world.llm.collective_rpc(lambda worker: worker.weight_transfer_engine.last_install_in_place)
+        assert in_place == [not base_sent]
         got = world.tokens()
         assert got == world.oracle(version) and got != world.history[version - 1]
         assert world.tokens(lora=False) == other_base

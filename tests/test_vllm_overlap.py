@@ -109,6 +109,47 @@ def test_a_trainer_killed_mid_overlapped_transfer_leaves_v_served(world):
     world.version, world.history[v + 1] = v + 1, got
 
 
+def _break_prepare(worker):
+    stage = worker.weight_transfer_engine._stage
+
+    def fail():
+        raise RuntimeError("injected: vLLM's post-processing failed")
+
+    stage.prepare = fail  # shadows the method for the next update_weights
+
+
+def _mend_prepare(worker):
+    del worker.weight_transfer_engine._stage.prepare
+    return worker.weight_transfer_engine.torn
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_background_post_processing_commits_nothing(world):
+    if world.version == 0:
+        world.history[0] = world.tokens()
+        assert all(r["ok"] for r in world.connect(version=0, overlap=True))
+    v = world.version
+    commits = _state(world)["commits"]
+    world.llm.collective_rpc(_break_prepare)
+    try:
+        during, error, replies = _overlapped_refit(world, v + 1)
+    finally:
+        (torn,) = world.llm.collective_rpc(_mend_prepare)
+    assert error is not None and "injected: vLLM's post-processing failed" in str(error), error
+    assert [r["ok"] for r in replies] == [True, True]  # every byte arrived; the post-processing failed
+    assert not torn and during == world.history[v]
+    assert world.tokens() == world.history[v] == world.oracle(v)
+    assert world.llm.get_weight_version() == str(v) and _state(world)["commits"] == commits
+    with pytest.raises(Exception, match=r"ConfigError: .* only closes that session"):
+        world.llm.update_weights({"update_info": {"version": v + 2}})
+    during, error, replies = _overlapped_refit(world, v + 2)  # the trainers' next version
+    assert error is None, error
+    assert during == world.history[v] and [r["version"] for r in replies] == [v + 2, v + 2]
+    got = world.tokens()
+    assert got == world.oracle(v + 2) and got != world.history[v]
+    world.version, world.history[v + 2] = v + 2, got
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("init", [{"staging": "host"}, {"staging": "device", "cpu_linear": "torch"}])
 def test_overlap_with_host_staging_and_with_a_device_set_that_went_live(world, init):

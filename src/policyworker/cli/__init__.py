@@ -86,6 +86,33 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
+def _bench_vllm_overlap(args: argparse.Namespace) -> int:
+    from policyworker.errors import ConfigError
+
+    if not args.overlap or args.engine != "vllm" or args.engines != 1 or args.lora is not None:
+        raise ConfigError("bench --overlap (and --plot) measure one vLLM engine: add --engine vllm --overlap; "
+                          "--engines 2 and --lora do not apply")
+    if args.plot:
+        from policyworker.cli.overlap_plot import plot_timelines, require_matplotlib
+
+        require_matplotlib()  # before minutes of benchmark, not after
+    from policyworker.cli.vllm_overlap_bench import run_vllm_overlap_bench
+
+    result = run_vllm_overlap_bench(preset=args.preset, train=args.vllm_train, tp=args.vllm_tp, refits=args.refits,
+                                    dtype=args.dtype, bucket_bytes=int(args.bucket_mb * 2**20),
+                                    cpu_linear=args.vllm_cpu_linear, timeout_s=args.timeout,
+                                    log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    write_json(args.json, result, echo=True)
+    if args.plot:
+        plot_timelines(result, args.plot)
+    if not result["tokens_match_hf"]:
+        bad = [r["version"] for r in [result["cold_refit"], *result["refits"]] if not r["tokens_match_hf"]]
+        print(f"error: vLLM's greedy tokens after the commit of version(s) {bad} differ from Hugging Face's "
+              f"with the same weights", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.lora is not None and args.engine != "vllm":
         from policyworker.errors import ConfigError
@@ -96,6 +123,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
         raise ConfigError("bench --engines 2 refits two tp=1 vLLM engines: add --engine vllm; "
                           "--lora and --vllm-tp do not apply")
+    if args.overlap or args.plot:
+        return _bench_vllm_overlap(args)
     if args.engines == 2:
         from policyworker.cli.vllm_engines_bench import run_vllm_engines_bench
 
@@ -255,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(backend policyworker-lora) against full refits of the model, same run")
     p.add_argument("--engines", type=int, choices=[1, 2], default=1, help="--engine vllm: 2 refits two tp=1 "
                    "engines on one update group against one engine, same trainers, same run (--refits rounds)")
+    p.add_argument("--overlap", action="store_true", help="--engine vllm: the engine's longest stall and "
+                   "tokens/s under a continuous load (AsyncLLM) during overlapped and paused refits, alternating")
+    p.add_argument("--plot", metavar="PATH", type=json_path, help="--overlap: also write a PNG timeline of one "
+                   "overlapped and one paused refit (needs policyworker[plot])")
     p.add_argument("--vllm-train", default="tp=2", help="--engine vllm: trainer layout")
     p.add_argument("--vllm-tp", type=int, default=1, help="--engine vllm: vLLM tensor_parallel_size")
     p.add_argument("--vllm-executor", choices=["mp", "uni"], default="mp",

@@ -9,7 +9,11 @@ step to a scratch directory; the fraction of bf16 elements that changed per step
 reported. Per fraction the same processes run, back to back:
 
 * ``full`` ×3 — the plain transport (``delta`` off): the same-run baseline;
-* ``forced`` ×3 — delta on with ``delta_max_fraction=1``: what a delta costs at this fraction;
+* ``forced`` ×3 — delta on with ``delta_max_fraction=1``: what a delta costs at this fraction
+  (the rollouts check every byte they hold, ``delta_verify="full"``);
+* ``incremental`` ×3 — the same with ``delta_verify="incremental"`` (the rollouts update
+  the checksums they verified at their last commit from the changed units; the first
+  counted refit of the block is already incremental: the warm one was checked in full);
 * ``auto`` ×2 — delta on with the default threshold: a delta, or the full fallback.
 
 Each mode's block starts with one *warm* refit of unchanged weights that is not
@@ -41,8 +45,10 @@ from policyworker.runtime.procs import free_port, start_world
 
 __all__ = ["DeltaBenchSpec", "run_delta_bench"]
 
-_MODES = {"full": {"delta": False}, "forced": {"delta": True, "delta_max_fraction": 1.0}, "auto": {"delta": True}}
-_PLAN = (("full", 3), ("forced", 3), ("auto", 2))
+_MODES = {"full": {"delta": False}, "forced": {"delta": True, "delta_max_fraction": 1.0},
+          "incremental": {"delta": True, "delta_max_fraction": 1.0, "delta_verify": "incremental"},
+          "auto": {"delta": True}}
+_PLAN = (("full", 3), ("forced", 3), ("incremental", 3), ("auto", 2))
 
 
 @dataclass
@@ -105,7 +111,9 @@ def _schedule(spec: DeltaBenchSpec) -> list[tuple[str, str, float]]:
         steps = spec.real_steps
         out += [("full", "warm", 0.0), ("full", "real", 0), ("forced", "real", 1)]
         if steps >= 2:
-            out += [("forced", "real", 2)]
+            # incremental: step 2 backwards (real1: the same elements change; checked in
+            # full after the re-attach, not counted), then forwards again (counted)
+            out += [("forced", "real", 2), ("incremental", "real", 1), ("incremental", "real", 2)]
         if steps >= 3:
             out += [("auto", "warm", 0.0), ("auto", "real", 3)]
         out += [("full", "warm", 0.0), ("full", "real", min(steps, 3))]
@@ -216,6 +224,7 @@ def run_delta_bench(spec: DeltaBenchSpec, *, log=None) -> dict[str, Any]:
                       "wire_bytes": sum(r["wire_bytes"] for r in rows[:train.world_size]),
                       "landed_bytes": sum(r["bytes"] for r in rows[train.world_size:]),
                       "delta": rows[0]["delta"], "note": rows[0]["note"],
+                      "checked": [r["note"] for r in rows[train.world_size:]],
                       "shadow_bytes_per_trainer": max(r["shadow_bytes"] for r in rows[:train.world_size]),
                       "bit_exact": all(r["bit_exact"] for r in rows[train.world_size:])})
     points = _points(spec, steps, real_fractions)
@@ -232,8 +241,9 @@ def _points(spec: DeltaBenchSpec, steps: list[dict], real_fractions: list[float]
         mine = [s for s in steps[1:] if s["source"] == source and (source == "real" or s["value"] == value)]
         full = [s for s in mine if s["mode"] == "full"]
         forced = [s for s in mine if s["mode"] == "forced" and (source == "synthetic" or s["value"] == value)]
+        incremental = [s for s in mine if s["mode"] == "incremental" and (source == "synthetic" or s["value"] == value)]
         auto = [s for s in mine if s["mode"] == "auto"]
-        if not full or not forced or not all(s["delta"] for s in forced):
+        if not full or not forced or not incremental or not all(s["delta"] for s in forced + incremental):
             raise TransportError(f"delta bench: no full baseline or no delta refit at {source} {value}")
         full_s = statistics.median(s["seconds"] for s in full)
         forced_s = statistics.median(s["seconds"] for s in forced)
@@ -243,12 +253,20 @@ def _points(spec: DeltaBenchSpec, steps: list[dict], real_fractions: list[float]
                  "delta_time_ratio": forced_s / full_s,
                  "delta_bytes_ratio": statistics.median(s["wire_bytes"] for s in forced) / full[0]["wire_bytes"],
                  "samples": {"full": [s["seconds"] for s in full], "delta": [s["seconds"] for s in forced],
+                             "incremental": [s["seconds"] for s in incremental],
                              "auto": [s["seconds"] for s in auto]},
                  # CPU seconds of every process (all threads, user + system) per refit: what
                  # the refit costs the host, much less sensitive to other load than wall time
                  "full_cpu_seconds": statistics.median(s["cpu_seconds"] for s in full),
                  "delta_cpu_seconds": statistics.median(s["cpu_seconds"] for s in forced)}
         point["delta_cpu_ratio"] = point["delta_cpu_seconds"] / point["full_cpu_seconds"]
+        inc_s = statistics.median(s["seconds"] for s in incremental)
+        inc_cpu = statistics.median(s["cpu_seconds"] for s in incremental)
+        point.update(incremental_seconds=inc_s, incremental_time_ratio=inc_s / full_s, incremental_cpu_seconds=inc_cpu,
+                     incremental_cpu_ratio=inc_cpu / point["full_cpu_seconds"],
+                     # how the rollouts checked them (a raw encoding, at ~100%, is always a full pass)
+                     incremental_checked=sorted({c.rsplit("; checked ", 1)[-1] for s in incremental
+                                                 for c in s["checked"]}))
         if auto:
             auto_s = statistics.median(s["seconds"] for s in auto)
             point.update(auto_seconds=auto_s, auto_was_delta=all(s["delta"] for s in auto),
@@ -276,6 +294,7 @@ def _summary(spec: DeltaBenchSpec, steps, points, real_fractions, load) -> dict[
     if one is not None:
         goals["bytes_at_1pct_le_5pct"] = one["delta_bytes_ratio"] <= 0.05
         goals["time_at_1pct_le_0.25x"] = one["delta_time_ratio"] <= 0.25
+        goals["time_at_1pct_le_0.25x_incremental"] = one["incremental_time_ratio"] <= 0.25
     if hundred is not None and "auto_time_ratio" in hundred:
         goals["auto_at_100pct_le_1.1x"] = hundred["auto_time_ratio"] <= 1.1
     goals["every_refit_bit_exact"] = all(s["bit_exact"] for s in steps)

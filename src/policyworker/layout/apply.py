@@ -28,6 +28,7 @@ from policyworker.layout.plan import Copy, ReshardPlan, Transfer, dtype_size
 __all__ = [
     "apply_plan",
     "bucket_copies",
+    "copy_moves",
     "copy_nbytes",
     "dest_shards",
     "empty_local_tensors",
@@ -117,6 +118,40 @@ def unpack(plan: ReshardPlan, copies: Sequence[Copy], buf: torch.Tensor,
         raw.copy_(buf.narrow(0, offset, n).view(raw.shape))
         offset += n
     return offset
+
+
+def copy_moves(plan: ReshardPlan, copies: Sequence[Copy], local_tensors: Mapping[str, torch.Tensor],
+               buf: torch.Tensor, side: str) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """What `pack` (``side="src"``) or `unpack` (``side="dst"``) of ``copies`` does, as
+    (destinations, sources): pairs of byte views to copy, from byte 0 of ``buf`` on.
+
+    Views only, so they can be kept and replayed (``torch._foreach_copy_``) while the
+    tensors and ``buf`` stay put: the per-copy work of finding regions is done once.
+    None when some copy cannot be a plain view (a format converts it, or a source
+    region is strided in its last dim and `pack` would copy it first).
+    """
+    names, params, fmt = plan.body.tensor_names, plan.params, plan.dest_format
+    dsts, srcs = [], []
+    offset = 0
+    for c in copies:
+        if fmt.converts(plan, c):
+            return None
+        name = names[c.src_tensor] if side == "src" else names[c.dst_tensor]
+        t = local_tensors.get(name)
+        if t is None:
+            return None
+        region = _region(t, c.src_at if side == "src" else c.dst_at, c.start, c.stop)
+        if region.dim() == 0:
+            region = region.reshape(1)
+        if region.stride(-1) != 1:
+            return None
+        raw = region.view(torch.uint8)
+        n = region.numel() * dtype_size(params[c.param].dtype)
+        wire = buf.narrow(0, offset, n).view(raw.shape)
+        dsts.append(wire if side == "src" else raw)
+        srcs.append(raw if side == "src" else wire)
+        offset += n
+    return dsts, srcs
 
 
 def bucket_copies(plan: ReshardPlan, copies: Sequence[Copy], max_bytes: int) -> list[list[Copy]]:

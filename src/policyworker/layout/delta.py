@@ -136,14 +136,19 @@ def encode(cur: torch.Tensor, old: torch.Tensor, *, update_old: bool = False,
 
 
 def _encode_fused(ops, cur: torch.Tensor, old: torch.Tensor, update_old: bool, with_checksum: bool) -> Encoded:
-    """The Triton path: one scan of both sides (counts, bitmap, checksum), one gather."""
+    """The Triton path: one scan of both sides (counts, bitmap, checksum shares), the tiles'
+    starts and the totals, one read of the totals to the host, one gather that fills the blob."""
     n, unit = cur.numel(), cur.element_size()
     in_scan = update_old and ops.REFRESH == "scan"  # else the gather refreshes (changed units only)
     ops.mark("start")
-    counts, bitmap, parts = ops.scan(cur, old, _BLOCK, refresh=in_scan)
+    scanned = ops.scan(cur, old, _BLOCK, refresh=in_scan, update=update_old and not in_scan,
+                       cap=_sparse_cap(n, unit) if ops.FINISH == "fused" else 0)
     ops.mark("scan")
-    k, words = torch.stack([counts.sum(dtype=torch.int64), parts.sum()]).tolist()  # one sync
+    starts, head = ops.plan(scanned, scanned.bitmap.numel() * 8 // ops.tile_units(unit))
+    k, words = head.tolist()  # the encoding's one read back to the host
     ops.mark("sync")
+    if k < 0:
+        raise ProtocolError("delta kernels: the fused scan's look-back gave up waiting (a kernel fault)")
     total = (words + n * unit) & _M64 if with_checksum else None
     if k == 0:
         return Encoded(NONE, 0, torch.empty(0, dtype=torch.uint8, device=cur.device), total)
@@ -153,28 +158,26 @@ def _encode_fused(ops, cur: torch.Tensor, old: torch.Tensor, update_old: bool, w
     if kind == RAW:
         blob.narrow(0, 0, n * unit).copy_(cur.view(torch.uint8))
         _zero_pads(blob, [(n * unit, size)])
-        if update_old and not in_scan:
+        if update_old and not in_scan and not scanned.updated:
             old.copy_(cur)
         return Encoded(RAW, k, blob, total)
-    offsets = None
-    if kind == SPARSE:
-        nblocks = -(-n // _BLOCK)
-        torch.sum(counts.view(nblocks, -1), 1, dtype=torch.int32, out=blob.narrow(0, 0, 4 * nblocks).view(torch.int32))
-        at = _pad8(4 * nblocks)
-        offsets = blob.narrow(0, at, 2 * k).view(torch.int16)
-        pads = [(4 * nblocks, at), (at + 2 * k, at + _pad8(2 * k))]
-        at += _pad8(2 * k)
-    else:
-        nbits = -(-n // 8)
-        blob.narrow(0, 0, nbits).copy_(bitmap.narrow(0, 0, nbits))
-        at = _pad8(nbits)
-        pads = [(nbits, at)]
-    _zero_pads(blob, [*pads, (at + k * unit, size)])
-    ops.mark("glue")
-    ops.gather(cur, old, counts, bitmap, blob.narrow(0, at, k * unit).view(cur.dtype), offsets,
-               update_old and not in_scan)
+    at_offs = _pad8(4 * -(-n // _BLOCK)) if kind == SPARSE else 0
+    at_vals = at_offs + _pad8(2 * k) if kind == SPARSE else _pad8(-(-n // 8))
+    ops.gather_into(cur, old, scanned, starts, blob, kind == SPARSE, k, at_offs, at_vals, update_old and not in_scan,
+                    _BLOCK)
     ops.mark("gather")
     return Encoded(kind, k, blob, total)
+
+
+@functools.lru_cache(maxsize=64)
+def _sparse_cap(n: int, unit: int) -> int:
+    """The most changed units of ``n`` for which the sparse encoding is the smallest (0: never)."""
+    cap = max(0, min(n, (_pad8(-(-n // 8)) - _pad8(4 * -(-n // _BLOCK))) // 2))
+    while cap > 0 and _smallest(n, cap, unit) != SPARSE:
+        cap -= 1
+    while cap < n and _smallest(n, cap + 1, unit) == SPARSE:
+        cap += 1
+    return cap
 
 
 def _zero_pads(blob: torch.Tensor, spans: list[tuple[int, int]]) -> None:

@@ -30,10 +30,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from policyworker.errors import ProtocolError
 from policyworker.layout import delta as _delta
 from policyworker.layout.delta import RAW, Encoded, blob_bytes, weights_at
 
-__all__ = ["encode_update", "segment_checksums", "word_deltas_sum"]
+__all__ = ["INCREMENTAL_MAX", "apply_update", "encode_update", "segment_checksums", "word_deltas_sum"]
 
 _CHUNK = 1 << 15  # words per step of the pass: both sides' chunks (2 x 256 KiB) stay in L2
 _M64 = (1 << 64) - 1
@@ -203,3 +204,73 @@ def encode_update(cur: torch.Tensor, shadow: torch.Tensor, segments: Sequence[tu
     else:
         _delta._fill_np(out, kind, n, unit, idx, vals)
     return Encoded(kind, k, torch.from_numpy(out)), sums
+
+
+#: Above this fraction of changed units a receiver's incremental check is a full pass
+#: instead: the changed units' old values are random reads, and at ~1% of 2-byte units
+#: they touch a quarter of the cache lines — no cheaper than one sequential pass, which
+#: proves more (measured on one CPU core, 58.7 MB: 0.3% changed 3.8 ms against 7.7 ms
+#: for apply + full pass; 1% 12.0 ms against 8.8 ms).
+INCREMENTAL_MAX = 1 / 200
+
+
+def _decode_np(blob: np.ndarray, kind: int, n: int, count: int, unit: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ascending unit indices, values) of a SPARSE or BITMAP blob, validated as
+    :func:`~policyworker.layout.delta.apply` validates it (``ProtocolError``, nothing written)."""
+    if kind == _delta.SPARSE:
+        nblocks = -(-n // _delta._BLOCK)
+        counts = blob[:4 * nblocks].view(np.int32)
+        at = _delta._pad8(4 * nblocks)
+        offsets = blob[at:at + 2 * count].view(np.uint16)
+        at += _delta._pad8(2 * count)
+        if (counts < 0).any() or int(counts.sum(dtype=np.int64)) != count:
+            raise ProtocolError(f"delta: block counts do not add up to {count}")
+        idx = (np.repeat(np.arange(nblocks, dtype=np.int64), counts) << _delta._BLOCK_BITS) | offsets
+        if int(idx.max()) >= n:
+            raise ProtocolError(f"delta: an index past the {n} units of the stream")
+    elif kind == _delta.BITMAP:
+        nbits = -(-n // 8)
+        idx = np.flatnonzero(np.unpackbits(blob[:nbits], count=n))
+        at = _delta._pad8(nbits)
+        if idx.size != count:
+            raise ProtocolError(f"delta: the bitmap does not mark {count} units")
+    else:
+        raise ProtocolError(f"unknown delta encoding {kind}")
+    return idx, blob[at:at + count * unit].view(f"<u{unit}")
+
+
+def apply_update(dst: torch.Tensor, kind: int, count: int, blob: torch.Tensor, segments: Sequence[tuple[int, int]],
+                 sums: list[int] | None) -> tuple[list[int], bool]:
+    """:func:`~policyworker.layout.delta.apply` ``blob`` to ``dst`` (a 1-D unit tensor) and
+    return (the checksums of ``dst``'s segments after it, whether they were updated).
+
+    ``sums``: the segments' checksums *before* the apply, when the caller knows them. On
+    CPU, for a sparse or bitmap blob and segments on 8-byte boundaries, the new sums are
+    ``sums`` plus the weighted differences of the changed units alone (each read once
+    before it is overwritten): no pass over ``dst``. They are then the checksums of
+    ``dst``'s bytes only if ``sums`` were those of its bytes just before the apply —
+    what was checked earlier is taken on trust. An empty encoding returns ``sums``.
+    Otherwise (no ``sums``, more than :data:`INCREMENTAL_MAX` of the units changed, a raw
+    encoding, another device or layout) the delta is applied and every byte of ``dst``
+    is checksummed: (sums, False).
+    """
+    n, unit = dst.numel(), dst.element_size()
+    if kind == _delta.NONE and sums is not None:
+        _delta.apply(dst, kind, count, blob)  # validates: nothing to write
+        return list(sums), True
+    if (sums is None or kind not in (_delta.SPARSE, _delta.BITMAP) or count > n * INCREMENTAL_MAX
+            or not _aligned(dst, dst, segments)
+            or count < 1 or count > n or blob.numel() != blob_bytes(kind, n, count, unit)):
+        _delta.apply(dst, kind, count, blob)  # validates (ProtocolError before any write)
+        return segment_checksums(dst, segments), False
+    idx, new = _decode_np(blob.numpy(), kind, n, count, unit)
+    held = dst.numpy().view(new.dtype)
+    old = held.take(idx)
+    held[idx] = new
+    per = 8 // unit
+    with np.errstate(over="ignore"):
+        diff = new.astype(np.uint64) - old.astype(np.uint64)  # wraps mod 2**64: the word's change
+        if per > 1:
+            diff <<= (idx & (per - 1)).astype(np.uint64) * np.uint64(8 * unit)  # the unit's lane in its word
+        inc = word_deltas_sum(segments, idx >> (per.bit_length() - 1), diff)
+    return [(s + inc.get(i, 0)) & _M64 for i, s in enumerate(sums)], True

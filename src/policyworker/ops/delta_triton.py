@@ -10,9 +10,24 @@ so whole tiles make up each block of the sparse encoding).
   changed units, the tile's changed-unit bitmap (numpy ``packbits`` order: the
   encoding's bitmap section as it is) and the tile's share of the checksum of the
   current bytes.
-* :func:`gather`, after a prefix sum of the counts: per tile with changes, reads its
-  bitmap, loads only the changed units, and writes them (and, for the sparse encoding,
-  their offsets inside their block) at their places in the blob.
+* :func:`plan`, one program over the tiles' counts and checksum shares: each tile's
+  start among the changed units, the total and the checksum's word sum, the two numbers
+  the host reads back (the encoding's one device-to-host read).
+* :func:`gather_into`, per tile with changes, reads its bitmap, loads only the changed
+  units, and writes them (and, for the sparse encoding, their offsets inside their block)
+  at their places in the blob; the same launch writes the blob's header (the sparse
+  encoding's block counts, or the bitmap) and zeroes its padding, so no torch operation
+  runs between the scan and the gather (``FINISH = "device"``). The default is still
+  ``"torch"`` (torch sums, a cumsum and copies): on an H200 the one-program prefix sum
+  over 131k tiles took 0.17 ms against torch's 0.03 ms cumsum, more than the glue it
+  saves (benchmarks/RESULTS.md, "Delta kernels: the device finish").
+
+``FINISH = "fused"`` (the benchmark sweeps it) places the changed units in the scan
+itself: tiles are taken in start order (a ticket), each tile learns its start by a
+decoupled look-back over the tiles before it, and writes its changed units, read again
+from the cache rather than from memory, with their offsets into a scratch of at most
+``cap`` units (the most a sparse blob can hold: 1/8 of a bf16 stream's bytes, plus its
+offsets); a sparse blob is then a copy of the scratch, a bitmap blob the gather.
 
 The old tensor can be refreshed (made equal to the current one) on the way: by the
 gather, which writes the changed units only (``REFRESH = "gather"``, the default), or
@@ -43,14 +58,18 @@ bit for bit the CPU path's (tests check it in Triton's interpreter and on the GP
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
-import triton
 import triton.language as tl
 
 from policyworker.errors import ConfigError, ProtocolError
+from policyworker.ops.delta_kernels import (_assemble_kernel, _fused_kernel, _gather_bits_kernel, _gather_kernel,
+                                            _plan_kernel, _scan_kernel, _scan_words_kernel, _sum_kernel)
 
-__all__ = ["GATHER", "NUM_WARPS", "PROFILE", "REFRESH", "SCAN", "TILE_BYTES", "checksums", "configure", "gather",
-           "mark", "scan", "tile_units"]
+__all__ = ["FINISH", "GATHER", "LOOKBACK", "NUM_WARPS", "PLAN_CHUNK", "PLAN_WARPS", "PROFILE", "REFRESH", "SCAN",
+           "Scanned", "TILE_BYTES",
+           "checksums", "configure", "gather_into", "mark", "plan", "scan", "tile_units"]
 
 #: Bytes of one stream a program covers (a power of two, 1 KiB .. 64 KiB), and warps per program.
 TILE_BYTES = 16384
@@ -60,6 +79,16 @@ REFRESH = "gather"
 #: The scan's form ("words" or "units") and the gather's ("bits" or "units").
 SCAN = "units"
 GATHER = "bits"
+#: What happens between the scan and the gather: "device" (one kernel sums the tiles' counts and
+#: checksum shares and lays out their starts; the gather writes the blob's header and padding),
+#: "torch" (torch reductions, a cumsum and copies; the default: measured fastest on an H200) or
+#: "fused" (the scan, in its units form whatever SCAN says, places the changed units itself).
+FINISH = "torch"
+#: Tile counts per step of the device finish's one-program prefix sum, and its warps.
+PLAN_CHUNK = 4096
+PLAN_WARPS = 8
+#: Status words the fused kernel's look-back reads at once.
+LOOKBACK = 32
 #: When a list, :func:`mark` appends (step name, recorded CUDA event) to it.
 PROFILE: list | None = None
 _GROUP = 1 << 16  # units per block of the sparse encoding: a tile never straddles one
@@ -67,9 +96,18 @@ _UNSIGNED = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 
 
 def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, refresh: str | None = None,
-              scan: str | None = None, gather: str | None = None) -> None:
-    """Set the tile size, warps, refreshing pass and the passes' forms (the benchmark's sweep)."""
-    global TILE_BYTES, NUM_WARPS, REFRESH, SCAN, GATHER
+              scan: str | None = None, gather: str | None = None, finish: str | None = None,
+              plan_chunk: int | None = None) -> None:
+    """Set the tile size, warps, refreshing pass, the passes' forms and the finish (the benchmark's sweep)."""
+    global TILE_BYTES, NUM_WARPS, REFRESH, SCAN, GATHER, FINISH, PLAN_CHUNK
+    if finish is not None:
+        if finish not in ("device", "torch", "fused"):
+            raise ConfigError(f"delta kernels: finish {finish!r} is not 'device', 'torch' or 'fused'")
+        FINISH = finish
+    if plan_chunk is not None:
+        if plan_chunk < 16 or plan_chunk > 65536 or plan_chunk & (plan_chunk - 1):
+            raise ConfigError(f"delta kernels: plan_chunk {plan_chunk} is not a power of two in 16 .. 65,536")
+        PLAN_CHUNK = plan_chunk
     if scan is not None:
         if scan not in ("words", "units"):
             raise ConfigError(f"delta kernels: scan {scan!r} is not 'words' or 'units'")
@@ -105,184 +143,6 @@ def tile_units(unit: int) -> int:
     return min(TILE_BYTES // unit, _GROUP)
 
 
-@triton.jit
-def _hash(i, salt: tl.constexpr):
-    # layout.delta._weights: odd pseudo-random weights by position, uint64 wrapping.
-    w = ((i + salt) * 0x9E3779B97F4A7C15) ^ (i >> 3)
-    return (w * 0xBF58476D1CE4E5B9) | 1
-
-
-@triton.jit
-def _tile_sum(x, first_row, T: tl.constexpr, PER: tl.constexpr, UBITS: tl.constexpr, UDT: tl.constexpr):
-    """A tile's share of the checksum: ``x`` is T units (zero past the end), words from
-    row ``first_row`` (128 words a row) on."""
-    ROWS: tl.constexpr = T // PER // 128
-    u = x.to(UDT, bitcast=True).to(tl.uint64)
-    lanes = (tl.arange(0, PER) * UBITS).to(tl.uint64)
-    words = tl.sum(tl.reshape(u, (T // PER, PER)) << lanes[None, :], axis=1)  # disjoint bits: sum == or
-    col = _hash(tl.arange(0, 128).to(tl.uint64), 1)
-    per_row = tl.sum(tl.reshape(words, (ROWS, 128)) * col[None, :], axis=1)
-    rows = (first_row + tl.arange(0, ROWS)).to(tl.uint64)
-    return tl.sum(per_row * _hash(rows, 2), axis=0)
-
-
-@triton.jit
-def _scan_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: tl.constexpr, PER: tl.constexpr,
-                 UBITS: tl.constexpr, UDT: tl.constexpr, REFRESH: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs = t * T + tl.arange(0, T)
-    if t * T + T <= n:  # a whole tile: no mask, so the loads are vectorized whatever n is
-        a = tl.load(cur_ptr + offs)
-        b = tl.load(old_ptr + offs)
-        if REFRESH:
-            tl.store(old_ptr + offs, a)
-    else:
-        a = tl.load(cur_ptr + offs, mask=offs < n, other=0)
-        b = tl.load(old_ptr + offs, mask=offs < n, other=0)
-        if REFRESH:
-            tl.store(old_ptr + offs, a, mask=offs < n)
-    changed = (a != b).to(tl.int32)  # integer units: bit patterns, never values
-    tl.store(counts_ptr + t, tl.sum(changed, axis=0))
-    weights = 7 - tl.arange(0, 8)  # the first unit of a byte is its top bit (packbits)
-    packed = tl.sum(tl.reshape(changed, (T // 8, 8)) << weights[None, :], axis=1)
-    tl.store(bits_ptr + t * (T // 8) + tl.arange(0, T // 8), packed.to(tl.uint8))
-    part = _tile_sum(a, t * (T // PER // 128), T, PER, UBITS, UDT)
-    tl.store(part_ptr + t, part.to(tl.int64, bitcast=True))
-
-
-@triton.jit
-def _gather_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_ptr, off_ptr, T: tl.constexpr,
-                   OFFSETS: tl.constexpr, UPDATE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    if tl.load(counts_ptr + t) > 0:
-        start = tl.load(starts_ptr + t)
-        packed = tl.load(bits_ptr + t * (T // 8) + tl.arange(0, T // 8)).to(tl.int32)
-        shifts = 7 - tl.arange(0, 8)
-        bit = tl.reshape((packed[:, None] >> shifts[None, :]) & 1, (T,))
-        at = start + (tl.cumsum(bit, axis=0) - bit).to(tl.int64)  # exclusive: this unit's place
-        offs = t * T + tl.arange(0, T)
-        hit = bit != 0
-        v = tl.load(cur_ptr + offs, mask=hit)  # only the changed units are read
-        tl.store(val_ptr + at, v, mask=hit)
-        if OFFSETS:
-            tl.store(off_ptr + at, (offs & 65535).to(tl.int16), mask=hit)  # low 16 bits: the offset in its block
-        if UPDATE:
-            tl.store(old_ptr + offs, v, mask=hit)
-
-
-@triton.jit
-def _scan_words(a, b, t, counts_ptr, bits_ptr, part_ptr, T: tl.constexpr, PER: tl.constexpr, UBITS: tl.constexpr,
-                LOW: tl.constexpr, HIGH: tl.constexpr, PACK: tl.constexpr, ONES: tl.constexpr):
-    """A tile's count, bitmap bytes and checksum share from its [R, C, WPR] current / old words
-    (called in each branch of the scan: one layout each, no conversion between them)."""
-    WPR: tl.constexpr = 8 // PER
-    C: tl.constexpr = 128 // WPR
-    R: tl.constexpr = T // PER // 128
-    r = tl.arange(0, R)[:, None, None]
-    k = tl.arange(0, WPR)[None, None, :]
-    d = a ^ b
-    top = ((((d & LOW) + LOW) | d) & HIGH) >> (UBITS - 1)  # bit 0 of each lane: the lane changed
-    tl.store(counts_ptr + t, tl.sum(((top * ONES) >> (64 - UBITS)).to(tl.int32)))  # lanes' sum in the top lane
-    bits = (top * PACK) >> (64 - PER)  # the lanes' bits gathered, lane 0 highest (packbits order)
-    byte = tl.sum(bits << ((WPR - 1 - k) * PER).to(tl.uint64), axis=2)
-    rr = tl.arange(0, R)[:, None]
-    cc = tl.arange(0, C)[None, :]
-    tl.store(bits_ptr + t * (T // 8) + rr * C + cc, byte.to(tl.uint8))
-    # checksum: word (row t*R + r, column c*WPR + k) weighs rw(column) * W2(row)
-    rows = _hash((t * R + r).to(tl.uint64), 2)
-    cols = _hash((tl.arange(0, C)[:, None] * WPR + tl.arange(0, WPR)[None, :]).to(tl.uint64), 1)
-    part = tl.sum(tl.sum(a * rows, axis=0) * cols)
-    tl.store(part_ptr + t, part.to(tl.int64, bitcast=True))
-
-
-@triton.jit
-def _scan_words_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: tl.constexpr, PER: tl.constexpr,
-                       UBITS: tl.constexpr, UDT: tl.constexpr, REFRESH: tl.constexpr, LOW: tl.constexpr,
-                       HIGH: tl.constexpr, PACK: tl.constexpr, ONES: tl.constexpr):
-    # A tile as [R checksum rows, C bitmap bytes a row, WPR words a byte]: a word's lanes, its
-    # bitmap bits and its checksum weight all follow from its place, without reshapes.
-    WPR: tl.constexpr = 8 // PER
-    C: tl.constexpr = 128 // WPR
-    R: tl.constexpr = T // PER // 128
-    t = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, R)[:, None, None]
-    c = tl.arange(0, C)[None, :, None]
-    k = tl.arange(0, WPR)[None, None, :]
-    w = r * 128 + c * WPR + k  # the word in the tile
-    if t * T + T <= n:  # whole words, 8-byte aligned (the caller checks): 16-byte loads
-        cw = cur_ptr.to(tl.pointer_type(tl.uint64), bitcast=True) + t * (T // PER)
-        ow = old_ptr.to(tl.pointer_type(tl.uint64), bitcast=True) + t * (T // PER)
-        a = tl.load(cw + w)
-        b = tl.load(ow + w)
-        if REFRESH:
-            tl.store(ow + w, a)
-        _scan_words(a, b, t, counts_ptr, bits_ptr, part_ptr, T, PER, UBITS, LOW, HIGH, PACK, ONES)
-    else:  # the ragged last tile: words built from units, zero past the end
-        j = tl.arange(0, PER)[None, None, None, :]
-        u = t * T + w[:, :, :, None] * PER + j
-        ok = u < n
-        au = tl.load(cur_ptr + u, mask=ok, other=0)
-        bu = tl.load(old_ptr + u, mask=ok, other=0)
-        if REFRESH:
-            tl.store(old_ptr + u, au, mask=ok)
-        lanes = (j * UBITS).to(tl.uint64)
-        a = tl.sum(au.to(UDT, bitcast=True).to(tl.uint64) << lanes, axis=3)  # disjoint bits: sum == or
-        b = tl.sum(bu.to(UDT, bitcast=True).to(tl.uint64) << lanes, axis=3)
-        _scan_words(a, b, t, counts_ptr, bits_ptr, part_ptr, T, PER, UBITS, LOW, HIGH, PACK, ONES)
-
-
-@triton.jit
-def _gather_bits_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_ptr, off_ptr, T: tl.constexpr,
-                        OFFSETS: tl.constexpr, UPDATE: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    if tl.load(counts_ptr + t) > 0:
-        q = tl.arange(0, T // 32)
-        v = tl.load(bits_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + t * (T // 32) + q)
-        # packbits order to unit i at bit i of its 32-bit word: reverse the bits of each byte
-        v = ((v >> 1) & 0x55555555) | ((v & 0x55555555) << 1)
-        v = ((v >> 2) & 0x33333333) | ((v & 0x33333333) << 2)
-        v = ((v >> 4) & 0x0F0F0F0F) | ((v & 0x0F0F0F0F) << 4)
-        cnt = v - ((v >> 1) & 0x55555555)  # popcount
-        cnt = (cnt & 0x33333333) + ((cnt >> 2) & 0x33333333)
-        cnt = ((((cnt + (cnt >> 4)) & 0x0F0F0F0F) * 0x01010101) >> 24).to(tl.int32)
-        at = tl.load(starts_ptr + t) + (tl.cumsum(cnt, axis=0) - cnt).to(tl.int64)
-        first = t * T + q * 32
-        for _ in range(0, tl.max(cnt, axis=0)):  # one changed unit per word per round, lowest first
-            hit = v != 0
-            low = v & (0 - v)
-            offs = first + ((low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127)  # log2 of a power of 2
-            x = tl.load(cur_ptr + offs, mask=hit)
-            tl.store(val_ptr + at, x, mask=hit)
-            if OFFSETS:
-                tl.store(off_ptr + at, (offs & 65535).to(tl.int16), mask=hit)
-            if UPDATE:
-                tl.store(old_ptr + offs, x, mask=hit)
-            at += 1
-            v = v & (v - 1)
-
-
-@triton.jit
-def _sum_kernel(x_ptr, seg_ptr, nseg, part_ptr, T: tl.constexpr, PER: tl.constexpr, UBITS: tl.constexpr,
-                UDT: tl.constexpr, LOG: tl.constexpr, ALIGN: tl.constexpr):
-    p = tl.program_id(0).to(tl.int64)
-    lo = p * 0
-    hi = lo + nseg - 1
-    for _ in tl.static_range(LOG):  # the last segment whose first tile is <= p
-        mid = (lo + hi + 1) // 2
-        ok = tl.load(seg_ptr + 3 * mid + 2) <= p
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    start = tl.multiple_of(tl.load(seg_ptr + 3 * lo), ALIGN)
-    length = tl.load(seg_ptr + 3 * lo + 1)
-    i = p - tl.load(seg_ptr + 3 * lo + 2)
-    offs = i * T + tl.arange(0, T)
-    if i * T + T <= length:
-        x = tl.load(x_ptr + start + offs)
-    else:
-        x = tl.load(x_ptr + start + offs, mask=offs < length, other=0)
-    tl.store(part_ptr + p, _tile_sum(x, i * (T // PER // 128), T, PER, UBITS, UDT).to(tl.int64, bitcast=True))
-
-
 def _consts(units: torch.Tensor) -> dict:
     unit = units.element_size()
     if unit not in _UNSIGNED:
@@ -290,14 +150,24 @@ def _consts(units: torch.Tensor) -> dict:
     return dict(PER=8 // unit, UBITS=8 * unit, UDT=_UNSIGNED[unit])
 
 
-def scan(cur: torch.Tensor, old: torch.Tensor, group: int,
-         refresh: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(counts, bitmap, partial sums) of two contiguous 1-D unit tensors of one length;
-    with ``refresh``, ``old`` is overwritten with ``cur`` tile by tile as it is read.
+class Scanned(NamedTuple):
+    """What :func:`scan` leaves for the rest of an encoding."""
 
-    ``counts`` (int32, one per tile, zero-padded to whole ``group``s of units),
-    ``bitmap`` (uint8, 1 bit per unit, packbits order, zero past the end; whole tiles),
-    ``partial sums`` (int64, one per tile, their wrapping sum is the checksum's word sum).
+    counts: torch.Tensor  # int32, one per tile, zero-padded to whole groups of units
+    bitmap: torch.Tensor  # uint8, 1 bit per unit, packbits order, zero past the end; whole tiles
+    parts: torch.Tensor  # int64, one per tile: their wrapping sum is the checksum's word sum
+    offsets: torch.Tensor | None  # the fused scan's: the first ``cap`` changed units' offsets in their groups
+    values: torch.Tensor | None  # ... and their values
+    updated: bool  # the fused scan refreshed ``old``'s changed units
+    state: torch.Tensor | None = None  # the fused scan's ticket, tile statuses and error word
+
+
+def scan(cur: torch.Tensor, old: torch.Tensor, group: int, refresh: bool = False, update: bool = False,
+         cap: int = 0) -> Scanned:
+    """Counts, bitmap and partial sums of two contiguous 1-D unit tensors of one length; with
+    ``refresh``, ``old`` is overwritten with ``cur`` tile by tile as it is read. FINISH "fused":
+    the same kernel also writes the first ``cap`` changed units' offsets and values (a sparse
+    blob's, in order) to scratch tensors and, with ``update``, ``cur``'s changed units into ``old``.
     """
     n, t = cur.numel(), tile_units(cur.element_size())
     tiles = -(-n // t)
@@ -308,15 +178,22 @@ def scan(cur: torch.Tensor, old: torch.Tensor, group: int,
     bitmap = torch.empty(tiles * t // 8, dtype=torch.uint8, device=cur.device)
     parts = torch.empty(tiles, dtype=torch.int64, device=cur.device)
     if not tiles:
-        return counts, bitmap, parts
+        return Scanned(counts, bitmap, parts, None, None, False)
     consts = _consts(cur)
+    if FINISH == "fused":
+        state = torch.zeros(tiles + 2, dtype=torch.int64, device=cur.device)  # ticket, each tile's status, error
+        offsets = torch.empty(max(cap, 1), dtype=torch.int16, device=cur.device)
+        values = torch.empty(max(cap, 1), dtype=cur.dtype, device=cur.device)
+        _fused_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, state, offsets, values, cap, T=t, REFRESH=refresh,
+                                UPDATE=update, W=LOOKBACK, num_warps=NUM_WARPS, **consts)
+        return Scanned(counts, bitmap, parts, offsets, values, update, state)
     if SCAN == "words" and cur.data_ptr() % 8 == 0 and old.data_ptr() % 8 == 0:
         _scan_words_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, T=t, REFRESH=refresh, num_warps=NUM_WARPS,
                                      **consts, **_lane_masks(cur.element_size()))
     else:
         _scan_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, T=t, REFRESH=refresh, num_warps=NUM_WARPS,
                                **consts)
-    return counts, bitmap, parts
+    return Scanned(counts, bitmap, parts, None, None, False)
 
 
 def _lane_masks(unit: int) -> dict:
@@ -330,18 +207,76 @@ def _lane_masks(unit: int) -> dict:
                 PACK=sum(1 << (63 - (bits + 1) * i) for i in lanes))
 
 
-def gather(cur: torch.Tensor, old: torch.Tensor, counts: torch.Tensor, bitmap: torch.Tensor,
-           values: torch.Tensor, offsets: torch.Tensor | None, update_old: bool) -> None:
-    """Write the changed units of ``cur`` (marked in ``scan``'s ``bitmap``) into ``values``
-    in order, their low 16 index bits into ``offsets`` (int16) when given, and into
-    ``old`` when ``update_old``."""
+def plan(scanned: Scanned, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts, head) of ``scan``'s counts and partial sums over its ``tiles`` tiles:
+    ``starts`` (int64, tiles + 1) each tile's first changed unit's place among all, then the
+    total; ``head`` (int64, 2) the changed units (-1: the fused scan failed, see ``_lookback``)
+    and the checksum's word sum (wrapping), the encoding's one read back to the host. One
+    launch of one program (FINISH "torch": torch reductions and a cumsum)."""
+    counts, parts = scanned.counts, scanned.parts
+    if FINISH == "torch":
+        head = torch.stack([counts.sum(dtype=torch.int64), parts.sum()])
+        mark("prefix")
+        return torch.cumsum(counts.narrow(0, 0, tiles), 0, dtype=torch.int64) - counts.narrow(0, 0, tiles), head
+    out = torch.empty(tiles + 3, dtype=torch.int64, device=counts.device)
+    err = scanned.state.narrow(0, tiles + 1, 1) if scanned.state is not None else out
+    _plan_kernel[(1,)](counts, parts, tiles, out, err, CHUNK=PLAN_CHUNK, ERR=scanned.state is not None,
+                       num_warps=PLAN_WARPS)
+    mark("prefix")
+    return out.narrow(0, 0, tiles + 1), out.narrow(0, tiles + 1, 2)
+
+
+def gather_into(cur: torch.Tensor, old: torch.Tensor, scanned: Scanned, starts: torch.Tensor, blob: torch.Tensor,
+                sparse: bool, k: int, at_offs: int, at_vals: int, update_old: bool, block: int) -> None:
+    """Fill all of ``blob`` (uint8): the ``k`` changed units' values from byte ``at_vals`` on,
+    and either (``sparse``) the count of changed units of each ``block`` units from byte 0 and
+    their offsets in their blocks from byte ``at_offs``, or the bitmap from byte 0; the padding
+    between sections zeroed. ``starts``: :func:`plan`'s. ``old`` refreshed when ``update_old``.
+    One launch: the gather, or for a sparse blob whose units the fused scan kept, a copy of
+    those (FINISH "torch": torch operations for the header and padding, then the gather)."""
+    unit, n, size = cur.element_size(), cur.numel(), blob.numel()
+    counts, bitmap = scanned.counts, scanned.bitmap
+    values = blob.narrow(0, at_vals, k * unit).view(cur.dtype)
+    offsets = blob.narrow(0, at_offs, 2 * k).view(torch.int16) if sparse else None
+    update_old = update_old and not scanned.updated
+    tpb = block // tile_units(unit)
+    if sparse and scanned.values is not None and k <= scanned.values.numel():
+        tiles = bitmap.numel() * 8 // tile_units(unit)
+        grid = max(-(-k // _ASSEMBLE_CH), -(-counts.numel() // tpb // _ASSEMBLE_BPP), 1)
+        _assemble_kernel[(grid,)](scanned.offsets, scanned.values, counts, offsets, values, blob, tiles, k, at_offs,
+                                  at_vals, size, CH=_ASSEMBLE_CH, BPP=_ASSEMBLE_BPP, TPB=tpb, UNIT=unit,
+                                  num_warps=NUM_WARPS)
+        return
+    if FINISH == "torch":
+        if sparse:
+            nblocks = -(-n // block)
+            torch.sum(counts.view(nblocks, -1), 1, dtype=torch.int32,
+                      out=blob.narrow(0, 0, 4 * nblocks).view(torch.int32))
+            pads = [(4 * nblocks, at_offs), (at_offs + 2 * k, at_vals)]
+        else:
+            blob.narrow(0, 0, -(-n // 8)).copy_(bitmap.narrow(0, 0, -(-n // 8)))
+            pads = [(-(-n // 8), at_vals)]
+        for a, b in [*pads, (at_vals + k * unit, size)]:
+            if b > a:
+                blob.narrow(0, a, b - a).zero_()
+        mark("glue")
+        _gather(cur, old, counts, starts, bitmap, values, offsets, update_old, values, 0, 0, 0, 0, 0, 1)
+        return
+    _gather(cur, old, counts, starts, bitmap, values, offsets, update_old, blob, k, at_offs, at_vals, size,
+            1 if sparse else 2, tpb)
+
+
+_ASSEMBLE_CH, _ASSEMBLE_BPP = 4096, 64  # a copy program's units and blocks
+
+
+def _gather(cur, old, counts, starts, bitmap, values, offsets, update_old, blob, k, at_offs, at_vals, size, glue,
+            tpb) -> None:
     t = tile_units(cur.element_size())
     tiles = -(-cur.numel() // t)
-    starts = torch.cumsum(counts, 0, dtype=torch.int64) - counts
-    mark("prefix")
     kernel = _gather_bits_kernel if GATHER == "bits" else _gather_kernel
-    kernel[(tiles,)](cur, old, counts, starts, bitmap, values, values if offsets is None else offsets,
-                     T=t, OFFSETS=offsets is not None, UPDATE=update_old, num_warps=NUM_WARPS)
+    kernel[(tiles,)](cur, old, counts, starts, bitmap, values, values if offsets is None else offsets, blob, tiles, k,
+                     at_offs, at_vals, size, T=t, OFFSETS=offsets is not None, UPDATE=update_old, GLUE=glue,
+                     TPB=tpb, UNIT=cur.element_size(), num_warps=NUM_WARPS)
 
 
 def checksums(units: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:

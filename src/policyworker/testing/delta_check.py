@@ -10,12 +10,17 @@ process) or ``--device cuda`` prints one JSON object, per case whether:
   path's; the old tensor, refreshed on the way (by the gather or by the scan, case by
   case; the scan's and the gather's forms in turn, and the units scan where a stream is
   not 8-byte aligned), equals the new one; ``apply`` of the blob onto the old units gives
-  the new ones;
+  the new ones. The finish is, case by case, the device's (one program for the tiles'
+  starts and totals, the blob's header and padding written by the gather), the fused
+  scan's (changed units placed by a look-back in the scan, a sparse blob copied from its
+  scratch) or torch's; every tensor the encoding allocates starts as 0xA5 bytes, so a
+  byte left unwritten shows;
 * checksums: the kernel's checksum of each byte segment equals the torch path's.
 
 Cases: 1-, 2-, 4- and 8-byte units; lengths that end inside a tile and inside a
 65,536-unit block; nothing, one unit (the first, the last, a block's last), a few,
 many and all units changed; bf16 and float32 ``-0.0`` vs ``0.0`` and NaN payloads;
+1 KiB tiles with a 16-tile step of the prefix sum (its carry over many steps);
 segments at odd addresses, of odd lengths, empty. ``--scale`` multiplies the lengths
 (the GPU test uses it for many tiles and blocks). Exit status 1 if any case fails.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from unittest import mock
 
 import torch
 
@@ -82,21 +88,37 @@ def _placed(t: torch.Tensor, device: torch.device, offset: int) -> torch.Tensor:
     return buf[offset:]
 
 
+def _poisoned_empty(*args, **kwargs) -> torch.Tensor:
+    """``torch.empty`` whose bytes are 0xA5: a kernel that leaves a byte of its output unwritten shows."""
+    t = _EMPTY(*args, **kwargs)
+    if t.numel():
+        t.view(-1).view(torch.uint8).fill_(0xA5)
+    return t
+
+
+_EMPTY = torch.empty
+
+
 def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device, refresh: str = "gather",
-                 forms: tuple[str, str] = FORMS[0], offset: int = 0) -> dict:
+                 forms: tuple[str, str] = FORMS[0], offset: int = 0, finish: str = "device",
+                 settings: dict | None = None) -> dict:
     """One case; ``refresh``: which kernel pass refreshes the old tensor (both must); ``forms``:
-    the scan's and the gather's; ``offset``: units the tensors start into their allocations."""
+    the scan's and the gather's; ``offset``: units the tensors start into their allocations;
+    ``finish``: the kernels' finish ("device" or "torch"); ``settings``: more ``configure`` keywords.
+    Every tensor the encoding allocates starts as 0xA5 bytes."""
     n, unit = new.numel(), new.element_size()
     want = D._encode_np(new, old, n, unit)
     cur, base = _placed(new, device, offset), _placed(old, device, offset)
     by_torch = D._encode_torch(cur, base)
     shadow = _placed(old, device, offset)
-    default = ops.REFRESH, ops.SCAN, ops.GATHER
-    ops.configure(refresh=refresh, scan=forms[0], gather=forms[1])
+    default = dict(refresh=ops.REFRESH, scan=ops.SCAN, gather=ops.GATHER, finish=ops.FINISH,
+                   tile_bytes=ops.TILE_BYTES, plan_chunk=ops.PLAN_CHUNK)
+    ops.configure(refresh=refresh, scan=forms[0], gather=forms[1], finish=finish, **(settings or {}))
     try:
-        got = D._encode_fused(ops, cur, shadow, True, True)
+        with mock.patch.object(torch, "empty", _poisoned_empty):
+            got = D._encode_fused(ops, cur, shadow, True, True)
     finally:
-        ops.configure(refresh=default[0], scan=default[1], gather=default[2])
+        ops.configure(**default)
     applied = base.clone()
     D.apply(applied, got.kind, got.count, got.blob)
     ok = ((got.kind, got.count) == (want.kind, want.count) and torch.equal(got.blob.cpu(), want.blob)
@@ -104,7 +126,7 @@ def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device
           and got.checksum == D._checksum_torch(new.view(torch.uint8))
           and torch.equal(shadow, cur) and torch.equal(applied, cur))
     return {"ok": bool(ok), "kind": got.kind, "count": got.count, "refresh": refresh, "forms": list(forms),
-            "offset": offset}
+            "offset": offset, "finish": finish}
 
 
 def check_checksums(ops, raw: torch.Tensor, segments: list[tuple[int, int]]) -> bool:
@@ -119,9 +141,14 @@ def run(device: torch.device, scale: int = 1) -> dict:
     for i, (unit, n, fraction, where) in enumerate(ENCODE_CASES):  # the refreshing passes and forms in turn
         new, old = _case(n * scale, unit, fraction, seed=n + unit, where=where)
         out[f"encode unit={unit} n={n * scale} changed={fraction} {where}"] = check_encode(
-            ops, new, old, device, ("gather", "scan")[i % 2], FORMS[(i // 2) % len(FORMS)])
+            ops, new, old, device, ("gather", "scan")[i % 2], FORMS[(i // 2) % len(FORMS)],
+            finish=("device", "fused", "torch")[i % 3])
     new, old = _case(70_001 * scale, 2, 0.01, seed=11, where="random")  # not 8-byte aligned: the units scan
     out["encode unit=2 at a 2-byte offset"] = check_encode(ops, new, old, device, "scan", FORMS[0], offset=1)
+    for fraction, forms, finish in ((0.003, FORMS[0], "device"), (0.1, FORMS[1], "device"), (0.01, FORMS[0], "fused")):
+        new, old = _case(17_003 * scale, 2, fraction, seed=12, where="random")  # 1 KiB tiles: many prefix steps
+        out[f"encode unit=2 changed={fraction} 1 KiB tiles, 16 a plan step, {finish}"] = check_encode(
+            ops, new, old, device, "gather", forms, finish=finish, settings=dict(tile_bytes=1024, plan_chunk=16))
     for i, dtype in enumerate((torch.bfloat16, torch.float32)):
         out[f"encode {dtype} signed zeros and NaN payloads"] = check_encode(ops, *_specials(dtype), device,
                                                                             ("gather", "scan")[i])

@@ -32,7 +32,9 @@ worker (one per tp rank) and is driven by vLLM's four calls:
     on CPU the linear layers prepack their weights and drop the parameter, so bytes
     written into parameters in place would not be what the kernels read) on a copy of
     the layer holding the staged tensors, then swaps the copies' state into the live
-    layers. vLLM's ``weight_version`` is the string the controller passes here.
+    layers. vLLM's ``weight_version`` is the string the controller passes here. With
+    ``overlap`` the receive and the post-processing ran in the background and this call
+    only swaps (:mod:`.overlap`).
 
 Failure semantics (docs/vllm.md): every call answers for itself at any tp. The engine's
 tp ranks agree on each call's outcome before they reply, and raise the same error when
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +71,8 @@ from policyworker.errors import (ConfigError, PlanMismatch, PolicyWorkerError, P
 from policyworker.layout.plan import ReshardPlan
 from policyworker.integrations.vllm.errors import engine_error, mark, typed_errors
 from policyworker.integrations.vllm.join import Joined, Loop as _Loop, join
-from policyworker.integrations.vllm.overlap import OverlappedReceive, StepCounter
+from policyworker.integrations.vllm.overlap import (OverlappedReceive, StepCounter, hold_live_state,
+                                                    release_in_background)
 from policyworker.integrations.vllm.plan import NEEDS_KEY, PLAN_KEY, encode_needs
 from policyworker.integrations.vllm.rpc import Agreement, install_single_reply
 from policyworker.integrations.vllm.stage import VllmStage, loaded_set_bytes
@@ -175,10 +179,14 @@ class PolicyworkerUpdateInfo(WeightTransferUpdateInfo):
 
     version: int
     refit_timeout_s: float | None = None
+    #: Overlap this update (True) or receive inside ``update_weights`` (False); None: ``init_info.overlap``.
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1:
             raise ConfigError(f"update_info.version must be an int >= 1, got {self.version!r}")
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise ConfigError(f"update_info.overlap must be true, false or null, got {self.overlap!r}")
 
 
 def _marked(method: Any) -> Any:
@@ -231,6 +239,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self.steps = StepCounter(model)
         self.commits: list[tuple[int, int]] = []
         self._pending: OverlappedReceive | None = None
+        #: The last overlapped refit that reached ``finish_weight_update`` (its phase ``times``).
+        self.last_overlap: OverlappedReceive | None = None
         self._open_session = False  # a failed overlapped finish left vLLM's update session open
         self._staging_choice: tuple[str, str] = ("auto", "not initialised")
         dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
@@ -392,7 +402,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
                 self.ledger.mark_torn()  # ... and with no staging they are in vLLM's live tensors
             pending, self._pending = self._pending, None
             if pending is not None:
-                pending.future.cancel()
+                pending.cancel()
 
         self._agreed("update_weights", self._update_bound(update_info), body, on_failure=forget)
 
@@ -416,6 +426,9 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         joined = self._joined
         if joined.plan is None:
             raise ConfigError("call start_weight_update before update_weights")
+        if update_info.overlap and self._stage.staging == "none":
+            raise ConfigError(f"vLLM rank {worker.rank}: update_info.overlap with staging='none' would write vLLM's "
+                              f"live tensors while it generates; nothing received", rank=worker.rank)
         self._received = None
         served = self.ledger.version
         if update_info.version <= served:
@@ -427,14 +440,14 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         if self._info.reshard_options.get("delta"):
             # A delta applies to what the receive buffers hold: the newest version received.
             self._stage.catch_up()
-        # Into the staging set that nothing live references (it alternates per commit; both
-        # sets are twins of the one checked at attach).
+        # Into the staging set that nothing live references ("none": vLLM's live tensors); a
+        # staging tensor that moved at a commit has the geometry of the one checked at attach.
         joined.land_in(self._stage.receive_views())
         bound = timeout if timeout is not None else self._info.timeout_s
-        if self._info.overlap:
+        if self._info.overlap if update_info.overlap is None else update_info.overlap:
             self._pending = OverlappedReceive.start(
                 self._loop, joined.refit(timeout), worker=worker,
-                version=update_info.version, step=self.steps.count, timeout_s=bound)
+                version=update_info.version, step=self.steps.count, timeout_s=bound, prepare=self._stage.prepare)
             return
         try:
             report = self._call(joined.refit(timeout), bound)
@@ -462,15 +475,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         bound = self._info.timeout_s if self._info else 0.0
         pending, self._pending = self._pending, None
         if pending is not None:
-            try:
-                self._received = self._agreed("finish_weight_update (overlapped receive)", pending.timeout_s + 30.0,
-                                              lambda: pending.wait(self.tp_rank))
-            except BaseException:
-                self._stage.received(False)
-                self._open_session = True
-                raise
-            self._stage.received(True)
-            self.last_report, self.kv_scales = pending.report, pending.report.kv_scales
+            self._finish_overlapped(pending, bound)
+            return
         version = self._received
         # With no staging the post-processing runs over the live tensors: a failure tears.
         in_place = self._stage is not None and self._stage.staging == "none" and version is not None
@@ -478,6 +484,36 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
                                 on_failure=self._torn_everywhere if in_place else None)
         self._agreed("finish_weight_update (swap)", bound, lambda: self._swap(version, prepared),
                      on_failure=self._torn_everywhere)
+
+    def _finish_overlapped(self, pending: OverlappedReceive, bound: float) -> None:
+        # The receive and the post-processing ran in the background (.overlap); the ranks
+        # agree on both outcomes, then every rank only swaps.
+        self.last_overlap = pending
+        pending.times["finish_start"] = time.monotonic()
+        try:
+            version, prepared = self._agreed("finish_weight_update (overlapped refit)", pending.timeout_s + 60.0,
+                                             lambda: pending.result(self.tp_rank))
+        except BaseException:
+            self._stage.received(False)
+            self._open_session = True
+            raise
+        self._stage.received(True)
+        self.last_report, self.kv_scales = pending.report, pending.report.kv_scales
+        self._received = None
+        held = hold_live_state(prepared.layers)  # freed after the swap, off the engine's step
+        pending.times["swap_start"] = time.monotonic()
+        try:
+            self._agreed("finish_weight_update (swap)", bound, lambda: self._swap(version, prepared),
+                         on_failure=self._torn_everywhere)
+        finally:
+            pending.times["swap_end"] = time.monotonic()
+            release_in_background(held)
+
+    def weight_update_ready(self) -> bool:
+        """True unless an overlapped refit is still receiving or post-processing on this
+        rank: a ``finish_weight_update`` called once every rank is ready only swaps."""
+        pending = self._pending
+        return pending is None or pending.ready()
 
     def _prepare(self) -> Any:
         if self._received is None:
@@ -498,6 +534,16 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
     def _torn_everywhere(self) -> None:
         # A rank whose swap succeeded serves the new version while another does not.
         self.ledger.mark_torn()
+
+    def versions(self) -> dict[str, Any]:
+        """This rank's version record, JSON-safe (:mod:`.versions` serves it to a controller)."""
+        pending = self._pending
+        return {"rank": self.tp_rank, "version": self.ledger.version, "torn": self.torn, "steps": self.steps.count,
+                "commits": [list(c) for c in self.commits],
+                "receiving": None if pending is None else {"version": pending.version,
+                                                            "started_step": pending.started_step,
+                                                            "landed": pending.future.done(),
+                                                            "ready": pending.ready()}}
 
     @property
     def torn(self) -> bool:

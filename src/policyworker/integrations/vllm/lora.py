@@ -22,10 +22,13 @@ weight_transfer_config={"backend": "policyworker-lora"})``), the trainers being
     layers before), then builds vLLM's own ``LoRAModel`` from copies of the staged factors
     (``LoRAModel.from_lora_tensors``, the adapter's PEFT config), then, between two
     engine steps, replaces the adapter registered under the stable id by it and
-    activates it (vLLM's ``set_lora`` writes each slot's buffers). The previous version's
-    ``LoRAModel`` is dropped: memory stays one adapter. vLLM's worker then resets its
-    LoRA state (it assumes a weight update replaced the base); the committed adapter is
-    put straight back (see ``_remove_all_adapters``).
+    activates it (vLLM's ``set_lora`` writes each slot's buffers). Later versions of the
+    same plan go in place (:mod:`.lora_install`): the staged factors are copied into that
+    ``LoRAModel``'s own tensors as vLLM's install left them, and the adapter is
+    re-activated (its slot buffers rewritten by ``set_lora``); no ``LoRAModel`` per
+    version. Memory stays one adapter. vLLM's worker then resets its LoRA state (it
+    assumes a weight update replaced the base); the committed adapter stays registered
+    and active (see ``_remove_all_adapters``).
 
 Requests name the adapter by :func:`lora_request` — one stable name and id, which always
 mean the committed version; after a commit, reset the prefix cache as for a dense refit
@@ -35,7 +38,9 @@ its placeholder path and fail the engine). All-or-nothing: a refit that fails to
 changes nothing vLLM serves; everything that can fail in the install (metadata,
 names, rank) is checked before the old adapter is removed, and a failure after it puts
 the previous ``LoRAModel`` back (torn only if even that fails, or if a base was swapped
-in: the previous adapter then runs on another base).
+in: the previous adapter then runs on another base). An in-place commit checks the
+factors' names and shapes first; one that fails once it started copying leaves the
+adapter torn (the previous version's only copy was being overwritten).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from policyworker.ledger import WeightLedger
 from policyworker.integrations.vllm.backend import PolicyworkerInitInfo, PolicyworkerUpdateInfo, PolicyworkerWeightTransferEngine, _marked
 from policyworker.integrations.vllm.join import Joined, Loop, join
 from policyworker.integrations.vllm.lora_base import PendingBase, base_needs
+from policyworker.integrations.vllm.lora_install import InPlaceAdapter, layer_scales
 from policyworker.integrations.vllm.lora_plan import ENGINE_KEY, PLAN_KEY, LoraEngineInfo, LoraPlanInfo, decode, encode
 
 __all__ = ["BACKEND_LORA", "LORA_ID", "LORA_NAME", "PolicyworkerLoraEngine", "checkpoint_hash", "lora_request"]
@@ -109,8 +115,15 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
 
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        if self.tp_size != 1:
+            # Each rank installs inside finish_weight_update on its own: at tp > 1 a rank
+            # that fails to install would leave the others on the new adapter (a mix).
+            raise ConfigError(f"backend {BACKEND_LORA!r} supports vLLM tensor_parallel_size=1 only (this engine: "
+                              f"{self.tp_size}); the tp ranks do not agree before installing an adapter yet")
         self.lora_config = vllm_config.lora_config
         self._committed: Any = None
+        #: Installs later versions into ``_committed``'s own tensors (None: a new LoRAModel each time).
+        self._in_place: InPlaceAdapter | None = None
         self._vllm_remove_all = self.manager.remove_all_adapters
         self.manager.remove_all_adapters = self._remove_all_adapters
         #: The content hash of the base vLLM serves (its checkpoint's, until a base is sent).
@@ -130,6 +143,8 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         self._received: int | None = None
         #: Seconds of the last commit (LoRAModel built + installed), apart from the wire.
         self.last_install_s: float | None = None
+        #: Whether the last commit copied into the committed LoRAModel (else it built a new one).
+        self.last_install_in_place = False
         self.ledger = WeightLedger(rank=self.tp_rank, what="vLLM LoRA adapter")
         #: The kv-cache scales the trainers sent with the last refit received (None: none).
         self.kv_scales: dict[str, float] | None = None
@@ -209,6 +224,7 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         else:
             self._attach_base_plan(ReshardPlan.from_wire(info.base_plan), info.base_hash, mine)
         self._plan, self._helper = plan, helper
+        self._in_place = None  # a new plan may bring another config: its first commit builds a LoRAModel
 
     def _attach_base_plan(self, first: ReshardPlan, base_hash: str, factors: dict[str, Any]) -> None:
         """Attach the trainers' first plan: the base (into a staging set of its own) and the factors."""
@@ -282,13 +298,18 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
 
         version, self._received = self._received, None
         t0 = time.perf_counter()
+        base = self._pending if self._pending is not None and self._pending.received else None
+        if base is None and self._in_place_ready():
+            self._commit_in_place(version)
+            self.last_install_s, self.last_install_in_place = time.perf_counter() - t0, True
+            return
         # Copies: vLLM keeps (and rescales in place) the tensors it is given; the staging
         # set receives the next version.
         tensors = {name: t.clone() for name, t in self._staging.items()}
         lora = LoRAModel.from_lora_tensors(LORA_ID, tensors, self._helper, device=str(self.device),
                                            dtype=self.lora_config.lora_dtype,
                                            model_vocab_size=self.vllm_config.model_config.get_vocab_size())
-        base = self._pending if self._pending is not None and self._pending.received else None
+        scales = layer_scales(lora, tensors)  # before the manager packs and rescales them
         # vLLM's post-processing of the base runs off the live layers: a failure here changes nothing.
         prepared = base.prepare() if base is not None else None
         previous = self.manager.get_adapter(LORA_ID)
@@ -301,29 +322,63 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
             try:
                 self._install(lora)
             except BaseException:
+                self._in_place = None
                 restored = self._restore(previous)
                 # Torn unless the previous adapter is back on the base it was served on.
                 tx.touched = base is not None or not restored
                 raise
             tx.commit()
         self._committed = lora
+        self._in_place = InPlaceAdapter.capture(lora, tensors, scales)
         self.last_base_bytes = base.nbytes if base is not None else 0
-        self.last_install_s = time.perf_counter() - t0
+        self.last_install_s, self.last_install_in_place = time.perf_counter() - t0, False
+
+    def _in_place_ready(self) -> bool:
+        """Whether this version can be copied into the committed ``LoRAModel`` (:mod:`.lora_install`):
+        one was captured, vLLM still holds it under the stable id, and the factors fit it."""
+        held = self._in_place
+        return (held is not None and held.lora is self._committed
+                and self.manager.get_adapter(LORA_ID) is self._committed and held.fits(self._staging))
+
+    def _commit_in_place(self, version: int) -> None:
+        """Copy the staged factors into the committed adapter and re-activate it (between two
+        engine steps, inside ``finish_weight_update``): every module's slot buffers are
+        written from them by vLLM's ``set_lora``."""
+        manager = self.manager
+        with self.ledger.transaction(version) as tx:
+            tx.touched = True  # the committed adapter's only copy is overwritten from here on
+            self._in_place.copy_from(self._staging)
+            manager.deactivate_adapter(LORA_ID)
+            manager.activate_adapter(LORA_ID)
+            tx.commit()
+        self.last_base_bytes = 0
 
     def _remove_all_adapters(self) -> None:
-        """The manager's ``remove_all_adapters``, then the committed adapter straight back.
+        """What the manager's ``remove_all_adapters`` does to every adapter but the committed
+        one, which stays registered and active.
 
         vLLM's worker resets its LoRA state after every ``finish_weight_update`` and
         every base reload (``reset_lora_state``: it assumes the base changed). This
         backend changes the base only together with the adapter (the committed one was
         installed for the base now served), and the committed adapter exists only in
         memory: were it dropped, a request naming it would make vLLM try to load it
-        from its (placeholder) path and fail the engine.
+        from its (placeholder) path and fail the engine. Its slot buffers already hold
+        it (removing an adapter only frees its slot): it is re-activated only when
+        another adapter had taken its slot.
         """
-        self._vllm_remove_all()
-        if self._committed is not None:
-            self.manager.add_adapter(self._committed)
-            self.manager.activate_adapter(LORA_ID)
+        committed = self._committed
+        if committed is None:
+            self._vllm_remove_all()
+            return
+        manager = self.manager
+        for adapter_id in list(manager.list_adapters()):
+            if adapter_id != LORA_ID:
+                manager.remove_adapter(adapter_id)
+        if manager.get_adapter(LORA_ID) is not committed:
+            manager.remove_adapter(LORA_ID)
+            manager.add_adapter(committed)
+        if LORA_ID not in manager.lora_index_to_id:
+            manager.activate_adapter(LORA_ID)
 
     def _install(self, lora: Any) -> None:
         manager = self.manager

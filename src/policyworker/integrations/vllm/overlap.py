@@ -1,60 +1,93 @@
 """Overlapped refit for the vLLM backend, and the engine step of each commit.
 
-With ``init_info.overlap=True`` the backend's ``update_weights`` starts the receive
-into its staging set (which nothing live references) on its own loop thread and
-returns as soon as the receive is running; vLLM keeps stepping on the committed
-version meanwhile. ``finish_weight_update`` waits for the receive (bounded by the
-refit deadline), then post-processes and swaps as the paused path does — every tp
-rank inside the same collective RPC, so at the same engine step. A receive that fails
-surfaces there and commits nothing: vLLM keeps serving the version it had.
+With ``init_info.overlap=True`` (or ``update_info.overlap=True`` for one update) the
+backend's ``update_weights`` starts the receive into its staging set (which nothing
+live references) on its own loop thread and returns as soon as the receive is running;
+vLLM keeps stepping on the committed version meanwhile. Once the receive ended with
+every rank's verdict good, a background thread runs vLLM's post-processing
+(``VllmStage.prepare``: on CPU the linear layers' prepack) on copies of the layers,
+still off the live model. ``finish_weight_update`` waits for both (bounded by the refit
+deadline), the tp ranks agree on the outcome, and every rank swaps inside the same
+collective RPC, so at the same engine step: called once
+``weight_update_ready()`` is true on every rank, it only moves pointers. A receive or a
+post-processing that fails surfaces there and commits nothing: vLLM keeps serving the
+version it had.
 
 :class:`StepCounter` counts the model's forward passes (one per engine step on an
-eager engine) with a forward pre-hook; the backend records the count at each commit,
-so a controller can tell which steps ran on which version.
+eager engine) with forward hooks and keeps the monotonic start and end of the latest
+ones (a bounded ring), so a controller can tell which steps ran on which version and
+how long the engine stood still between two steps.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from policyworker.errors import ProtocolError, RefitTimeout
 
-__all__ = ["OverlappedReceive", "StepCounter"]
+__all__ = ["OverlappedReceive", "StepCounter", "hold_live_state", "release_in_background"]
 
 
 class StepCounter:
-    """Forward passes of ``model`` so far (a pre-hook; thread-safe enough: one writer)."""
+    """Forward passes of ``model`` so far and the times of the latest ``keep`` of them.
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    One writer (vLLM's model thread); readers copy the ring (:meth:`times`). Times are
+    ``time.monotonic()`` (one clock for every process of the host, on Linux).
+    """
+
+    def __init__(self, model: torch.nn.Module, keep: int = 1 << 16) -> None:
         self.count = 0
-        self._handle = model.register_forward_pre_hook(self._tick)
+        self._start = 0.0
+        self._passes: collections.deque[tuple[float, float]] = collections.deque(maxlen=keep)
+        self._handles = [model.register_forward_pre_hook(self._tick), model.register_forward_hook(self._tock)]
 
     def _tick(self, module: torch.nn.Module, args: Any) -> None:
+        self._start = time.monotonic()
         self.count += 1
 
+    def _tock(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._passes.append((self._start, time.monotonic()))
+
+    def times(self, since: float = 0.0) -> list[tuple[float, float]]:
+        """(start, end) of each kept forward pass that ended, started at or after ``since``."""
+        return [p for p in list(self._passes) if p[0] >= since]
+
     def close(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
 
 
 class OverlappedReceive:
-    """One receive running on the backend's loop while the engine steps."""
+    """One receive running on the backend's loop while the engine steps, then its
+    post-processing on a thread of its own; see the module docstring."""
 
     def __init__(self, future: concurrent.futures.Future, *, version: int, step: int, timeout_s: float) -> None:
         self.future = future
         self.version = version
         self.started_step = step
         self.timeout_s = timeout_s
-        #: The receive's ``RefitReport`` once :meth:`wait` returned.
+        #: The receive's ``RefitReport`` once it ended well.
         self.report: Any = None
+        #: Monotonic times of this refit's phases on this rank (receive_start, receive_end,
+        #: prepare_end, finish_start, swap_start, swap_end), for timelines.
+        self.times: dict[str, float] = {"receive_start": time.monotonic()}
+        self._prepared: Any = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def start(cls, loop: Any, coro: Any, *, worker: Any, version: int, step: int, timeout_s: float,
-              start_timeout_s: float = 10.0) -> OverlappedReceive:
-        """Submit ``coro`` (the worker's receive) and return once it is in flight (or done)."""
+              prepare: Callable[[], Any], start_timeout_s: float = 10.0) -> OverlappedReceive:
+        """Submit ``coro`` (the worker's receive) and return once it is in flight (or done);
+        ``prepare`` (the post-processing) runs on a thread once the receive ended well."""
         import asyncio
 
         future = asyncio.run_coroutine_threadsafe(coro, loop.loop)
@@ -67,10 +100,24 @@ class OverlappedReceive:
             time.sleep(0.0005)
         if future.done():
             future.result()  # a receive that failed at once raises here, before update_weights returns
-        return cls(future, version=version, step=step, timeout_s=timeout_s)
+        self = cls(future, version=version, step=step, timeout_s=timeout_s)
+        self._thread = threading.Thread(target=self._after_receive, args=(worker.rank, prepare), daemon=True,
+                                        name="policyworker-vllm-prepare")
+        self._thread.start()
+        return self
 
-    def wait(self, rank: int) -> int:
-        """The received version, once every byte landed; the receive's error otherwise."""
+    def _after_receive(self, rank: int, prepare: Callable[[], Any]) -> None:
+        try:
+            self._wait_receive(rank)
+            self.times["receive_end"] = time.monotonic()
+            self._prepared = prepare()
+            self.times["prepare_end"] = time.monotonic()
+        except BaseException as exc:  # handed to finish_weight_update (result), which raises it
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def _wait_receive(self, rank: int) -> None:
         try:
             report = self.future.result(self.timeout_s + 30.0)
         except concurrent.futures.TimeoutError:
@@ -81,4 +128,48 @@ class OverlappedReceive:
             raise ProtocolError(f"the trainers sent version {report.version}, update_info says {self.version}; "
                                 f"nothing committed", rank=rank)
         self.report = report
-        return report.version
+
+    def ready(self) -> bool:
+        """True once the receive and its post-processing ended (well or not): a finish
+        called now waits for nothing."""
+        return self._done.is_set()
+
+    def result(self, rank: int) -> tuple[int, Any]:
+        """(the received version, its post-processed state), once both ended; the error of
+        the receive or of the post-processing otherwise."""
+        if not self._done.wait(self.timeout_s + 60.0):
+            self.future.cancel()
+            raise RefitTimeout(f"vLLM rank {rank}: the overlapped refit of version {self.version} did not end "
+                               f"within its deadline", rank=rank)
+        if self._error is not None:
+            raise self._error
+        return self.version, self._prepared
+
+    def cancel(self, timeout_s: float = 60.0) -> None:
+        """Stop the receive; return once the post-processing thread stopped touching the
+        staging set (or ``timeout_s`` passed)."""
+        self.future.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+
+def hold_live_state(layers: list[tuple[torch.nn.Module, Any]]) -> list[Any]:
+    """References to what a swap of ``layers`` (live module, prepared copy) replaces."""
+    return [(dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m, _ in layers]
+
+
+def release_in_background(held: list[Any], pause_s: float = 0.001) -> None:
+    """Drop ``held`` (:func:`hold_live_state`) one layer at a time on a daemon thread.
+
+    The swap itself only moves references; freeing the replaced kernels' memory (on CPU
+    the old version's prepacked weights: as many bytes as the model) inside the commit
+    would stop the engine for as long, with the GIL held. Spread over short steps, the
+    engine's thread gets the GIL between them.
+    """
+
+    def run() -> None:
+        while held:
+            held.pop()
+            time.sleep(pause_s)
+
+    threading.Thread(target=run, daemon=True, name="policyworker-vllm-release").start()

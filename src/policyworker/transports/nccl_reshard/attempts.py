@@ -42,41 +42,62 @@ def store_add(store: Any, value: int, timeout_s: float) -> int:
     ``timeout_s`` it raises ``TimeoutError`` and the thread is left to finish (or die
     with the process) — it holds nothing of ours but the store.
     """
+    try:
+        return _store_adds([store], value, timeout_s)[0]
+    except _StoreFailed as failed:
+        raise failed.error from None
+
+
+def _store_adds(stores: list, value: int, timeout_s: float) -> list[int]:
+    """``store_add`` on each of ``stores``, one after the other on one daemon thread (one
+    thread a refit, not one a group), all within ``timeout_s``. The first error raises
+    (``TimeoutError`` when time ran out), as ``(index of its store, error)`` in ``args``
+    of a ``_StoreFailed``."""
     box: list = []
     done = threading.Event()
 
     def call() -> None:
         try:
-            box.append(("ok", int(store.add(_SPOILED_KEY, value))))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            box.append(("err", exc))
+            for i, store in enumerate(stores):
+                try:
+                    box.append(int(store.add(_SPOILED_KEY, value)))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                    box.append(_StoreFailed(i, exc))
+                    return
         finally:
             done.set()
 
     threading.Thread(target=call, name="pw-store-add", daemon=True).start()
     if not done.wait(max(timeout_s, 0.0)):
-        raise TimeoutError(f"the group's store did not answer in {timeout_s:.1f} s (its host is stopped or gone)")
-    kind, value = box[0]
-    if kind == "err":
-        raise value
-    return value
+        raise _StoreFailed(len(box), TimeoutError(
+            f"the group's store did not answer in {timeout_s:.1f} s (its host is stopped or gone)"))
+    if box and isinstance(box[-1], _StoreFailed):
+        raise box[-1]
+    return box
+
+
+class _StoreFailed(Exception):
+    """A store call of ``_store_adds`` failed: ``index`` of its store and the ``error``."""
+
+    def __init__(self, index: int, error: BaseException) -> None:
+        super().__init__(index, error)
+        self.index, self.error = index, error
 
 
 def spoiled_counts(groups: list, rank: int, deadline: float | None = None) -> list[int]:
     """Each group's spoiled-attempt count, read from its store (``add(key, 0)`` reads
-    atomically), each read bounded by ``deadline`` (``time.monotonic()``)."""
-    counts = []
-    for g in groups:
-        left = (deadline - time.monotonic()) if deadline is not None else _SPOIL_READ_S
-        try:
-            counts.append(store_add(g.store, 0, left))
-        except TimeoutError as exc:
-            raise RefitTimeout(f"reading the refit attempts of group {g.name!r}: {exc}", rank=rank,
+    atomically), every read bounded by ``deadline`` (``time.monotonic()``)."""
+    left = (deadline - time.monotonic()) if deadline is not None else _SPOIL_READ_S
+    try:
+        return _store_adds([g.store for g in groups], 0, left)
+    except _StoreFailed as failed:
+        name, exc = groups[failed.index].name, failed.error
+        if isinstance(exc, TimeoutError):
+            raise RefitTimeout(f"reading the refit attempts of group {name!r}: {exc}", rank=rank,
                                transport="nccl_reshard") from exc
-        except Exception as exc:  # the store raises DistStoreError/RuntimeError when its host is gone
-            raise translate_comm_error(exc, rank=rank, transport="nccl_reshard",
-                                       what="reading the groups' refit attempts") from exc
-    return counts
+        # the store raises DistStoreError/RuntimeError when its host is gone
+        raise translate_comm_error(exc, rank=rank, transport="nccl_reshard",
+                                   what="reading the groups' refit attempts") from exc
 
 
 def spoil(groups: list, rank: int) -> None:

@@ -27,11 +27,25 @@ trainers may ask for a full one (``refit(..., delta=False)``). One refit, both s
 3. **Apply**, receiver: nothing live is written until every payload arrived. Then per
    transfer the changed units go into the live bytes (or a staging copy when the
    transfer's destination is not one contiguous span, unpacked after the check) and
-   every copy's checksum is computed over the bytes the receiver now holds (a full
-   pass: what proves them equal to what the trainer sent) and verified; a mismatch
-   fails the refit, marks the receiver torn (its bytes are proven not to be the
-   trainers') and its base becomes -1, so the next refit is full. A failure before
-   the apply leaves the live bytes intact.
+   every copy's checksum is computed and verified; a mismatch fails the refit, marks
+   the receiver torn (its bytes are proven not to be the trainers') and its base
+   becomes -1, so the next refit is full. A failure before the apply leaves the live
+   bytes intact. How the checksums are computed is ``delta_verify``:
+
+   * ``"full"`` (the default): a pass over every byte the receiver holds after the
+     apply. It proves those bytes equal what the trainer sent, whatever happened to
+     them before (a stale staging set, a byte written outside any refit).
+   * ``"incremental"``: the receiver keeps the checksums it verified at its last
+     commit and adds the weighted differences of the changed units (their old values
+     read just before they are overwritten, their new ones from the payload): no
+     pass over its bytes. This proves the result equal to the trainer's **if and
+     only if the receiver's bytes outside the changed units are still the ones it
+     verified at that commit**; a byte written since, where the delta does not
+     touch, goes unseen (and one where it does fails the check). So it is not as
+     strong as ``"full"``, only cheaper: it trusts the memory between refits. The
+     first delta after a full refit, a fallback, a failed or torn refit, a reconnect,
+     or tensors that moved (another storage, e.g. a vLLM staging set) is checked in
+     full, and that check is what later deltas build on.
 4. **Verdict** over the update group (:func:`exchange_leftovers`), as for a full
    refit: a receiver commits only when every rank succeeded. A trainer's shadow
    counts as version S only after a successful verdict; any failure makes it
@@ -40,17 +54,17 @@ trainers may ask for a full one (``refit(..., delta=False)``). One refit, both s
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from policyworker.errors import ConfigError, PeerLost, PolicyWorkerError, ProtocolError, RefitAborted, TransportError
 from policyworker.layout import delta as _delta
-from policyworker.layout.delta_inc import encode_update, segment_checksums
-from policyworker.layout.apply import _as_bytes, _region, copy_nbytes, pack, unpack
-from policyworker.layout.plan import Copy, ReshardPlan, dtype_size
+from policyworker.layout.delta_inc import apply_update, encode_update
+from policyworker.layout.apply import _as_bytes, _region, pack, unpack
+from policyworker.layout.plan import Copy, ReshardPlan
 from policyworker.transports.base import RefitReport, TransportContext
 from policyworker.transports.nccl_reshard.delta_handshake import (
     _EVERY,
@@ -63,75 +77,29 @@ from policyworker.transports.nccl_reshard.delta_handshake import (
     _WANT_DELTA,
     handshake,
 )
-from policyworker.transports.nccl_reshard.schedule import _DirectSpans, plan_hash63, stage_members
+from policyworker.transports.nccl_reshard.delta_state import (
+    DeltaSettings,
+    _make_stream,
+    _State,
+    _Stream,
+    check_verify,
+)
+from policyworker.transports.nccl_reshard.schedule import plan_hash63, stage_members
 from policyworker.transports.nccl_reshard.verdict import exchange_leftovers
 
-__all__ = ["DeltaSettings"]
+__all__ = ["refit"]
 
 _HDR_MAGIC = 0x5057444C54414831  # "PWDLTAH1"
 _HDR_LEN = 8  # magic, version, kind, changed units, payload bytes, plan hash, stream bytes, copies
 _TAG_HDR, _TAG_PAYLOAD = (1 << 21), (1 << 21) + 1
-_SAMPLES = 4096  # units sampled per stream for the changed-fraction estimate
 # Below this estimated changed fraction (ppm) a trainer encodes in one cache-sized pass
 # with incremental checksums (:func:`encode_update`); above it the dense path is cheaper.
 _SPARSE_PPM = 60_000
+_M64 = (1 << 64) - 1
 
 
-@dataclass(frozen=True, slots=True)
-class DeltaSettings:
-    """``delta_max_fraction``: above this estimated changed fraction the refit is full;
-    ``full_every``: every N-th version is full (None: never forced)."""
-
-    max_fraction: float = 0.25
-    full_every: int | None = None
-
-
-@dataclass(slots=True)
-class _Stream:
-    """The bytes of one transfer (its copies back to back) as units of ``unit`` bytes."""
-
-    copies: list[Copy]
-    nbytes: int
-    unit: int
-    segments: list[tuple[int, int]]  # (offset, bytes) of each copy in the stream
-    shadow: torch.Tensor | None = None  # trainer: the bytes last sent
-    sums: list[int] | None = None  # trainer: the shadow's checksum per copy, when known
-    scratch: torch.Tensor | None = None  # the stream packed, when it is not one span
-    stride: int = 1  # trainer: every stride-th unit is sampled for the changed fraction
-    index: int = 0  # its key among the state's direct spans
-
-
-@dataclass(slots=True)
-class _State:
-    plan_hash: str
-    streams: dict[tuple, _Stream] = field(default_factory=dict)  # trainer: by source regions; receiver: by peer
-    shadow_version: int | None = None  # trainer: the version its shadows hold, after a good verdict
-    base_valid: bool = True  # receiver: False after a failed delta (next refit full)
-    received: int | None = None  # receiver: the version its last good refit returned
-    spans: _DirectSpans = field(default_factory=_DirectSpans)  # each stream's span, while the tensors stay put
-
-
-def _make_stream(plan: ReshardPlan, copies: list[Copy], index: int) -> _Stream:
-    fmt = plan.dest_format
-    if any(fmt.converts(plan, c) for c in copies):
-        raise ConfigError(f"delta refits of copies the {type(fmt).__name__} converts are not supported",
-                          transport="nccl_reshard")
-    unit = min(dtype_size(plan.params[c.param].dtype) for c in copies)
-    segments, at = [], 0
-    for c in copies:
-        n = copy_nbytes(plan, c)
-        segments.append((at, n))
-        at += n
-    return _Stream(copies, at, unit, segments, stride=_sample_stride(at // unit), index=index)
-
-
-def _sample_stride(n: int) -> int:
-    """A prime stride giving about ``_SAMPLES`` of ``n`` units (prime: no lockstep with
-    a tensor's rows): the estimate costs a few thousand reads, not a pass."""
-    p = max(127, n // _SAMPLES) | 1
-    while any(p % d == 0 for d in range(3, int(p ** 0.5) + 1, 2)):
-        p += 2
-    return p
+def _held_at(ctx: TransportContext) -> tuple:
+    return tuple(t.data_ptr() for t in ctx.params.values())
 
 
 def _state(ctx: TransportContext) -> _State:
@@ -185,11 +153,6 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def checksums(units: torch.Tensor, s: _Stream) -> list[int]:
-    """One checksum per copy of the stream (signed 64-bit, for an int64 tensor)."""
-    return [_signed(c) for c in segment_checksums(units, s.segments)]
-
-
 # -- the refit -------------------------------------------------------------------------------
 def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitReport:
     """One refit in delta mode (either side): handshake, then delta or the plain full refit."""
@@ -214,24 +177,40 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
         held = ledger is None or (ledger.version == st.received and not ledger.torn)
         base = st.received if st.received is not None and held and st.base_valid else -1
         st.received = None  # until this refit succeeds
+        at = _held_at(ctx)
+        trusted = base != -1 and st.verified_at == at
+        st.verified_at = None  # until this refit succeeds
         row = [_HS_MAGIC, _RECEIVER, base, 0, 0, 0]
-    transport._active = [update_group]
-    try:
-        use_delta, reason, announced = handshake(update_group, row, deadline)
-    finally:
-        transport._active = []
+    early = None
     if ctx.role == "send":
         st.shadow_version = None  # unknown until this refit's verdict
-    if not use_delta:
-        report = transport._refit(ctx, version)
-        if ctx.role == "send":
-            shadow = _refresh(ctx, streams)
-            st.shadow_version = int(version)
-        else:
-            shadow = 0
-            st.base_valid, st.received = True, report.version
-        return _report(report, notes=(f"full: {reason}",), wire=report.bytes, shadow=shadow,
-                       seconds=time.perf_counter() - t0)
+        if row[4] != _WANT_DELTA:
+            # This trainer refuses a delta, so the refit is full whatever the others say:
+            # its shadow is no base any more and takes the bytes about to be sent now, on
+            # another thread, while the handshake and the bulk run (copies release the GIL).
+            early = _EarlyRefresh(ctx, streams)
+    try:
+        transport._active = [update_group]
+        try:
+            use_delta, reason, announced = handshake(update_group, row, deadline)
+        finally:
+            transport._active = []
+        if not use_delta:
+            report = transport._refit(ctx, version)
+            if ctx.role == "send":
+                shadow = early.result() if early is not None else _refresh(ctx, streams)
+                st.shadow_version = int(version)
+            else:
+                shadow = 0
+                st.base_valid, st.received = True, report.version
+            return _report(report, notes=(f"full: {reason}",), wire=report.bytes, shadow=shadow,
+                           seconds=time.perf_counter() - t0)
+    finally:
+        if early is not None:
+            early.join()  # nothing writes a shadow once this refit returns
+    if early is not None:  # a refusing trainer and a delta: the handshake is broken
+        raise ProtocolError("delta handshake decided a delta over a trainer's refusal", rank=ctx.rank,
+                            transport=transport.name)
     groups = [ctx.state["group"]] if ctx.role == "send" else list(ctx.state["groups"].values())
     transport._active = [*groups, update_group]
     try:
@@ -239,7 +218,10 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
             wire, nbytes, failure = _send(ctx, st, streams, int(version), deadline, sparse=row[5] <= _SPARSE_PPM)
         else:
             ctx.touched = False
-            wire, nbytes, failure = _receive(ctx, st, announced, deadline)
+            verify = check_verify(ctx.option("delta_verify") or settings.verify)
+            wire, nbytes, failure, checked = _receive(ctx, st, announced, deadline,
+                                                      trusted and verify == "incremental")
+            reason = f"{reason}; checked {checked}"
         scales, got_version, failures, lost = exchange_leftovers(
             update_group, is_source=ctx.role == "send" and update_group.rank == 0,
             kv_scales=ctx.option("kv_scales"), deadline=deadline, version=announced,
@@ -262,6 +244,7 @@ def refit(transport: Any, ctx: TransportContext, version: int | None) -> RefitRe
         st.shadow_version = int(version)
     else:
         st.received = int(got_version)
+        st.verified_at = at  # the streams' checksums are of what this commit holds
     shadow = sum(s.nbytes for s in streams.values()) if streams else 0
     return RefitReport(transport=transport.name, role=ctx.role, version=int(got_version), bytes=nbytes,
                        seconds=time.perf_counter() - t0, wire_bytes=wire, shadow_bytes=shadow,
@@ -312,6 +295,32 @@ def _refresh(ctx: TransportContext, streams: dict[tuple, _Stream]) -> int:
             s.shadow = torch.empty(s.nbytes, dtype=torch.uint8, device=units.device)
         s.shadow.copy_(units.view(torch.uint8))
     return sum(s.nbytes for s in streams.values())
+
+
+class _EarlyRefresh:
+    """:func:`_refresh` on a thread of its own; :meth:`result` waits for it and returns its
+    bytes or raises its error, :meth:`join` only waits."""
+
+    def __init__(self, ctx: TransportContext, streams: dict[tuple, _Stream]) -> None:
+        self._out: list = []
+        self._thread = threading.Thread(target=self._run, args=(ctx, streams), name="pw-delta-shadow", daemon=True)
+        self._thread.start()
+
+    def _run(self, ctx: TransportContext, streams: dict[tuple, _Stream]) -> None:
+        try:
+            self._out.append(_refresh(ctx, streams))
+        except BaseException as exc:  # handed to result()
+            self._out.append(exc)
+
+    def join(self) -> None:
+        self._thread.join()  # a copy of this rank's shard: bounded by the memory bus
+
+    def result(self) -> int:
+        self.join()
+        out = self._out[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
 
 
 def _post_all(entries: list[tuple[Any, str, torch.Tensor, int, int]], deadline: float, what: str):
@@ -373,8 +382,12 @@ def _send(ctx: TransportContext, st: _State, streams, version: int, deadline: fl
     return wire, sum(t.nbytes for t in _my_transfers(ctx)), failure
 
 
-def _receive(ctx: TransportContext, st: _State, version: int, deadline: float):
-    """Receive every transfer's header and payload, then apply and verify them."""
+def _receive(ctx: TransportContext, st: _State, version: int, deadline: float, incremental: bool):
+    """Receive every transfer's header and payload, then apply and verify them.
+
+    ``incremental``: each stream's checksums follow from its ``verified`` ones and the
+    changed units (else a pass over its bytes). Returns (wire bytes, bytes landed,
+    failure or None, how the bytes were checked: "in full", "incrementally" or both)."""
     plan = ctx.plan
     hash63 = plan_hash63(plan)
     members = stage_members(plan)
@@ -405,19 +418,23 @@ def _receive(ctx: TransportContext, st: _State, version: int, deadline: float):
     failure = _post_all(entries, deadline, "delta payload receive") or failure
     wire = sum(p.numel() for p in payloads) + 8 * _HDR_LEN * len(transfers)
     if failure is not None:
-        return wire, 0, failure
+        return wire, 0, failure, ""
     if ctx.deadline is not None and ctx.deadline.fired:
         raise RefitAborted("delta refit aborted before it was applied", rank=ctx.rank, transport="nccl_reshard")
+    ways = set()
     try:
         for i, (t, s) in enumerate(zip(transfers, streams)):
-            _apply_one(ctx, t, s, heads[i], payloads[i])
+            ways.add(_apply_one(ctx, t, s, heads[i], payloads[i], incremental))
     except ProtocolError as exc:
         st.base_valid = False  # these bytes are not the trainers': the next refit is full
-        return wire, 0, exc
-    return wire, sum(t.nbytes for t in transfers), None
+        return wire, 0, exc, ""
+    checked = " and ".join(w for w in ("incrementally", "in full") if w in ways) or "(nothing)"
+    return wire, sum(t.nbytes for t in transfers), None, checked
 
 
-def _apply_one(ctx: TransportContext, t, s: _Stream, head: list[int], payload: torch.Tensor) -> None:
+def _apply_one(ctx: TransportContext, t, s: _Stream, head: list[int], payload: torch.Tensor,
+               incremental: bool) -> str:
+    """Apply one transfer's delta and verify its copies' checksums; returns how they were computed."""
     kind, count = head[2], head[3]
     ncopies = len(s.copies)
     want = payload.narrow(0, 0, 8 * ncopies).view(torch.int64).cpu().tolist()
@@ -425,8 +442,9 @@ def _apply_one(ctx: TransportContext, t, s: _Stream, head: list[int], payload: t
     units, live = _units(s, ctx, "dst")
     if live:
         ctx.touched = True  # the live bytes change from here on
-    _delta.apply(units, kind, count, blob)
-    got = checksums(units, s)
+    known, s.verified = (s.verified if incremental else None), None  # trusted again only once verified
+    got, updated = apply_update(units, kind, count, blob, s.segments, known)
+    got = [_signed(c) for c in got]
     names = ctx.plan.body.tensor_names
     for c, a, b in zip(s.copies, got, want):
         if a != b:
@@ -437,6 +455,8 @@ def _apply_one(ctx: TransportContext, t, s: _Stream, head: list[int], payload: t
             raise ProtocolError(f"delta checksum mismatch in {names[c.dst_tensor]!r} from train rank {t.src}: "
                                 f"the bytes after the delta are not the trainer's", rank=ctx.rank,
                                 transport="nccl_reshard", param=names[c.dst_tensor])
+    s.verified = [c & _M64 for c in got]
     if not live:
         ctx.touched = True
         unpack(ctx.plan, s.copies, units.view(torch.uint8), ctx.params)
+    return "incrementally" if updated else "in full"

@@ -51,7 +51,7 @@ def recv_bulk(t: Any, ctx: TransportContext):
     hash63 = plan_hash63(plan)
     schedule = ctx.state["schedule"]
     inbox = _header_inbox(ctx, schedule)
-    spans = ctx.state.setdefault("direct_spans", _DirectSpans()).check(plan, params)
+    spans = ctx.state.setdefault("direct_spans", _DirectSpans()).check(plan, params, ring)
     pending: deque = deque()  # (work, msg, tensor, slot or None), key order
     batch: list = []
     free = list(range(len(ring)))
@@ -116,7 +116,8 @@ def recv_bulk(t: Any, ctx: TransportContext):
                             rank=ctx.rank, transport=t.name,
                         )
                 ctx.touched = True
-                unpack(plan, m.copies, tensor, params)
+                if not spans.moves(plan, m.key, slot, m.copies, params, tensor, "dst"):
+                    unpack(plan, m.copies, tensor, params)
         except (ProtocolError, PlanMismatch) as exc:
             failure = exc
             return

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from policyworker.layout.apply import _region, bucket_copies, copy_nbytes
+from policyworker.layout.apply import _region, bucket_copies, copy_moves, copy_nbytes
 from policyworker.layout.parallelism import Parallelism
 from policyworker.layout.plan import Copy, ReshardPlan
 from policyworker.transports.base import TransportContext
@@ -166,18 +166,21 @@ def _header_inbox(ctx: TransportContext, schedule: list[_Msg]) -> dict[int, torc
 
 
 class _DirectSpans:
-    """``_direct_view`` of every message, kept across refits while the tensors stay put.
+    """``_direct_view`` of every message, kept across refits while the tensors stay put;
+    likewise the byte views that pack / unpack a staged message (:func:`copy_moves`).
 
     Working a message's span out walks its copies (views, strides, storages): tens of
     microseconds a copy, every refit, on a CPU that is moving the bytes meanwhile. The
-    answer depends only on the plan and where the local tensors live, so it is kept
-    and reused while every tensor keeps its storage address, shape, strides and dtype
-    (checked each refit, ~1 µs a tensor).
+    answer depends only on the plan and where the local tensors (and the staging ring)
+    live, so it is kept and reused while every tensor keeps its storage address, shape,
+    strides and dtype (checked each refit, ~1 µs a tensor). A message of many small
+    copies (a LoRA adapter's factors) is then one ``_foreach_copy_`` of kept views.
     """
 
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._spans: dict[int, torch.Tensor | None] = {}
+        self._moves: dict[tuple[tuple[int, int, int], int], tuple[list[torch.Tensor], list[torch.Tensor]] | None] = {}
 
     def get(self, plan: ReshardPlan, index: int, copies: list[Copy], tensors: Mapping[str, torch.Tensor],
             side: str) -> torch.Tensor | None:
@@ -185,8 +188,24 @@ class _DirectSpans:
             self._spans[index] = _direct_view(plan, copies, tensors, side)
         return self._spans[index]
 
-    def check(self, plan: ReshardPlan, tensors: Mapping[str, torch.Tensor]) -> _DirectSpans:
-        key = (plan.hash, tuple((n, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for n, t in tensors.items()))
+    def moves(self, plan: ReshardPlan, msg_key: tuple[int, int, int], slot: int, copies: list[Copy],
+              tensors: Mapping[str, torch.Tensor], buf: torch.Tensor, side: str) -> bool:
+        """Pack (``side="src"``: tensors into ``buf``) or unpack (``"dst"``) the message of key
+        ``msg_key`` staged in ring slot ``slot`` through kept views; False when it cannot (the caller
+        packs / unpacks it the long way)."""
+        key = (msg_key, slot)
+        if key not in self._moves:
+            self._moves[key] = copy_moves(plan, copies, tensors, buf, side)
+        pairs = self._moves[key]
+        if pairs is None:
+            return False
+        torch._foreach_copy_(*pairs)
+        return True
+
+    def check(self, plan: ReshardPlan, tensors: Mapping[str, torch.Tensor],
+              ring: list[torch.Tensor] | None = None) -> _DirectSpans:
+        key = (plan.hash, tuple((n, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for n, t in tensors.items()),
+               tuple(r.data_ptr() for r in ring or ()))
         if key != self._key:
-            self._key, self._spans = key, {}
+            self._key, self._spans, self._moves = key, {}, {}
         return self

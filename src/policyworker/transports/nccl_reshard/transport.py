@@ -72,7 +72,7 @@ from policyworker.transports.nccl_reshard.schedule import (
 from policyworker.transports.nccl_reshard import delta as nccl_delta
 from policyworker.transports.nccl_reshard.attempts import check_fresh, spoil
 from policyworker.transports.nccl_reshard.receive import bucket_crc, recv_bulk
-from policyworker.transports.nccl_reshard.delta import DeltaSettings
+from policyworker.transports.nccl_reshard.delta_state import DeltaSettings, check_verify, forget_verified
 from policyworker.transports.nccl_reshard.verdict import exchange_leftovers
 
 __all__ = ["NcclReshardTransport", "exchange_leftovers", "stage_members"]
@@ -87,7 +87,11 @@ class NcclReshardSetup:
     (stage → group, every stage of the plan). ``delta`` (every rank): refits carry only
     the changed elements when every receiver holds the trainers' last version
     (:mod:`.nccl_delta`); ``delta_max_fraction`` and ``delta_full_every`` (trainers)
-    say when a refit is full anyway.
+    say when a refit is full anyway. ``delta_verify`` (receivers): how a receiver proves
+    its bytes after a delta, ``"full"`` (default: a checksum pass over every byte it
+    holds) or ``"incremental"`` (its checksums from its last verified commit, updated by
+    the changed units; proves the result only if nothing wrote its bytes since: see
+    :mod:`.nccl_delta`).
     """
 
     bucket_bytes: int = 16 << 20
@@ -104,8 +108,10 @@ class NcclReshardSetup:
     delta: bool = False
     delta_max_fraction: float = 0.25
     delta_full_every: int | None = None
+    delta_verify: str = "full"
 
     def __post_init__(self) -> None:
+        check_verify(self.delta_verify)
         if self.relay not in ("auto", "off"):
             raise ConfigError(f"relay must be 'auto' or 'off', got {self.relay!r}", transport="nccl_reshard")
         positive_int(self.bucket_bytes, "bucket_bytes", minimum=1024)
@@ -124,14 +130,18 @@ class NcclReshardSetup:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class NcclReshardOptions:
     """Per-refit options: ``kv_scales`` (name → float; trainer rank 0's are sent);
-    ``delta=False`` (trainer) makes this refit full when the attachment has delta on."""
+    ``delta=False`` (trainer) makes this refit full when the attachment has delta on;
+    ``delta_verify`` (receiver) overrides the setup's for this refit."""
 
     kv_scales: Any = None
     delta: bool | None = None
+    delta_verify: str | None = None
 
     def __post_init__(self) -> None:
         from policyworker.layout.local import validate_kv_scales
 
+        if self.delta_verify is not None:
+            check_verify(self.delta_verify)
         object.__setattr__(self, "kv_scales", validate_kv_scales(self.kv_scales))
 
 
@@ -148,7 +158,7 @@ class NcclReshardTransport(Transport):
         transport = cls(bucket_bytes=setup.bucket_bytes, in_flight=setup.in_flight, staging=setup.staging,
                         checksum=setup.checksum, relay=setup.relay)
         if setup.delta:
-            transport.delta = DeltaSettings(setup.delta_max_fraction, setup.delta_full_every)
+            transport.delta = DeltaSettings(setup.delta_max_fraction, setup.delta_full_every, setup.delta_verify)
         return transport
 
     def __init__(
@@ -197,6 +207,7 @@ class NcclReshardTransport(Transport):
                               f"{'' if ctx.role == 'send' else 's'})", rank=ctx.rank, transport="nccl_reshard")
 
     def _connect(self, ctx: TransportContext) -> None:
+        forget_verified(ctx.state)  # a reconnect: the next delta's check is a full one
         self._wire(ctx)
         plan = ctx.plan
         members = stage_members(plan)
@@ -455,7 +466,7 @@ class NcclReshardTransport(Transport):
         deadline = self._deadline(ctx)
         schedule = ctx.state["schedule"]
         headers = _header_rows(ctx, version, self.checksum, schedule)
-        spans = ctx.state.setdefault("direct_spans", _DirectSpans()).check(plan, params)
+        spans = ctx.state.setdefault("direct_spans", _DirectSpans()).check(plan, params, ring)
         pending: deque = deque()  # (work, msg, tensor, slot or None), key order
         batch: list = []  # messages collected but not posted yet
         free = list(range(len(ring)))
@@ -492,7 +503,10 @@ class NcclReshardTransport(Transport):
                         settle()
                 slot = free.pop()
                 buf = self._buffer(ctx, slot, m.nbytes + (8 if self.checksum else 0))
-                end = pack(plan, m.copies, params, buf)
+                if spans.moves(plan, m.key, slot, m.copies, params, buf, "src"):
+                    end = m.nbytes
+                else:
+                    end = pack(plan, m.copies, params, buf)
                 if self.checksum:
                     buf.narrow(0, end, 8).view(torch.int64).fill_(bucket_crc(buf.narrow(0, 0, end)))
                     end += 8
