@@ -233,6 +233,11 @@ def staging_modes(world, modes=("device", "host", "none")) -> None:
         v = world.version
         replies = world.connect(version=v, staging=mode)
         assert all(r["ok"] for r in replies), replies
+        if mode == "none":  # an overlapped update would write what vLLM reads while it generates
+            world.llm.start_weight_update()
+            with pytest.raises(ConfigError, match=r"update_info.overlap with staging='none'"):
+                with typed_errors():
+                    world.llm.update_weights({"update_info": {"version": v + 1, "overlap": True}})
         error, replies = world.refit(v + 1, die={1: 3})
         assert isinstance(error, PeerLost), (mode, error)
         assert world.pool.wait_dead(1, 10.0) == -9
