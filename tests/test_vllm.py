@@ -107,3 +107,17 @@ def test_cpu_linear_torch_and_background_then_prepack_again(world):
         assert got == world.oracle(v + 1) and got != world.history[v], mode
         assert world.llm.get_weight_version() == str(v + 1)
         world.version, world.history[v + 1] = v + 1, got
+
+
+@pytest.mark.timeout(300)
+def test_staging_modes_commit_like_hf_and_fail_as_documented(world):
+    # "host", "none" on this engine: a trainer killed mid-refit leaves the old version
+    # (host) or a torn engine that a full refit heals (none); HF's tokens after each.
+    # "device" is what "auto" picks on this host: test_trainer_killed_mid_refit_... is its cell.
+    cases.staging_refused(world)
+    cases.staging_modes(world, modes=("host", "none"))
+    replies = world.connect(version=world.version)  # back to "auto" for what runs next
+    assert all(r["ok"] for r in replies), replies
+    (report,) = cases.staging_report(world)
+    assert (report["requested"], report["mode"]) == ("auto", "device") and "MemAvailable" in report["reason"], report
+    cases.refit_commits(world, world.version + 1)

@@ -75,7 +75,7 @@ def test_delta_on_a_stale_staging_set_fails_then_full_refit_commits(world):
         _commits(world, 1, "full")
     served = world.version
 
-    def skip_catch_up(worker) -> bool:  # the free set keeps the version before: a wrong base
+    def skip_catch_up(worker) -> bool:  # the moved staging tensors keep the version before: a wrong base
         stage = worker.weight_transfer_engine._stage
         original = stage.catch_up
 
@@ -96,3 +96,23 @@ def test_delta_on_a_stale_staging_set_fails_then_full_refit_commits(world):
     # The trainers send that version again: in full, since the failed delta left no base.
     _commits(world, served + 1, "full")
     _commits(world, served + 2, "delta")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("staging, cpu_linear", [("device", "torch"), ("host", "prepack")])
+def test_deltas_in_each_staging_mode_that_has_a_set(world, staging, cpu_linear):
+    # "device" with cpu_linear="torch": every staging tensor is served as is after a commit,
+    # so each moves to the tensor it displaced and catches up before the next delta.
+    # "host": the set in host memory never goes live. staging="none" refuses delta
+    # refits at init (tests/vllm_failure_cases.py: staging_refused).
+    if world.version < 1:
+        world.history[0] = world.tokens()
+        assert all(r["ok"] for r in world.connect(version=0))
+        _commits(world, 1, "full")
+    replies = world.connect(version=world.version, staging=staging, cpu_linear=cpu_linear)
+    assert all(r["ok"] for r in replies), replies
+    _commits(world, world.version + 1, "full")  # fresh groups: no base on the receiver
+    _commits(world, world.version + 1, "delta")
+    _commits(world, world.version + 1, "delta")
+    reports = world.llm.collective_rpc(lambda worker: worker.weight_transfer_engine.staging_report)
+    assert [(r["mode"], r["extra_bytes_steady"] == r["set_bytes"]) for r in reports] == [(staging, True)], reports

@@ -148,3 +148,20 @@ def test_a_failed_background_post_processing_commits_nothing(world):
     got = world.tokens()
     assert got == world.oracle(v + 2) and got != world.history[v]
     world.version, world.history[v + 2] = v + 2, got
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("init", [{"staging": "host"}, {"staging": "device", "cpu_linear": "torch"}])
+def test_overlap_with_host_staging_and_with_a_device_set_that_went_live(world, init):
+    # "host": the set lives in host memory. "device" with cpu_linear="torch": after a commit
+    # every staging tensor is served as is and moves to the tensor it displaced; the second
+    # overlapped refit proves the receive wrote nothing live (generation during it is v's).
+    world.history.setdefault(0, world.tokens())
+    assert all(r["ok"] for r in world.connect(version=world.version, overlap=True, **init))
+    for version in (world.version + 1, world.version + 2):
+        during, error, replies = _overlapped_refit(world, version)
+        assert error is None, error
+        assert during == world.history[version - 1] == world.oracle(version - 1)
+        got = world.tokens()
+        assert got == world.oracle(version) and got != during
+        world.history[version], world.version = got, version

@@ -76,3 +76,12 @@ def test_tp2_postprocess_failing_on_one_rank_swaps_nothing_then_commits(world):
 @pytest.mark.timeout(240)
 def test_tp2_swap_failing_on_one_rank_is_torn_everywhere_until_a_full_refit(world):
     cases.swap_fails_on_one_rank(world)
+
+
+@pytest.mark.timeout(240)
+def test_tp2_staging_none_torn_on_every_rank_until_a_full_refit(world):
+    # No staging set: a trainer killed mid-refit leaves both ranks torn; a full refit
+    # heals them (tokens == HF's). ("device" is the default here: the cases above.)
+    cases.staging_modes(world, modes=("none",))
+    replies = world.connect(version=world.version)  # back to "auto"
+    assert all(r["ok"] for r in replies), replies

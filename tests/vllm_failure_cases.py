@@ -213,3 +213,74 @@ def swap_fails_on_one_rank(world) -> None:
             world.llm.finish_weight_update(weight_version=str(v + 1))
     _resend_and_commit(world, v + 2)
     refit_commits(world, v + 3)
+
+
+def staging_report(world) -> list[dict]:
+    """Each vLLM rank's ``engine.staging_report`` (read inside the workers)."""
+    return world.llm.collective_rpc(lambda worker: worker.weight_transfer_engine.staging_report)
+
+
+def _engine_torn(world) -> list[bool]:
+    return world.llm.collective_rpc(lambda worker: worker.weight_transfer_engine.torn)
+
+
+def staging_modes(world, modes=("device", "host", "none")) -> None:
+    """Each staging mode on the same engine: a refit commits (HF's tokens), the report says
+    which mode and what it holds, and a trainer killed mid-refit leaves the old version
+    served ("device", "host") or the engine torn until a full refit heals it ("none")."""
+    served_at_least_v1(world)
+    for mode in modes:
+        v = world.version
+        replies = world.connect(version=v, staging=mode)
+        assert all(r["ok"] for r in replies), replies
+        if mode == "none":  # an overlapped update would write what vLLM reads while it generates
+            world.llm.start_weight_update()
+            with pytest.raises(ConfigError, match=r"update_info.overlap with staging='none'"):
+                with typed_errors():
+                    world.llm.update_weights({"update_info": {"version": v + 1, "overlap": True}})
+        error, replies = world.refit(v + 1, die={1: 3})
+        assert isinstance(error, PeerLost), (mode, error)
+        assert world.pool.wait_dead(1, 10.0) == -9
+        if mode == "none":
+            assert _engine_torn(world) == [True] * world.tp, mode
+            world.pool.start(1)
+            assert all(r["ok"] for r in world.connect(version=v, staging=mode))
+            world.llm.start_weight_update()
+            with pytest.raises(TornWeights):  # refuses to commit anything but a full refit
+                with typed_errors():
+                    world.llm.finish_weight_update(weight_version=str(v + 1))
+            _resend_and_commit(world, v + 1)  # a full refit in the session vLLM kept open heals it
+        else:
+            assert _engine_torn(world) == [False] * world.tp, mode
+            assert_serves(world, v)
+            assert world.tokens() == world.oracle(v)
+            world.pool.start(1)
+            assert all(r["ok"] for r in world.connect(version=v, staging=mode))
+            refit_commits(world, v + 1)  # tokens are HF's
+        assert _engine_torn(world) == [False] * world.tp, mode
+        _check_report(world, mode)
+
+
+def _check_report(world, mode: str) -> None:
+    reports = staging_report(world)
+    assert [r["mode"] for r in reports] == [mode] * world.tp, reports
+    for r in reports:
+        assert r["requested"] == mode and r["set_bytes"] > 0, r
+        # never more than one extra set; "none" holds nothing once its commit is live
+        assert 0 <= r["extra_bytes_steady"] <= r["extra_bytes_peak"] <= r["set_bytes"], r
+        assert r["extra_bytes_steady"] == (0 if mode == "none" else r["set_bytes"]), r
+
+
+def staging_refused(world) -> None:
+    """Bad values and combinations a mode cannot do: a typed ConfigError at init, nothing changed."""
+    served_at_least_v1(world)
+    v = world.version
+    base = {"host": "127.0.0.1", "update_port": 1, "stage_ports": [2], "trainers_per_stage": [2]}
+    for extra, match in (({"staging": "gpu"}, r"init_info.staging must be one of"),
+                         ({"staging": "none", "overlap": True}, r"staging='none' .* cannot overlap"),
+                         ({"staging": "none", "reshard_options": {"delta": True}}, r"staging='none' cannot apply delta"),
+                         ({"staging": "none", "cpu_linear": "background"}, r"staging='none' cannot prepack")):
+        with pytest.raises(ConfigError, match=match):
+            with typed_errors():
+                world.llm.init_weight_transfer_engine({"init_info": {**base, **extra}})
+    assert_serves(world, v)

@@ -18,6 +18,13 @@ from policyworker.cli.output import write_json
 __all__ = ["main"]
 
 
+def _staging_arg(text: str) -> int | str:
+    """``--staging``: a count of buffers (nccl_reshard) or a vLLM staging mode (``--engine vllm``)."""
+    if text in ("device", "host", "none", "all"):
+        return text
+    return int_at_least(1)(text)
+
+
 def _cmd_transports(args: argparse.Namespace) -> int:
     """List the registered transports; with ``--load`` import each, report every broken
     plugin (and every ignored claim on a built-in name) and exit 1 if there is any."""
@@ -135,6 +142,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                      timeout_s=args.timeout, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         write_json(args.json, result, echo=True)
         return 0 if result["tokens_match_peft"] or args.dtype != "float32" else 1
+    if args.engine == "vllm" and isinstance(args.staging, str):
+        from policyworker.cli.vllm_staging_bench import run_vllm_staging_bench
+
+        result = run_vllm_staging_bench(modes=args.staging, preset=args.preset, train=args.vllm_train,
+                                        tp=args.vllm_tp, refits=args.refits, dtype=args.dtype,
+                                        bucket_bytes=int(args.bucket_mb * 2**20), executor=args.vllm_executor,
+                                        timeout_s=args.timeout, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        write_json(args.json, result, echo=True)
+        return 0 if result["tokens_match_hf"] or args.dtype != "float32" else 1
     if args.engine == "vllm":
         from policyworker.cli.vllm_bench import run_vllm_bench
 
@@ -149,6 +165,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from policyworker.errors import ConfigError
 
         raise ConfigError("bench needs --transport nccl_reshard|zmq or --engine vllm")
+    if isinstance(args.staging, str):
+        from policyworker.errors import ConfigError
+
+        raise ConfigError(f"--staging {args.staging} is a vLLM staging mode (--engine vllm); --transport takes a count")
     if args.transport == "zmq":
         return _bench_zmq(args)
     if args.delta:
@@ -286,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--bucket-mb", type=positive_float, default=16.0)
     p.add_argument("--in-flight", type=int_at_least(1), default=16, help="messages outstanding per rank")
-    p.add_argument("--staging", type=int_at_least(1), default=2, help="staging buffers of --bucket-mb per rank")
+    p.add_argument("--staging", type=_staging_arg, default=2, help="nccl_reshard: staging buffers of --bucket-mb per "
+                   "rank; --engine vllm: a staging mode (device, host, none) or all, measured per mode")
     p.add_argument("--checksum", action="store_true")
     p.add_argument("--trainer-params", choices=["flat", "views"], default="flat",
                    help="nccl_reshard: trainers hold their shards in one buffer, or send views of a full model")

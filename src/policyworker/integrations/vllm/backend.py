@@ -16,9 +16,10 @@ worker (one per tp rank) and is driven by vLLM's four calls:
     Fetches the trainers' plan from the store the first time (bounded by the group
     timeout), checks that it delivers exactly this rank's needs, and attaches
     ``nccl_reshard`` with it, once per plan (:mod:`.vllm_join`), into the staging
-    allocated once (:class:`~.vllm_stage.VllmStage`: two sets of vLLM's parameters in
-    the shape its loaders fill, checked once against those loaders; vLLM's live
-    weights are untouched until commit).
+    allocated once per staging mode (:class:`~.stage.VllmStage`: one set of vLLM's
+    parameters in the shape its loaders fill, on the device, in host memory or none —
+    ``init_info.staging``, :mod:`.staging` — checked once against those loaders; with a
+    staging set vLLM's live weights are untouched until commit).
 ``update_weights({"version": v})``
     Refuses a ``v`` not newer than the served version before a byte moves. One
     ``worker.refit("nccl_reshard")`` point to point — each vLLM rank only its own boxes,
@@ -74,7 +75,9 @@ from policyworker.integrations.vllm.overlap import (OverlappedReceive, StepCount
                                                     release_in_background)
 from policyworker.integrations.vllm.plan import NEEDS_KEY, PLAN_KEY, encode_needs
 from policyworker.integrations.vllm.rpc import Agreement, install_single_reply
-from policyworker.integrations.vllm.stage import VllmStage
+from policyworker.integrations.vllm.stage import VllmStage, loaded_set_bytes
+from policyworker.integrations.vllm.staging import (build as build_stage, decide, report as staging_report,
+                                                    validate as validate_staging)
 from policyworker.integrations.vllm.targets import Target, needs_from_vllm_model, needs_of, vllm_targets
 
 __all__ = ["BACKEND", "PolicyworkerInitInfo", "PolicyworkerUpdateInfo", "PolicyworkerWeightTransferEngine",
@@ -142,8 +145,18 @@ class PolicyworkerInitInfo(WeightTransferInitInfo):
     #: ``update_weights`` starts the receive and returns; vLLM keeps generating on the
     #: committed version until ``finish_weight_update`` (integrations/vllm/overlap.py).
     overlap: bool = False
+    #: Where the next version is staged: ``"device"`` (one set on the engine's device),
+    #: ``"host"`` (host memory, pinned on CUDA), ``"none"`` (into vLLM's live tensors: a
+    #: failed refit leaves the engine torn) or ``"auto"`` (from free memory; the choice and
+    #: why are in ``engine.staging_report``). docs/vllm-staging.md.
+    staging: str = "auto"
 
     def __post_init__(self) -> None:
+        validate_staging(self.staging, overlap=self.overlap,
+                         delta=bool(isinstance(self.reshard_options, dict) and self.reshard_options.get("delta")))
+        if self.staging == "none" and self.cpu_linear == "background":
+            raise ConfigError("init_info.staging='none' cannot prepack in the background (the packed copy is a "
+                              "second set); use cpu_linear='torch' or 'prepack'")
         if self.commit not in ("auto", "swap", "copy"):
             raise ConfigError(f"init_info.commit must be 'auto', 'swap' or 'copy', got {self.commit!r}")
         if self.cpu_linear not in ("prepack", "torch", "background"):
@@ -229,6 +242,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         #: The last overlapped refit that reached ``finish_weight_update`` (its phase ``times``).
         self.last_overlap: OverlappedReceive | None = None
         self._open_session = False  # a failed overlapped finish left vLLM's update session open
+        self._staging_choice: tuple[str, str] = ("auto", "not initialised")
         dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
         self._agreement = Agreement.for_vllm(self.tp_rank, self.tp_size, dp_rank)
 
@@ -294,19 +308,36 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         device = "cpu" if self.device.type == "cpu" else self.device
         self.needs = msgspec.structs.replace(self.needs, rank=rank)
 
-        if self._stage is None:
-            # Once per engine, before joining: both staging sets, checked against
-            # vLLM's own weight loaders (no refit pays for this; the trainers' group
-            # formation waits up to timeout_s for this rank).
-            stage = VllmStage(self.model, self._targets, device=self.device)
-            stage.check_with_vllm_loaders()
-            self._stage = stage
+        self._stage_for(init_info)
         self._stage.copy_into_live = self._copy_into_live(init_info.commit)
-        self._stage.cpu_linear = init_info.cpu_linear
         self._joined = self._call(join(init_info, rank=rank, gen_world_size=gen_world, device=device,
                                        key=NEEDS_KEY.format(rank=rank), note=encode_needs(self.needs)), bound)
         self._info = init_info
         self._received = None
+
+    def _stage_for(self, init_info: PolicyworkerInitInfo) -> None:
+        """The staging of ``init_info.staging`` (:mod:`.staging`), built once per mode before
+        joining (no refit pays for it); a replaced set is freed before the next is allocated."""
+        set_bytes = self._stage.set_bytes if self._stage is not None else loaded_set_bytes(self.model)
+        mode, reason, cpu_linear = decide(init_info, set_bytes=set_bytes, device=self.device)
+        if self._stage is None or self._stage.staging != mode:
+            if self._stage is not None:
+                self._stage.prepack.stop()
+                self._stage = None
+            self._stage = build_stage(self.model, self._targets, device=self.device, staging=mode)
+        self._stage.cpu_linear = cpu_linear
+        self._staging_choice = (init_info.staging, reason)
+        logger.info("policyworker: vLLM rank %d stages refits %s: %s (one set: %.1f MB)", self.tp_rank,
+                    {"device": "on the device", "host": "in host memory", "none": "nowhere (in place)"}[mode],
+                    reason, set_bytes / 1e6)
+
+    @property
+    def staging_report(self) -> dict[str, Any] | None:
+        """The staging mode, why it was chosen, and the extra bytes it holds (``StagingReport``)."""
+        if self._stage is None:
+            return None
+        requested, reason = self._staging_choice
+        return staging_report(self._stage, requested=requested, reason=reason, device=self.device).as_dict()
 
     def _copy_into_live(self, mode: str) -> bool:
         if mode != "auto":
@@ -367,6 +398,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
 
         def forget() -> None:  # another rank failed: this rank's bytes must not commit
             self._received = None
+            if self._stage is not None and self._stage.staging == "none":
+                self.ledger.mark_torn()  # ... and with no staging they are in vLLM's live tensors
             pending, self._pending = self._pending, None
             if pending is not None:
                 pending.cancel()
@@ -393,6 +426,9 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         joined = self._joined
         if joined.plan is None:
             raise ConfigError("call start_weight_update before update_weights")
+        if update_info.overlap and self._stage.staging == "none":
+            raise ConfigError(f"vLLM rank {worker.rank}: update_info.overlap with staging='none' would write vLLM's "
+                              f"live tensors while it generates; nothing received", rank=worker.rank)
         self._received = None
         served = self.ledger.version
         if update_info.version <= served:
@@ -404,8 +440,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         if self._info.reshard_options.get("delta"):
             # A delta applies to what the receive buffers hold: the newest version received.
             self._stage.catch_up()
-        # Into the staging set that nothing live references (it alternates per commit; both
-        # sets are twins of the one checked at attach).
+        # Into the staging set that nothing live references ("none": vLLM's live tensors); a
+        # staging tensor that moved at a commit has the geometry of the one checked at attach.
         joined.land_in(self._stage.receive_views())
         bound = timeout if timeout is not None else self._info.timeout_s
         if self._info.overlap if update_info.overlap is None else update_info.overlap:
@@ -417,6 +453,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             report = self._call(joined.refit(timeout), bound)
         except BaseException:
             self._stage.received(False)
+            if self._stage.staging == "none" and worker.ledger.torn:
+                self.ledger.mark_torn()  # bytes of the failed version reached vLLM's live tensors
             raise
         self._stage.received(True)
         self.last_report, self.kv_scales = report, report.kv_scales
@@ -440,7 +478,10 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             self._finish_overlapped(pending, bound)
             return
         version = self._received
-        prepared = self._agreed("finish_weight_update", bound, self._prepare)
+        # With no staging the post-processing runs over the live tensors: a failure tears.
+        in_place = self._stage is not None and self._stage.staging == "none" and version is not None
+        prepared = self._agreed("finish_weight_update", bound, self._prepare,
+                                on_failure=self._torn_everywhere if in_place else None)
         self._agreed("finish_weight_update (swap)", bound, lambda: self._swap(version, prepared),
                      on_failure=self._torn_everywhere)
 

@@ -75,7 +75,7 @@ class PendingBase:
             missing = sorted(set(want) - set(got))
             raise PlanMismatch(f"the trainers' base plan does not deliver what vLLM rank {rank} loads"
                                f"{f' (e.g. {missing[0]!r})' if missing else ''}", rank=rank)
-        self.stage = VllmStage(model, targets, device=device, sets=1)
+        self.stage = VllmStage(model, targets, device=device, once=True)
         self.stage.cpu_linear = cpu_linear
         self.stage.copy_into_live = copy_into_live
         self.stage.check_with_vllm_loaders()

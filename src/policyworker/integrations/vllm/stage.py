@@ -9,14 +9,15 @@ reload does both, but per refit it also re-creates every parameter from meta ten
 buffers each loader call and copies every byte twice (loader in, kernel tensors back):
 measured on CPU, ~45% of its time was copies and bookkeeping, the rest the prepack.
 
-:class:`VllmStage` keeps, per vLLM parameter, **two** staging tensors of the shape vLLM
+:class:`VllmStage` keeps, per vLLM parameter, **one** staging tensor of the shape vLLM
 loads (its restore metadata: the parameter before post-processing, e.g. the fused
-``qkv_proj`` of this tp rank, the padded vocabulary shard) — set A and set B:
+``qkv_proj`` of this tp rank, the padded vocabulary shard), placed as ``staging`` says
+(:mod:`.staging`: on the device, in host memory, or none: the live tensor itself):
 
-* receive: the refit's boxes land straight in views of the free set (each box is a run
-  of rows of its fused parameter: `receive_views`), so no byte is copied after the wire;
+* receive: the refit's boxes land straight in views of the staging set (each box is a
+  run of rows of its fused parameter: `receive_views`), so no byte is copied after the wire;
 * prepare (after every rank's verdict, before the commit): each layer is shallow-copied
-  with the free set's tensors as its parameters and vLLM's own
+  with the staging tensors as its parameters and vLLM's own
   ``process_weights_after_loading`` runs on that copy — the live layer is untouched, so
   a failure here leaves vLLM serving the previous version;
 * commit: the copy's parameters, buffers and attributes (``cpu_linear`` with its packed
@@ -25,16 +26,16 @@ loads (its restore metadata: the parameter before post-processing, e.g. the fuse
   storage they captured), a tensor of unchanged shape and dtype is copied into the live
   storage, as vLLM's own reload does.
 
-Two sets, not one: whatever vLLM's post-processing keeps of a staging tensor (a norm
-weight as is, a kernel that aliases the weight) stays live after the commit, and the
-next refit writes into the *other* set, which nothing live references any more.
+One set is enough because the commit looks: whatever vLLM's post-processing kept of a
+staging tensor (a norm weight as is, a kernel closing over the weight) is found among
+the live layers' storages after the swap, and that parameter's staging moves to the
+live tensor it displaced (or a fresh one); the next refit never writes what is served.
 
 Delta refits (``reshard_options={"delta": True}``) apply the changed elements to the
 bytes the receive destinations already hold, which must be the newest version this
-rank received. With two sets they are not: after a commit the free set holds the
-version before (or nothing). So :meth:`VllmStage.catch_up` copies the newest received
-bytes into the free set before each refit (one memory copy of this rank's bytes; only
-in delta mode), and the receiver's per-copy checksums prove the base was right.
+rank received. A staging tensor that moved after a commit holds an older one, so
+:meth:`VllmStage.catch_up` copies the newest bytes (now live) into it before the next
+refit (only in delta mode), and the receiver's per-copy checksums prove the base right.
 
 Where each box lands is checked once against vLLM's own weight loaders
 (:meth:`VllmStage.check_with_vllm_loaders`): random boxes go through the layer's
@@ -54,26 +55,27 @@ import torch
 from policyworker.errors import ConfigError, PlanMismatch
 from policyworker.integrations.vllm.moe import kernel_built, loaded_form as _loaded_form, repack_experts
 from policyworker.integrations.vllm.prepack import MODULE_SLOTS, SKIP_FLAG, BackgroundPrepack, set_skip_flag, shallow_layer
+from policyworker.integrations.vllm.live import live_storages, storage_key
 
-__all__ = ["Prepared", "VllmStage"]
-
+__all__ = ["Prepared", "VllmStage", "loaded_set_bytes"]
 
 
 @dataclass
 class _Slot:
-    """One live vLLM parameter (shared by tied layers): its two staging tensors."""
+    """One live vLLM parameter (shared by tied layers): its staging tensor."""
 
     owners: list[tuple[torch.nn.Module, str]]
     meta: torch.Tensor            # the parameter as vLLM loads it (meta device or live)
-    sets: tuple[torch.Tensor, torch.Tensor]
+    stage: torch.Tensor           # "none": the live tensor itself where vLLM reads it as loaded
     targets: list[Any] = field(default_factory=list)
+    covered: int = 0              # rows [0, covered) of the (flattened) stage receive boxes
 
 
 @dataclass
 class Prepared:
-    """One post-processed version, per layer, ready to be swapped in."""
+    """One post-processed version, per layer, ready to be swapped in ("host": swapped layer
+    by layer at commit, so ``layers`` is empty)."""
 
-    which: int
     layers: list[tuple[torch.nn.Module, torch.nn.Module]]
     #: ``cpu_linear="background"``: live layers to prepack after the commit (vLLM's own skip
     #: flag; whether vLLM drops the weight once packed)
@@ -98,22 +100,44 @@ def _wrap(data: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def loaded_set_bytes(model: torch.nn.Module) -> int:
+    """One full set of ``model``'s parameters in the form vLLM loads them (tied ones once)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for pname, param in module._parameters.items():
+            if param is not None and id(param) not in seen:
+                seen[id(param)] = _nbytes(_loaded_form(module, pname, param))
+    return sum(seen.values())
+
+
+def _loaded_as_is(live: torch.Tensor, meta: torch.Tensor) -> bool:
+    """Whether the live parameter is in the form vLLM loads (so a box can land in it)."""
+    return live is meta or (live.numel() > 0 and tuple(live.shape) == tuple(meta.shape)
+                            and live.dtype == meta.dtype and live.is_contiguous())
+
+
 class VllmStage:
-    """Two staging sets for a vLLM model; see the module docstring.
+    """One staging set for a vLLM model, placed as ``staging`` says; see the module docstring.
 
     ``targets``: `vllm_targets(model)` (what each rank loads and where). Built once per
-    engine (it allocates both sets); :meth:`set_wire_dtypes` follows the trainers' plan.
-    ``sets=1``: one set serves as both (half the memory) for a stage that receives and
-    commits once and is then dropped (a LoRA engine's base): after its commit the live
-    layers may reference it, so nothing may receive into it again.
+    engine and staging mode; :meth:`set_wire_dtypes` follows the trainers' plan.
+    ``staging``: "device", "host" or "none" (:mod:`.staging`). ``once``: the stage receives
+    and commits one version and is then dropped (a LoRA engine's base): a staging tensor
+    the live layers kept gets no successor.
     """
 
     def __init__(self, model: torch.nn.Module, targets: Sequence[Any], *, device: torch.device,
-                 sets: int = 2) -> None:
-        if sets not in (1, 2):
-            raise ConfigError(f"a VllmStage holds 1 or 2 staging sets, not {sets!r}")
+                 staging: str = "device", once: bool = False) -> None:
+        if staging not in ("device", "host", "none"):
+            raise ConfigError(f"a VllmStage stages on 'device', in 'host' memory or 'none', not {staging!r}")
         self.model = model
         self.device = device
+        self.staging = staging
+        self.once = once
         self.wire_dtypes: dict[str, str] = {}
         #: Commit by copying into live tensors of unchanged shape (else: install the new ones).
         self.copy_into_live = False
@@ -125,9 +149,10 @@ class VllmStage:
         #: commit (:mod:`.vllm_prepack`).
         self.cpu_linear = "prepack"
         self.prepack = BackgroundPrepack()
-        self.live = 0  # the set that the live layers may reference; refits land in the other
-        #: The set whose receive buffers hold the newest complete refit (None: unknown).
-        self.newest: int | None = None
+        #: Whether the receive buffers hold the newest complete refit.
+        self.fresh = False
+        home = torch.device("cpu") if staging == "host" else device
+        pin = staging == "host" and device.type == "cuda"
         slots: dict[int, _Slot] = {}
         for mod_name, module in model.named_modules(remove_duplicate=False):
             for pname, param in module._parameters.items():
@@ -136,9 +161,13 @@ class VllmStage:
                 slot = slots.get(id(param))
                 if slot is None:
                     meta = _loaded_form(module, pname, param)
-                    first = _materialize(meta, module, device)
-                    pair = (first, first if sets == 1 else _materialize(meta, module, device))
-                    slot = slots[id(param)] = _Slot([], meta, pair)
+                    if staging == "none" and _loaded_as_is(param, meta):
+                        stage = param
+                    else:
+                        stage = _materialize(meta, module, home)
+                        if pin:
+                            stage = _wrap(stage.pin_memory(), stage)
+                    slot = slots[id(param)] = _Slot([], meta, stage)
                 if (module, pname) not in slot.owners:
                     slot.owners.append((module, pname))
         self._slots = list(slots.values())
@@ -151,74 +180,95 @@ class VllmStage:
         self._layers = list({id(m): m for s in self._slots for m, _ in s.owners}.values())
         # vLLM sets this flag itself on some layers (MLA's kv_b_proj): "prepack" restores it.
         self._skip_flag = {id(m): m.__dict__.get(SKIP_FLAG) for m in self._layers}
-        self._views = [self._place(k) for k in (0, 1)]
-        self._recv = [dict(v) for v in self._views]
+        #: One full set of this rank's weights in vLLM's loaded form.
+        self.set_bytes = sum(_nbytes(s.meta) for s in self._slots)
+        self._views: dict[str, torch.Tensor] = {}
+        for slot in self._slots:
+            self._views.update(self._slot_views(slot, slot.stage, record=True))
+        self._recv = dict(self._views)
+        #: Staging tensors that moved at the last commit: {slot index: the live tensor
+        #: holding the newest bytes} (what :meth:`catch_up` copies from).
+        self._behind: dict[int, torch.Tensor] = {}
+        self._displaced: dict[int, torch.Tensor] = {}
+        self.peak_extra = self.extra_bytes()
 
     # -- where the boxes land ----------------------------------------------------------
-    def _place(self, k: int) -> dict[str, torch.Tensor]:
-        """{need name: staging view} of set ``k``: a fused parameter's boxes are consecutive
-        runs of its rows, in vLLM's member order (q, k, v / gate, up)."""
+    def _slot_views(self, slot: _Slot, tensor: torch.Tensor, *, record: bool = False) -> dict[str, torch.Tensor]:
+        """{need name: view of ``tensor``} for ``slot``: a fused parameter's boxes are
+        consecutive runs of its rows, in vLLM's member order (q, k, v / gate, up)."""
         out = {}
-        for slot in self._slots:
-            stage, row = slot.sets[k], 0
-            if slot.targets and stage.dim() == len(slot.targets[0].need.shape) + 1:
-                stage = stage.flatten(0, 1)  # fused experts: [E_local, rows, cols] as rows of experts
-            for t in slot.targets:
-                shape = tuple(b - a for a, b in zip(t.need.start, t.need.stop))
-                if len(shape) != stage.dim() or tuple(shape[1:]) != tuple(stage.shape[1:]) \
-                        or row + shape[0] > stage.shape[0]:
-                    raise ConfigError(f"{t.need.name}'s box {list(shape)} does not fit vLLM's "
-                                      f"{t.module}.{t.pname} {list(stage.shape)}", param=t.need.name)
-                view = stage.narrow(0, row, shape[0])
-                row += shape[0]
-                out[t.need.name] = view
+        stage, row = tensor, 0
+        if slot.targets and stage.dim() == len(slot.targets[0].need.shape) + 1:
+            stage = stage.flatten(0, 1)  # fused experts: [E_local, rows, cols] as rows of experts
+        for t in slot.targets:
+            shape = tuple(b - a for a, b in zip(t.need.start, t.need.stop))
+            if len(shape) != stage.dim() or tuple(shape[1:]) != tuple(stage.shape[1:]) \
+                    or row + shape[0] > stage.shape[0]:
+                raise ConfigError(f"{t.need.name}'s box {list(shape)} does not fit vLLM's "
+                                  f"{t.module}.{t.pname} {list(stage.shape)}", param=t.need.name)
+            out[t.need.name] = stage.narrow(0, row, shape[0])
+            row += shape[0]
+        if record:
+            slot.covered = row
         return out
+
+    def extra_bytes(self) -> int:
+        """Staging bytes held that no live layer reads (host memory for "host")."""
+        live = live_storages(self._layers)
+        held = {storage_key(s.stage): _nbytes(s.stage) for s in self._slots if storage_key(s.stage) not in live}
+        held.update({storage_key(r): _nbytes(r) for name, r in self._recv.items() if r is not self._views[name]})
+        return sum(held.values())
 
     def set_wire_dtypes(self, wire_dtypes: Mapping[str, str]) -> None:
         """The trainers' dtype per need: a box whose wire dtype is not vLLM's lands in its own
         buffer and is cast into the staging view at prepare (as vLLM's loaders would)."""
         self.wire_dtypes = dict(wire_dtypes)
-        self.newest = None  # fresh receive buffers hold no version
-        for k in (0, 1):
-            for name, view in self._views[k].items():
-                wire = self.wire_dtypes.get(name, str(view.dtype).removeprefix("torch."))
-                same = wire == str(view.dtype).removeprefix("torch.")
-                self._recv[k][name] = view if same else torch.zeros(view.shape, dtype=getattr(torch, wire),
-                                                                     device=view.device)
+        self.fresh = False  # fresh receive buffers hold no version
+        for name, view in self._views.items():
+            wire = self.wire_dtypes.get(name, str(view.dtype).removeprefix("torch."))
+            same = wire == str(view.dtype).removeprefix("torch.")
+            self._recv[name] = view if same else torch.zeros(view.shape, dtype=getattr(torch, wire),
+                                                             device=view.device)
+        self._note_peak()
 
     def receive_views(self) -> dict[str, torch.Tensor]:
-        """The receive destinations of the next refit (in the set nothing live references)."""
-        return dict(self._recv[1 - self.live])
+        """The receive destinations of the next refit (nothing live reads them, but in "none")."""
+        return dict(self._recv)
 
     def received(self, ok: bool) -> None:
-        """Record the end of a refit into the free set: complete (``ok``) or not."""
-        self.newest = 1 - self.live if ok else None
+        """Record the end of a refit into the staging set: complete (``ok``) or not."""
+        self.fresh = ok
+        self._behind.clear()
 
     def catch_up(self) -> bool:
-        """Make the free set's receive buffers hold the newest received bytes (the base a
-        delta refit applies to). Returns whether it copied. With no complete refit known
-        there is nothing to copy: the transport then reports no base and refits in full."""
-        free = 1 - self.live
-        if self.newest is None or self.newest == free:
+        """Make the receive buffers hold the newest received bytes (the base a delta refit
+        applies to): copy them from the live tensors into the staging tensors that moved at
+        the last commit. Returns whether it copied. With no complete refit known there is
+        nothing to copy: the transport then reports no base and refits in full."""
+        behind, self._behind = self._behind, {}
+        if not self.fresh or not behind:
             return False
         with torch.no_grad():
-            for name, dst in self._recv[free].items():
-                dst.copy_(self._recv[self.newest][name])
-        self.newest = free
+            for index, newest in behind.items():
+                self._slots[index].stage.copy_(newest)
         return True
 
     def check_with_vllm_loaders(self, seed: int = 0) -> None:
         """Random boxes through vLLM's weight loaders must land where the views put them.
 
-        Runs on both sets (zeroed again afterwards), one parameter at a time; the
-        live model is not touched. ``PlanMismatch`` names the first parameter that differs.
+        Runs on scratch tensors, one parameter at a time (neither the staging set nor the
+        live model is touched). ``PlanMismatch`` names the first parameter that differs.
         """
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
         gen = torch.Generator().manual_seed(seed)
         for slot in self._slots:
+            if not slot.targets:
+                continue
             module = slot.owners[0][0]
-            scratch = _materialize(slot.meta, module, slot.sets[0].device)
+            scratch = _materialize(slot.meta, module, self.device)
+            mirror = _materialize(slot.meta, module, self.device)
+            views = self._slot_views(slot, mirror)
             loader = getattr(scratch, "weight_loader", default_weight_loader)
             for t in slot.targets:
                 shape = tuple(b - a for a, b in zip(t.need.start, t.need.stop))
@@ -230,53 +280,57 @@ class VllmStage:
                         loader(scratch, carrier, **t.shard)
                     else:
                         loader(scratch, carrier) if t.shard is None else loader(scratch, carrier, t.shard)
-                for k in (0, 1):
-                    self._views[k][t.need.name].copy_(box)
-            # bit for bit (float8 has no torch.equal on CPU); both sets before zeroing (they may be one)
-            same = all(stage.dtype == scratch.dtype and torch.equal(stage.view(torch.uint8), scratch.view(torch.uint8))
-                       for stage in slot.sets)
-            for stage in slot.sets:
-                stage.zero_()
-            if not same:
-                name = slot.targets[0].need.name if slot.targets else "?"
-                raise PlanMismatch(f"vLLM's loader places {name} (and its fused members) elsewhere than the "
-                                   "policyworker backend receives it; this layer is not supported")
+                    views[t.need.name].copy_(box)
+            # bit for bit (float8 has no torch.equal on CPU)
+            if not (mirror.dtype == scratch.dtype and torch.equal(mirror.view(torch.uint8), scratch.view(torch.uint8))):
+                raise PlanMismatch(f"vLLM's loader places {slot.targets[0].need.name} (and its fused members) "
+                                   "elsewhere than the policyworker backend receives it; this layer is not supported")
 
     # -- prepare and commit --------------------------------------------------------------
     def prepare(self) -> Prepared:
-        """Post-process the received set with vLLM's own code, on copies of the layers."""
-        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-        k = 1 - self.live
+        """Post-process the received set with vLLM's own code, on copies of the layers
+        ("host": only the wire-dtype casts; the layers are post-processed at commit)."""
         with torch.no_grad():
-            for name, view in self._views[k].items():
-                recv = self._recv[k][name]
+            for name, view in self._views.items():
+                recv = self._recv[name]
                 if recv is not view:
                     view.copy_(recv)  # vLLM's loaders cast the wire dtype the same way (copy_)
+        if self.staging == "host":
+            return Prepared(layers=[])
         # A fresh wrapper per refit (one per parameter, so tied layers still share it):
         # post-processing may rebind its .data (sgl: bias -> float32), never the staging.
-        fresh = {id(s): _wrap(s.sets[k], s.sets[k]) for s in self._slots}
+        fresh = {id(s): _wrap(s.stage, s.stage) for s in self._slots}
         layers, background = [], []
         for module in self._layers:
-            shadow = shallow_layer(module)
-            for pname, param in module._parameters.items():
-                if param is not None:
-                    shadow._parameters[pname] = fresh[id(self._by_owner[(id(module), pname)])]
-            method = getattr(shadow, "quant_method", None)
-            if self._as_received(module, shadow, method):  # nothing to post-process now
-                if self.cpu_linear == "background":
-                    background.append((module, self._skip_flag.get(id(module)), not _is_embedding(method)))
-            elif isinstance(method, QuantizeMethodBase):
-                shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
-                repack = kernel_built(shadow)
-                with torch.no_grad():
-                    method.process_weights_after_loading(shadow)
-                if repack:  # vLLM skips its MoE kernel's repack once the kernel exists
-                    repack_experts(shadow)
-                if hasattr(shadow, "update_param_tp_status"):
-                    shadow.update_param_tp_status()
+            shadow, queued = self._post_process(module, fresh)
+            if queued is not None:
+                background.append(queued)
             layers.append((module, shadow))
-        return Prepared(which=k, layers=layers, background=background)
+        return Prepared(layers=layers, background=background)
+
+    def _post_process(self, module: torch.nn.Module, tensors: Mapping[int, torch.Tensor]) -> tuple[Any, Any]:
+        """``module``'s copy over ``tensors`` ({id(slot): tensor}), post-processed by vLLM; and
+        its background-prepack entry (or None)."""
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        shadow = shallow_layer(module)
+        for pname, param in module._parameters.items():
+            if param is not None:
+                shadow._parameters[pname] = tensors[id(self._by_owner[(id(module), pname)])]
+        method = getattr(shadow, "quant_method", None)
+        if self._as_received(module, shadow, method):  # nothing to post-process now
+            if self.cpu_linear == "background":
+                return shadow, (module, self._skip_flag.get(id(module)), not _is_embedding(method))
+        elif isinstance(method, QuantizeMethodBase):
+            shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
+            repack = kernel_built(shadow)
+            with torch.no_grad():
+                method.process_weights_after_loading(shadow)
+            if repack:  # vLLM skips its MoE kernel's repack once the kernel exists
+                repack_experts(shadow)
+            if hasattr(shadow, "update_param_tp_status"):
+                shadow.update_param_tp_status()
+        return shadow, None
 
     def _as_received(self, module: torch.nn.Module, shadow: torch.nn.Module, method: Any) -> bool:
         """Set up ``shadow``'s CPU linear path for :attr:`cpu_linear`; True: read as received.
@@ -306,18 +360,83 @@ class VllmStage:
         return True
 
     def commit(self, prepared: Prepared) -> None:
-        """Swap a prepared version in (attribute moves only; call after every verdict)."""
+        """Swap a prepared version in (attribute moves only; call after every verdict).
+
+        "host": each layer is copied to the device, post-processed and swapped in turn
+        (a failure part way leaves earlier layers on the new version). "device": then
+        moves each staging tensor that a live layer now reads (see the module docstring).
+        """
         retired: list[Any] = []
+        background = prepared.background
         with self.prepack.lock:
             self.prepack.supersede()  # a background run of the previous version installs nothing more
-            self._swap(prepared, retired)
-        if prepared.background:
+            if self.staging == "host":
+                background = self._commit_from_host(retired)
+            else:
+                self._displaced.clear()
+                self._swap(prepared.layers, retired)
+                if self.staging == "device" and not self.once:
+                    self._move_adopted()
+            self._displaced.clear()  # the live tensors a swap replaced: nothing may hold them
+        self._note_peak()
+        if background:
             # The replaced kernels (oneDNN handles: freeing one unmaps its packed weight) are
             # dropped by the background thread, at its low priority, not on the refit's road.
-            self.prepack.start(prepared.background, retired)
+            self.prepack.start(background, retired)
 
-    def _swap(self, prepared: Prepared, retired: list[Any]) -> None:
-        for module, shadow in prepared.layers:
+    def _commit_from_host(self, retired: list[Any]) -> list[Any]:
+        background = []
+        tied: dict[int, torch.Tensor] = {}  # a parameter of several layers is copied once (stays tied)
+        for module in self._layers:
+            on_device = {}
+            for pname, param in module._parameters.items():
+                if param is not None:
+                    slot = self._by_owner[(id(module), pname)]
+                    copy = tied.get(id(slot))
+                    if copy is None:
+                        copy = _wrap(slot.stage.to(self.device, copy=True), slot.stage)
+                        if len(slot.owners) > 1:
+                            tied[id(slot)] = copy
+                    on_device[id(slot)] = copy
+            shadow, queued = self._post_process(module, on_device)
+            if queued is not None:
+                background.append(queued)
+            self._swap([(module, shadow)], retired)
+        return background
+
+    def _move_adopted(self) -> None:
+        """Give each staging tensor that a live layer now reads a successor nothing live reads."""
+        live = live_storages(self._layers)
+        for index, slot in enumerate(self._slots):
+            if storage_key(slot.stage) not in live:
+                continue
+            old = self._displaced.pop(id(slot), None)
+            adopted = slot.stage
+            if old is not None and old.numel() > 0 and storage_key(old) not in live \
+                    and tuple(old.shape) == tuple(adopted.shape) and old.dtype == adopted.dtype \
+                    and old.device == adopted.device and old.is_contiguous():
+                stage = _wrap(old.data, adopted)
+                flat = stage.flatten(0, 1) if slot.targets and stage.dim() == len(slot.targets[0].need.shape) + 1 \
+                    else stage
+                if flat.dim() > 0 and slot.covered < flat.shape[0]:
+                    with torch.no_grad():
+                        flat.narrow(0, slot.covered, flat.shape[0] - slot.covered).zero_()  # vLLM's padding rows
+            else:
+                old = None
+                stage = _materialize(slot.meta, slot.owners[0][0], self.device)
+            slot.stage = stage
+            self._behind[index] = adopted
+            for name, view in self._slot_views(slot, stage).items():
+                if self._recv[name] is self._views[name]:
+                    self._recv[name] = view
+                self._views[name] = view
+        self._displaced.clear()
+
+    def _note_peak(self) -> None:
+        self.peak_extra = max(getattr(self, "peak_extra", 0), self.extra_bytes())
+
+    def _swap(self, layers: Sequence[tuple[torch.nn.Module, torch.nn.Module]], retired: list[Any]) -> None:
+        for module, shadow in layers:
             for key, value in shadow.__dict__.items():
                 if key in MODULE_SLOTS:
                     continue
@@ -335,11 +454,14 @@ class VllmStage:
                     if old is tensor:
                         continue
                     if self.copy_into_live and _same_kind(old, tensor):
-                        with torch.no_grad():
-                            old.data.copy_(tensor)
+                        if old.data_ptr() != tensor.data_ptr():
+                            with torch.no_grad():
+                                old.data.copy_(tensor)
                     else:
                         live[name] = tensor
-        self.live = prepared.which
+                        slot = self._by_owner.get((id(module), name)) if slot_name == "_parameters" else None
+                        if slot is not None and old is not None:
+                            self._displaced.setdefault(id(slot), old)
 
 
 _MISSING = object()

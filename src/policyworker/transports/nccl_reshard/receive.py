@@ -172,6 +172,8 @@ def recv_bulk(t: Any, ctx: TransportContext):
                 batch.append((m, inbox[i], None))
                 continue
             direct = None if (t.checksum or failure is not None) else spans.get(plan, i, m.copies, params, "dst")
+            if direct is not None and ring and direct.device != ring[0].device:
+                direct = None  # a destination off the comm device (host staging): through a bucket
             if direct is not None:
                 direct_srcs.add(m.key[1])
                 if m.key[1] in headers_seen:
