@@ -45,7 +45,7 @@ if _count > 1 and "POLICYWORKER_PORTS" not in os.environ:
 #: A module not listed weighs half a second per test. Rough is enough: it only orders.
 COST_S = {
     "test_vllm_two_engines.py": 110, "test_vllm_lora.py": 90, "test_vllm_recovery_example.py": 70,
-    "test_vllm_tp2.py": 70, "test_vllm_async.py": 60, "test_vllm_overlap_async.py": 60,
+    "test_vllm_tp2.py": 80, "test_vllm_overlap_async.py": 90,
     "test_zmq_ipc.py": 60, "test_nccl_reshard.py": 60, "test_vllm.py": 50,
     "test_vllm_http_example.py": 50, "test_vllm_moe.py": 45, "test_vllm_moe_tp2.py": 45,
     "test_vllm_moe_ep.py": 45, "test_vllm_overlap.py": 45, "test_vllm_trainer_api.py": 40,

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from policyworker.runtime.procs import free_port, run_world
-from policyworker.layout import Parallelism, build_plan
+from policyworker.layout import build_plan
 from policyworker.layout.topology import relay_routes
-from policyworker.models import get_preset
 
 from .refit_world import RefitSpec, refit_rank
 
