@@ -13,6 +13,7 @@ engine or world is shared by its tests). Each worker draws ports from its own sl
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,12 @@ SERIAL = frozenset({
     "test_generic_road.py",
 })
 
+
+# A job started in the background by a non-interactive shell inherits SIGINT ignored, and
+# so would every process the tests spawn: Python then installs no KeyboardInterrupt
+# handler and the SIGINT cells could not test anything. Give the children the default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 _index, _count = worker_slot()
 if _count > 1 and "POLICYWORKER_PORTS" not in os.environ:
