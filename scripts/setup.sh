@@ -15,7 +15,7 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     echo "setup: installing torch==2.13.0 (CPU build)"
     "$VPY" -m pip install -q torch==2.13.0
 fi
-"$VPY" -m pip install -q -e ".[test,ray,plot]"  # ray: tests/test_ray_controller.py; plot: bench --plot
+"$VPY" -m pip install -q -e ".[test,ray]"  # ray: tests/test_ray_controller.py (the plot extra stays optional: its test takes either path)
 # The out-of-tree plugin, installed from its own directory as a user installs one;
 # its tests (in the testpaths) drive it by its entry-point name.
 "$VPY" -m pip install -q -e transports/policyworker-files
