@@ -43,11 +43,10 @@ def _tile_sum(x, first_row, T: tl.constexpr, PER: tl.constexpr, UBITS: tl.conste
 
 
 @triton.jit
-def _scan_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: tl.constexpr, PER: tl.constexpr,
-                 UBITS: tl.constexpr, UDT: tl.constexpr, REFRESH: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs = t * T + tl.arange(0, T)
-    if t * T + T <= n:  # a whole tile: no mask, so the loads are vectorized whatever n is
+def _load_tile(cur_ptr, old_ptr, offs, t, n, T: tl.constexpr, REFRESH: tl.constexpr):
+    # Tile t of both streams (and, with REFRESH, old := cur on the way). A whole tile takes
+    # no mask, so its loads are vectorized whatever n is.
+    if t * T + T <= n:
         a = tl.load(cur_ptr + offs)
         b = tl.load(old_ptr + offs)
         if REFRESH:
@@ -57,6 +56,15 @@ def _scan_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: tl.cons
         b = tl.load(old_ptr + offs, mask=offs < n, other=0)
         if REFRESH:
             tl.store(old_ptr + offs, a, mask=offs < n)
+    return a, b
+
+
+@triton.jit
+def _scan_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: tl.constexpr, PER: tl.constexpr,
+                 UBITS: tl.constexpr, UDT: tl.constexpr, REFRESH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = t * T + tl.arange(0, T)
+    a, b = _load_tile(cur_ptr, old_ptr, offs, t, n, T, REFRESH)
     changed = (a != b).to(tl.int32)  # integer units: bit patterns, never values
     tl.store(counts_ptr + t, tl.sum(changed, axis=0))
     weights = 7 - tl.arange(0, 8)  # the first unit of a byte is its top bit (packbits)
@@ -274,16 +282,7 @@ def _fused_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, state_ptr
     # straight to their places in the scratch (first ``cap`` only), read again from the cache.
     t = tl.atomic_add(state_ptr, 1).to(tl.int64)  # tiles in start order: every earlier tile is running or done
     offs = t * T + tl.arange(0, T)
-    if t * T + T <= n:
-        a = tl.load(cur_ptr + offs)
-        b = tl.load(old_ptr + offs)
-        if REFRESH:
-            tl.store(old_ptr + offs, a)
-    else:
-        a = tl.load(cur_ptr + offs, mask=offs < n, other=0)
-        b = tl.load(old_ptr + offs, mask=offs < n, other=0)
-        if REFRESH:
-            tl.store(old_ptr + offs, a, mask=offs < n)
+    a, b = _load_tile(cur_ptr, old_ptr, offs, t, n, T, REFRESH)
     changed = (a != b).to(tl.int32)
     count = tl.sum(changed, axis=0)
     tl.store(counts_ptr + t, count)
