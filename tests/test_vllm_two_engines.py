@@ -28,7 +28,7 @@ from policyworker.integrations.vllm.errors import engine_error  # noqa: E402
 from policyworker.testing.vllm_world import (  # noqa: E402
     TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model, shutdown_llm)
 
-from .vllm_engine import MAX_TOKENS, PROMPTS, TINY_QWEN3  # noqa: E402
+from .vllm_engine import MAX_TOKENS, PROMPTS, TINY_QWEN3, start_llm  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -89,10 +89,8 @@ def _model_bytes(spec: WorldSpec) -> int:
 
 def _start_llm(path: str, e: int) -> Any:
     """A tp=1 engine on core ``e`` (mod the cores), backend policyworker."""
-    from vllm import LLM
-
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(e % (os.cpu_count() or 1))
-    return LLM(path, skip_tokenizer_init=True, tensor_parallel_size=1, dtype="float32", enforce_eager=True,
+    return start_llm(path, skip_tokenizer_init=True, tensor_parallel_size=1, dtype="float32", enforce_eager=True,
                max_model_len=128, max_num_seqs=4, seed=0, weight_transfer_config={"backend": "policyworker"})
 
 

@@ -19,6 +19,11 @@ Recovery without a rebuild:
 * A peer that goes away mid-wait (its process died: the kernel closes the IPC
   connection) raises ``PeerLost`` at once, from the socket monitor's DISCONNECTED
   event; disconnects seen before a refit began are not this refit's.
+* Connect waits (Hello, Welcome) ride through a reconnect: on a re-attach the new socket
+  can connect to the old peer socket on the same path just before that one closes. A
+  disconnect there is only ``PeerLost`` when no connection comes back (zmq reconnects to
+  the new socket) and nothing arrives within ``reconnect_grace_s``; the rollout sends its
+  Hello again on the new connection (the first went down with the old one).
 """
 
 from __future__ import annotations
@@ -35,11 +40,14 @@ import zmq
 from policyworker.errors import ConfigError, PeerLost, ProtocolError, RefitAborted, RefitTimeout, TransportError
 from policyworker.transports.zmq import wire as w
 
-__all__ = ["IPC_PATH_MAX", "Channel", "check_endpoint", "open_socket"]
+__all__ = ["IPC_PATH_MAX", "RECONNECT_GRACE_S", "Channel", "check_endpoint", "open_socket"]
 
 #: Longest ``ipc://`` path the platform takes: ``sockaddr_un.sun_path`` less its NUL
 #: (108 - 1 on Linux, 104 - 1 on macOS/BSD).
 IPC_PATH_MAX = 103 if sys.platform == "darwin" or "bsd" in sys.platform else 107
+
+#: How long a connect wait rides through a disconnect (zmq reconnects every 100 ms).
+RECONNECT_GRACE_S = 1.0
 
 
 def check_endpoint(endpoint: str) -> None:
@@ -97,7 +105,8 @@ class Channel:
         self.attempt: str | None = None
         self.stale = 0
         self._stash: list[Any] = []
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED
+                                                | zmq.EVENT_ACCEPTED)
         self._monitor.setsockopt(zmq.LINGER, 0)
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
@@ -146,10 +155,20 @@ class Channel:
         except zmq.ZMQError as exc:
             raise TransportError(f"{what}: {exc}", rank=self.rank, transport="zmq") from exc
 
-    def recv(self, deadline: float, what: str) -> w.ZmqMessage:
+    def _monitor_event(self) -> int:
+        frames = self._monitor.recv_multipart(zmq.NOBLOCK)
+        return int.from_bytes(frames[0][:2], "little")  # zmq's event frame: uint16 event, uint32 value
+
+    def recv(self, deadline: float, what: str, *, reconnect_grace_s: float | None = None,
+             on_reconnect: Any = None) -> w.ZmqMessage:
         """The next message; RefitTimeout at ``deadline`` (or ``fallback_s`` into the wait once
-        the deadline was stood down), RefitAborted on abort."""
+        the deadline was stood down), RefitAborted on abort.
+
+        ``reconnect_grace_s``: a disconnect is ``PeerLost`` only when, this long after it, no
+        connection came back and nothing arrived (None: at once). ``on_reconnect()`` runs when
+        one comes back (the rollout re-sends its Hello)."""
         started = time.monotonic()
+        lost_at: float | None = None
         while True:
             self._check_abort(what)
             bound = deadline
@@ -170,24 +189,35 @@ class Channel:
                     if frame is not None:
                         return w.decoder.decode(frame.buffer)
                 if self._monitor in ready:
-                    self._monitor.recv_multipart(zmq.NOBLOCK)
-                    raise PeerLost(f"{what}: the colocated peer closed its connection (process gone?)",
-                                   rank=self.rank, transport="zmq")
+                    event = self._monitor_event()
+                    if event & zmq.EVENT_DISCONNECTED:
+                        if reconnect_grace_s is None:
+                            raise PeerLost(f"{what}: the colocated peer closed its connection (process gone?)",
+                                           rank=self.rank, transport="zmq")
+                        lost_at = time.monotonic()
+                    elif lost_at is not None:
+                        lost_at = None  # a connection came back (zmq reconnected, or the peer's new socket)
+                        if on_reconnect is not None:
+                            on_reconnect()
+                if lost_at is not None and time.monotonic() - lost_at > reconnect_grace_s:
+                    raise PeerLost(f"{what}: the colocated peer closed its connection and none came back "
+                                   f"within {reconnect_grace_s:g} s (process gone?)", rank=self.rank, transport="zmq")
                 continue
             except zmq.Again:
                 continue
             except zmq.ZMQError as exc:
                 raise TransportError(f"{what}: {exc}", rank=self.rank, transport="zmq") from exc
 
-    def expect(self, deadline: float, what: str, *types: type) -> w.ZmqMessage:
+    def expect(self, deadline: float, what: str, *types: type, **recv_kw: Any) -> w.ZmqMessage:
         """The next message of ``types`` in the current attempt; stale ones are dropped.
+        ``recv_kw``: :meth:`recv`'s reconnect options.
 
         A Ready opens an attempt (its token becomes current). An unexpected Ready or
         Hello is kept for the next wait that expects it, and this one raises
         ``TransportError`` (the rollout started over).
         """
         while True:
-            msg = self._stash.pop(0) if self._stash else self.recv(deadline, what)
+            msg = self._stash.pop(0) if self._stash else self.recv(deadline, what, **recv_kw)
             if isinstance(msg, w.Ready) and w.Hello in types and w.Ready not in types:
                 self.stale += 1  # waiting for a (new) session's Hello: an old session's Ready
                 continue

@@ -59,7 +59,7 @@ from policyworker.transports.zmq import export as zx
 from policyworker.transports.zmq import wire as w
 from policyworker.transports.base import RefitReport, Transport, TransportContext
 from policyworker.transports.ipc_handles import open_handle
-from policyworker.transports.zmq.channel import Channel, StartedOver, open_socket
+from policyworker.transports.zmq.channel import RECONNECT_GRACE_S, Channel, StartedOver, open_socket
 from policyworker.transports.zmq.program import CopyProgram, _sync, coalesce, compile_program, signature, staged_buckets
 
 __all__ = ["ZmqIpcTransport", "coalesce"]
@@ -203,7 +203,7 @@ class ZmqIpcTransport(Transport):
         chan, deadline = self._begin(ctx)
         ctx.state.pop("connected_hash", None)
         zx.prepare_sources(ctx, staged=self.staged, flatten=self.flatten)
-        hello = chan.expect(deadline, "waiting for the rollout's Hello", w.Hello)
+        hello = chan.expect(deadline, "waiting for the rollout's Hello", w.Hello, reconnect_grace_s=RECONNECT_GRACE_S)
         self._welcome(ctx, chan, hello)
 
     def _welcome(self, ctx: TransportContext, chan: Channel, hello: w.Hello) -> None:
@@ -221,10 +221,14 @@ class ZmqIpcTransport(Transport):
         chan, deadline = self._begin(ctx)
         ctx.state.pop("connected_hash", None)
         session = secrets.token_hex(8)
-        chan.send(w.Hello(rank=ctx.rank, plan_hash=ctx.plan.hash, session=session,
-                          device_id=getattr(ctx.device, "device_id", ""), pid=os.getpid()), "Hello")
+        hello = w.Hello(rank=ctx.rank, plan_hash=ctx.plan.hash, session=session,
+                        device_id=getattr(ctx.device, "device_id", ""), pid=os.getpid())
+        chan.send(hello, "Hello")
         while True:
-            msg = chan.expect(deadline, "waiting for the trainer's Welcome", w.Welcome)
+            # A Hello sent down a connection that closed (the trainer's previous socket on a
+            # re-attach) is lost with it: send it again on the connection zmq makes next.
+            msg = chan.expect(deadline, "waiting for the trainer's Welcome", w.Welcome,
+                              reconnect_grace_s=RECONNECT_GRACE_S, on_reconnect=lambda: chan.send(hello, "Hello"))
             if msg.session == session:
                 break  # an older session's Welcome can still be queued: skip it
         if not msg.ok:
