@@ -382,11 +382,16 @@ def test_bench_overlap_measures_both_paths_on_this_engine(world, tmp_path):
     upd, fin = tl["calls"]["update_weights"], tl["calls"]["finish_weight_update"]
     assert upd[0] <= w["receive_start"] <= upd[1]  # update_weights returned with the receive in flight
     assert fin[0] <= w["finish_start"] and w["swap_end"] <= fin[1]  # finish only swapped: post-processed before
-    assert not any(s < w["swap_end"] and e > w["swap_start"] for s, e in tl["passes"])  # between two steps
+    assert not any(s < w["swap_end"] and e > w["swap_start"] for s, e in tl["steps"])  # between two steps
     assert "worker_phase_seconds" not in paused and paused["ready_polls"] == 0
     for mode, row in (("overlap", over), ("paused", paused)):
-        a, b = longest_gap([tuple(p) for p in res["timelines"][mode]["passes"]], 0.0, row["refit_seconds"])
+        tl = res["timelines"][mode]
+        a, b = longest_gap([tuple(p) for p in tl["steps"]], 0.0, row["refit_seconds"])
         assert b - a == pytest.approx(row["stall_seconds"]) and row["stall_seconds"] > 0
+        a, b = longest_gap([tuple(p) for p in tl["passes"]], 0.0, row["refit_seconds"])
+        assert b - a == pytest.approx(row["forward_gap_seconds"])
+        assert row["forward_gap_seconds"] >= row["stall_seconds"]  # a step holds its forward pass
+        assert 0 < row["baseline_gaps"]["median_ms"] <= row["baseline_gaps"]["max_ms"]
         assert row["tokens_per_second"]["before"] > 0 and row["tokens_per_second"]["after"] > 0
     assert res["summary"]["overlap"]["stall_ms_max"] == pytest.approx(1e3 * over["stall_seconds"])
     assert res["overlap_stall_goal_met"] == (res["summary"]["overlap"]["stall_ms_max"] <= 10.0)

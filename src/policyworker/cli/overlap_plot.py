@@ -1,11 +1,11 @@
 """The timeline picture of ``bench --engine vllm --overlap --plot PATH`` (needs the ``plot`` extra).
 
-One panel per refit path (overlapped, paused): vLLM's forward passes as ticks on the
-top row, below them the controller's calls (``start_weight_update``,
+One panel per refit path (overlapped, paused): vLLM's engine steps (``execute_model``
+through ``sample_tokens``) as bars on the top row, below them the controller's calls (``start_weight_update``,
 ``update_weights``, the readiness polls, ``finish_weight_update``) and, for the
 overlapped refit, what vLLM's worker reported (receive in flight, post-processing,
 swap). Milliseconds from the controller's ``start_weight_update`` call; the longest gap
-between passes (the stall) is marked.
+between two steps (the stall) is marked.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def plot_timelines(result: dict[str, Any], path: str) -> None:
     for ax, mode in zip(axes[:, 0], modes):
         tl = result["timelines"][mode]
         row = next(r for r in result["refits"] if r["version"] == tl["version"])
-        ms = [(a * 1e3, b * 1e3) for a, b in tl["passes"]]
+        ms = [(a * 1e3, b * 1e3) for a, b in tl.get("steps", tl["passes"])]
         y = {name: len(_ROWS) - 1 - i for i, name in enumerate(_ROWS)}
         ax.broken_barh([(a, max(b - a, 0.05)) for a, b in ms], (y["engine steps"] - 0.4, 0.8), color="black")
         for name, (a, b) in _spans(tl).items():

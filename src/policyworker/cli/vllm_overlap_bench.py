@@ -12,12 +12,17 @@ engine steps), with the same engine, trainers and load, in the same run.
 
 Measured per refit:
 
-* the engine's forward passes (start and end, ``time.monotonic()`` in vLLM's worker,
-  the backend's ``StepCounter`` ring, read with ``collective_rpc``); the **stall** is
-  the longest time between the end of one pass and the start of the next among the
-  gaps that overlap the refit (controller's ``start_weight_update`` call to the return
-  of ``finish_weight_update``); the same statistic over the ``phase_s`` before the refit
-  is the baseline (scheduling, sampling and output processing between passes);
+* the engine's steps and forward passes on vLLM's worker (``time.monotonic()``, read
+  with ``collective_rpc``). A step is an ``execute_model`` call through the return of
+  the ``sample_tokens`` call after it (:mod:`~policyworker.integrations.vllm.steps`); a
+  forward pass is the model's ``forward`` (the backend's ``StepCounter`` ring), which a
+  step contains along with its logits and sampling. The **stall** is the longest time
+  between the end of one step and the start of the next (the engine idle: scheduling,
+  the step RPCs' round trip and whatever else the worker ran between two steps) among
+  the gaps that overlap the refit (controller's ``start_weight_update`` call to the
+  return of ``finish_weight_update``). The **forward gap** is the same between two
+  forward passes (it also holds the logits and sampling of the step, so it is at least
+  the stall). Both statistics over the ``phase_s`` before the refit are the baseline;
 * the load's tokens per second (arrival times of streamed tokens) in three phases:
   ``phase_s`` before the refit, during it, ``phase_s`` after it;
 * the refit's duration and its parts (controller spans; the worker's phase times of an
@@ -45,7 +50,8 @@ from policyworker.integrations.vllm.versions import EXTENSION
 from policyworker.models.config import get_preset
 from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
 
-__all__ = ["longest_gap", "measure", "run_vllm_overlap_bench", "stall", "summarize", "tokens_per_second"]
+__all__ = ["gaps_between", "longest_gap", "measure", "run_vllm_overlap_bench", "stall", "summarize",
+           "tokens_per_second"]
 
 PROMPTS = [[1, 2, 3, 4], [100, 7, 8, 9, 11]]
 CHECK_TOKENS = 8
@@ -77,6 +83,19 @@ def longest_gap(passes: list[tuple[float, float]], start: float, end: float) -> 
             return longest
         last_end = e
     return longest if longest[1] - longest[0] >= end - last_end else (last_end, end)
+
+
+def gaps_between(spans: list[tuple[float, float]], start: float, end: float) -> list[float]:
+    """Seconds from the end of each span to the start of the next, for the pairs whose gap lies
+    inside [start, end] (a phase's baseline)."""
+    ordered = sorted(spans)
+    return [s2 - e1 for (_, e1), (s2, _) in zip(ordered, ordered[1:]) if start <= e1 and s2 <= end]
+
+
+def _stats(gaps: list[float]) -> dict[str, float]:
+    ordered = sorted(gaps)
+    return {"median_ms": 1e3 * statistics.median(ordered), "p90_ms": 1e3 * ordered[int(0.9 * (len(ordered) - 1))],
+            "max_ms": 1e3 * ordered[-1], "count": len(ordered)}
 
 
 def tokens_per_second(arrivals: list[tuple[float, int]], start: float, end: float) -> float:
@@ -203,16 +222,19 @@ class _Bench:
         replies = await self.replies()
         await asyncio.sleep(self.phase_s)  # the "after" phase
         passes = [tuple(p) for p in (await self.rpc("policyworker_step_times", t0 - self.phase_s - 1.0))[0]]
+        steps = [tuple(p) for p in (await self.rpc("policyworker_engine_steps", t0 - self.phase_s - 1.0))[0]]
         worker = (await self.rpc("policyworker_refit_times"))[0] if mode == "overlap" else {}
         await self.load.stop()
         tokens = await _check_tokens(e, str(version))  # alone: HF runs each prompt alone too
         self.load.start()
         arrivals, ph = self.load.arrivals, self.phase_s
-        in_refit = [p for p in passes if t0 <= p[0] < t4]
-        before_gaps = [s2 - e1 for (_, e1), (s2, _) in zip(passes, passes[1:]) if t0 - ph <= e1 and s2 <= t0]
-        if not before_gaps:
+        in_refit = [p for p in steps if t0 <= p[0] < t4]
+        before_gaps = gaps_between(steps, t0 - ph, t0)
+        before_forward = gaps_between(passes, t0 - ph, t0)
+        if not before_gaps or not before_forward:
             raise ConfigError(f"refit {version}: no engine steps in the {ph} s before it: the load did not run")
-        gap = longest_gap(passes, t0, t4)
+        gap = longest_gap(steps, t0, t4)
+        fgap = longest_gap(passes, t0, t4)
         calls = {"start_weight_update": (0.0, t1 - t0), "update_weights": (t1 - t0, t2 - t0),
                  **({"ready polls": (t2 - t0, t3 - t0)} if mode == "overlap" else {}),
                  "finish_weight_update": (t3 - t0, t4 - t0)}
@@ -223,8 +245,14 @@ class _Bench:
                "stall_excess_seconds": gap[1] - gap[0] - statistics.median(before_gaps),
                "stall_from_seconds": gap[0] - t0,
                "stall_in": [name for name, (a, b) in calls.items() if a <= gap[1] - t0 and b >= gap[0] - t0],
+               "forward_gap_seconds": fgap[1] - fgap[0],
                "baseline_gap_max_seconds": max(before_gaps),
                "baseline_gap_median_seconds": statistics.median(before_gaps),
+               "baseline_gaps": _stats(before_gaps),
+               "baseline_forward_gaps": _stats(before_forward),
+               "longest_step_seconds": max(e - s for s, e in in_refit) if in_refit else 0.0,
+               "baseline_step_median_seconds": statistics.median(
+                   e - s for s, e in steps if t0 - ph <= s and e <= t0),
                "steps_during_refit": len(in_refit),
                "tokens_per_second": {"before": tokens_per_second(arrivals, t0 - ph, t0),
                                      "during": tokens_per_second(arrivals, t0, t4),
@@ -234,10 +262,12 @@ class _Bench:
             row["worker_phase_seconds"] = {k: v - t0 for k, v in worker.items()}
         # What a timeline needs, relative to t0 (kept for the plotted refits only).
         row["_timeline"] = {"passes": [(s - t0, en - t0) for s, en in passes if t0 - 0.25 <= en and s <= t4 + 0.25],
+                            "steps": [(s - t0, en - t0) for s, en in steps if t0 - 0.25 <= en and s <= t4 + 0.25],
                             "calls": calls,
                             "worker": row.get("worker_phase_seconds", {})}
         self.log(f"refit {version} ({mode}): {row['refit_seconds'] * 1e3:.0f} ms, stall "
-                 f"{row['stall_seconds'] * 1e3:.1f} ms in {'+'.join(row['stall_in'])} (baseline gap median "
+                 f"{row['stall_seconds'] * 1e3:.1f} ms in {'+'.join(row['stall_in'])}, forward gap "
+                 f"{row['forward_gap_seconds'] * 1e3:.1f} ms (baseline gap median "
                  f"{row['baseline_gap_median_seconds'] * 1e3:.1f} ms, "
                  f"max {row['baseline_gap_max_seconds'] * 1e3:.1f} ms), "
                  f"tokens/s before {row['tokens_per_second']['before']:.0f} during "
@@ -353,18 +383,28 @@ def summarize(out: dict[str, Any], spec: WorldSpec) -> dict[str, Any]:
             "stall_ms_median": 1e3 * med(r["stall_seconds"] for r in mine),
             "stall_ms_max": 1e3 * max(r["stall_seconds"] for r in mine),
             "stall_excess_ms_max": 1e3 * max(r["stall_excess_seconds"] for r in mine),
+            "forward_gap_ms_median": 1e3 * med(r["forward_gap_seconds"] for r in mine),
+            "forward_gap_ms_max": 1e3 * max(r["forward_gap_seconds"] for r in mine),
             "refit_ms_median": 1e3 * med(r["refit_seconds"] for r in mine),
             "tokens_per_second_median": {ph: med(r["tokens_per_second"][ph] for r in mine)
                                          for ph in ("before", "during", "after")}}
     baseline = max(r["baseline_gap_max_seconds"] for r in rows)
+    pooled = {kind: {"median_ms": med(r[kind]["median_ms"] for r in rows),
+                     "p90_ms_max": max(r[kind]["p90_ms"] for r in rows),
+                     "max_ms": max(r[kind]["max_ms"] for r in rows)}
+              for kind in ("baseline_gaps", "baseline_forward_gaps")}
     return {
         "bytes_per_refit": out["bytes_per_refit"], "load_streams": out["streams"],
         "load_max_tokens": out["max_tokens"], "phase_seconds": out["phase_s"],
         "order": "alternating, overlap first in even rounds, paused first in odd ones",
-        "stall_method": "longest gap between the end of one forward pass and the start of the next (vLLM worker's "
-                        "monotonic clock) among the gaps overlapping the controller's start_weight_update call .. "
-                        "finish_weight_update return; baseline: the same gaps in the phase before each refit; "
-                        "excess: the stall minus that refit's median baseline gap",
+        "stall_method": "longest gap between the end of one engine step (the worker's sample_tokens return) and the "
+                        "start of the next (its execute_model call), vLLM worker's monotonic clock, among the gaps "
+                        "overlapping the controller's start_weight_update call .. finish_weight_update return; "
+                        "baseline: the same gaps in the phase before each refit (no refit running); excess: the "
+                        "stall minus that refit's median baseline gap",
+        "forward_gap_method": "the same between the end of one forward pass and the start of the next (includes "
+                              "each step's logits and sampling)",
+        "baseline": pooled,
         "cold_refit": cold, "refits": rows, "summary": summary,
         "baseline_gap_max_ms": 1e3 * baseline,
         "overlap_stall_goal_ms": 10.0, "overlap_stall_goal_met": summary["overlap"]["stall_ms_max"] <= 10.0,

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -501,6 +502,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self.last_report, self.kv_scales = pending.report, pending.report.kv_scales
         self._received = None
         held = hold_live_state(prepared.layers)  # freed after the swap, off the engine's step
+        pending.forget_prepared()  # else the replaced version lives on in last_overlap, freed at the next finish
         pending.times["swap_start"] = time.monotonic()
         try:
             self._agreed("finish_weight_update (swap)", bound, lambda: self._swap(version, prepared),
@@ -530,6 +532,20 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             self._stage.commit(prepared)
             tx.commit()
         self.commits.append((version, self.steps.count))
+        self._settle_later()
+
+    def _settle_later(self) -> None:
+        """The stage's bookkeeping after a swap (:meth:`VllmStage.settle`) on a thread, so the
+        engine steps again right after the swap; the next receive settles first anyway."""
+        stage = self._stage
+
+        def run() -> None:
+            try:
+                stage.settle()
+            except Exception as exc:  # left unsettled: the next receive settles again and raises it there
+                logger.warning("policyworker: settling the staging set after a commit failed: %s", exc)
+
+        threading.Thread(target=run, daemon=True, name="policyworker-vllm-settle").start()
 
     def _torn_everywhere(self) -> None:
         # A rank whose swap succeeded serves the new version while another does not.

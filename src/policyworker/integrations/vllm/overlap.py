@@ -145,6 +145,12 @@ class OverlappedReceive:
             raise self._error
         return self.version, self._prepared
 
+    def forget_prepared(self) -> None:
+        """Drop the post-processed state (:meth:`result` handed it out). Kept here, the copies
+        would hold what the swap installs until this object goes: the version that the
+        *next* swap replaces would then be freed inside that swap, on the engine's thread."""
+        self._prepared = None
+
     def cancel(self, timeout_s: float = 60.0) -> None:
         """Stop the receive; return once the post-processing thread stopped touching the
         staging set (or ``timeout_s`` passed)."""

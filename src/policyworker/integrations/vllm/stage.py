@@ -46,6 +46,7 @@ places a box elsewhere is refused before any refit.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,6 +191,9 @@ class VllmStage:
         #: holding the newest bytes} (what :meth:`catch_up` copies from).
         self._behind: dict[int, torch.Tensor] = {}
         self._displaced: dict[int, torch.Tensor] = {}
+        # A commit leaves the move of adopted staging tensors to :meth:`settle` (off the swap).
+        self._settle_lock = threading.RLock()
+        self._unsettled = False
         self.peak_extra = self.extra_bytes()
 
     # -- where the boxes land ----------------------------------------------------------
@@ -214,6 +218,7 @@ class VllmStage:
 
     def extra_bytes(self) -> int:
         """Staging bytes held that no live layer reads (host memory for "host")."""
+        self.settle()
         live = live_storages(self._layers)
         held = {storage_key(s.stage): _nbytes(s.stage) for s in self._slots if storage_key(s.stage) not in live}
         held.update({storage_key(r): _nbytes(r) for name, r in self._recv.items() if r is not self._views[name]})
@@ -222,6 +227,7 @@ class VllmStage:
     def set_wire_dtypes(self, wire_dtypes: Mapping[str, str]) -> None:
         """The trainers' dtype per need: a box whose wire dtype is not vLLM's lands in its own
         buffer and is cast into the staging view at prepare (as vLLM's loaders would)."""
+        self.settle()
         self.wire_dtypes = dict(wire_dtypes)
         self.fresh = False  # fresh receive buffers hold no version
         for name, view in self._views.items():
@@ -233,6 +239,7 @@ class VllmStage:
 
     def receive_views(self) -> dict[str, torch.Tensor]:
         """The receive destinations of the next refit (nothing live reads them, but in "none")."""
+        self.settle()
         return dict(self._recv)
 
     def received(self, ok: bool) -> None:
@@ -245,6 +252,7 @@ class VllmStage:
         applies to): copy them from the live tensors into the staging tensors that moved at
         the last commit. Returns whether it copied. With no complete refit known there is
         nothing to copy: the transport then reports no base and refits in full."""
+        self.settle()
         behind, self._behind = self._behind, {}
         if not self.fresh or not behind:
             return False
@@ -363,22 +371,27 @@ class VllmStage:
         """Swap a prepared version in (attribute moves only; call after every verdict).
 
         "host": each layer is copied to the device, post-processed and swapped in turn
-        (a failure part way leaves earlier layers on the new version). "device": then
-        moves each staging tensor that a live layer now reads (see the module docstring).
+        (a failure part way leaves earlier layers on the new version). "device": each
+        staging tensor that a live layer now reads gets a successor in :meth:`settle`,
+        which the caller may run on another thread (it only reads the live layers); every
+        method that hands out or fills receive destinations settles first.
         """
+        self.settle()
         retired: list[Any] = []
         background = prepared.background
-        with self.prepack.lock:
+        with self._settle_lock, self.prepack.lock:
             self.prepack.supersede()  # a background run of the previous version installs nothing more
             if self.staging == "host":
                 background = self._commit_from_host(retired)
             else:
                 self._displaced.clear()
                 self._swap(prepared.layers, retired)
-                if self.staging == "device" and not self.once:
-                    self._move_adopted()
-            self._displaced.clear()  # the live tensors a swap replaced: nothing may hold them
-        self._note_peak()
+            if self.staging == "device" and not self.once:
+                self._unsettled = True  # _displaced: the live tensors the swap replaced, until settled
+            else:
+                self._displaced.clear()
+        if not self._unsettled:
+            self._note_peak()
         if background:
             # The replaced kernels (oneDNN handles: freeing one unmaps its packed weight) are
             # dropped by the background thread, at its low priority, not on the refit's road.
@@ -403,6 +416,20 @@ class VllmStage:
                 background.append(queued)
             self._swap([(module, shadow)], retired)
         return background
+
+    def settle(self) -> None:
+        """Finish the last commit: give each staging tensor that a live layer now reads a
+        successor nothing live reads (the displaced live tensor where it fits), and note the
+        peak. Idempotent and thread-safe; the swap itself does not wait for it, which keeps
+        the walk over every layer and the allocations out of the engine's pause."""
+        with self._settle_lock:
+            if not self._unsettled:
+                return
+            with self.prepack.lock:
+                self._move_adopted()  # a failure leaves it unsettled: the next caller moves the rest
+            self._unsettled = False
+            self._displaced.clear()  # nothing may hold the live tensors a swap replaced
+            self._note_peak()
 
     def _move_adopted(self) -> None:
         """Give each staging tensor that a live layer now reads a successor nothing live reads."""

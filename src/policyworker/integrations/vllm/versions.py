@@ -55,6 +55,15 @@ class WeightVersionsExtension:
         weight_versions(self)  # refuses a worker without our backend
         return self.weight_transfer_engine.steps.times(since)
 
+    def policyworker_engine_steps(self, since: float = 0.0) -> list[tuple[float, float]]:
+        """(start, end) of this worker's engine steps that started at or after ``since``
+        (``execute_model`` call to ``sample_tokens`` return, :mod:`.steps`): the engine is idle
+        between two. Recording starts at the first call, which returns []."""
+        weight_versions(self)
+        from policyworker.integrations.vllm.steps import WorkerSteps
+
+        return WorkerSteps.of(self).times(since)
+
     def policyworker_refit_times(self) -> dict[str, float]:
         """Monotonic times of the phases of the last overlapped refit that reached
         ``finish_weight_update`` on this rank ({} if none)."""
