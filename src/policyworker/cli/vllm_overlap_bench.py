@@ -190,6 +190,7 @@ class _Bench:
         await asyncio.wait_for(self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                                self.spec.timeout_s * 3)
         replies = await self.replies()
+        await self.rpc("policyworker_engine_steps")  # starts recording the worker's engine steps
         return replies[0]["total_bytes"]
 
     async def refit(self, version: int, mode: str) -> dict[str, Any]:

@@ -72,7 +72,7 @@ from policyworker.errors import (ConfigError, PlanMismatch, PolicyWorkerError, P
 from policyworker.layout.plan import ReshardPlan
 from policyworker.integrations.vllm.errors import engine_error, mark, typed_errors
 from policyworker.integrations.vllm.join import Joined, Loop as _Loop, join
-from policyworker.integrations.vllm.overlap import (OverlappedReceive, StepCounter, hold_live_state,
+from policyworker.integrations.vllm.overlap import (OverlappedReceive, StepCounter, give_way, hold_live_state,
                                                     release_in_background)
 from policyworker.integrations.vllm.plan import NEEDS_KEY, PLAN_KEY, encode_needs
 from policyworker.integrations.vllm.rpc import Agreement, install_single_reply
@@ -302,7 +302,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
 
     def _init(self, init_info: PolicyworkerInitInfo, bound: float) -> None:
         if self._loop is None:
-            self._loop = _Loop()
+            # On CPU the receive's threads share vLLM's pinned core with the engine's step.
+            self._loop = _Loop(background=self.device.type == "cpu")
         self._close_worker()
         gen_world = init_info.gen_world_size or self.tp_size
         rank = init_info.rank_offset + self.tp_rank
@@ -448,7 +449,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         if self._info.overlap if update_info.overlap is None else update_info.overlap:
             self._pending = OverlappedReceive.start(
                 self._loop, joined.refit(timeout), worker=worker,
-                version=update_info.version, step=self.steps.count, timeout_s=bound, prepare=self._stage.prepare)
+                version=update_info.version, step=self.steps.count, timeout_s=bound, prepare=self._stage.prepare,
+                background=self.device.type == "cpu")
             return
         try:
             report = self._call(joined.refit(timeout), bound)
@@ -537,9 +539,11 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
     def _settle_later(self) -> None:
         """The stage's bookkeeping after a swap (:meth:`VllmStage.settle`) on a thread, so the
         engine steps again right after the swap; the next receive settles first anyway."""
-        stage = self._stage
+        stage, cpu = self._stage, self.device.type == "cpu"
 
         def run() -> None:
+            if cpu:
+                give_way()
             try:
                 stage.settle()
             except Exception as exc:  # left unsettled: the next receive settles again and raises it there

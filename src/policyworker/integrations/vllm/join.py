@@ -36,12 +36,23 @@ TRANSPORT = "nccl_reshard"
 
 
 class Loop:
-    """A private asyncio loop on a daemon thread: vLLM's calls are synchronous, ours async."""
+    """A private asyncio loop on a daemon thread: vLLM's calls are synchronous, ours async.
+    ``background``: the loop's thread (and all it starts) gives way to the engine's thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, background: bool = False) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="policyworker-vllm-loop", daemon=True)
+        self._background = background
+        self._thread = threading.Thread(target=self._run, name="policyworker-vllm-loop", daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        if self._background:
+            # Every thread of the receive starts from this one (executors, gloo's socket
+            # threads) and inherits it: they give way to the engine's thread.
+            from policyworker.integrations.vllm.overlap import give_way
+
+            give_way()
+        self.loop.run_forever()
 
     def call(self, coro: Any, timeout_s: float) -> Any:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)

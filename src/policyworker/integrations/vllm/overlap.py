@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +33,29 @@ import torch
 
 from policyworker.errors import ProtocolError, RefitTimeout
 
-__all__ = ["OverlappedReceive", "StepCounter", "hold_live_state", "release_in_background"]
+__all__ = ["BACKGROUND_NICE", "OverlappedReceive", "StepCounter", "give_way", "hold_live_state",
+           "release_in_background"]
+
+#: Niceness of the backend's background threads on a CPU engine (:func:`give_way`).
+BACKGROUND_NICE = 10
+
+
+def give_way(nice: int = BACKGROUND_NICE) -> None:
+    """Let vLLM's engine thread come first: the calling thread (and every thread it starts
+    later, which inherit both) runs at niceness ``nice`` and on any core of the machine.
+
+    On CPU vLLM pins its worker to its OpenMP core(s), and every thread the worker starts
+    inherits that pin: the receive (gloo's socket threads copy every byte), the
+    post-processing and the engine's own step would share one core at one priority, and
+    the engine would wait for the core between its steps. Linux sets both per thread.
+    """
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # 0: the calling thread
+    except (AttributeError, OSError):
+        pass  # not Linux, or not allowed: the thread keeps the worker's priority and cores
+
 
 
 class StepCounter:
@@ -82,12 +105,15 @@ class OverlappedReceive:
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        self.give_way = False
 
     @classmethod
     def start(cls, loop: Any, coro: Any, *, worker: Any, version: int, step: int, timeout_s: float,
-              prepare: Callable[[], Any], start_timeout_s: float = 10.0) -> OverlappedReceive:
+              prepare: Callable[[], Any], start_timeout_s: float = 10.0,
+              background: bool = False) -> OverlappedReceive:
         """Submit ``coro`` (the worker's receive) and return once it is in flight (or done);
-        ``prepare`` (the post-processing) runs on a thread once the receive ended well."""
+        ``prepare`` (the post-processing) runs on a thread once the receive ended well
+        (``background``: a thread that gives way to the engine's, :func:`give_way`)."""
         import asyncio
 
         future = asyncio.run_coroutine_threadsafe(coro, loop.loop)
@@ -101,12 +127,15 @@ class OverlappedReceive:
         if future.done():
             future.result()  # a receive that failed at once raises here, before update_weights returns
         self = cls(future, version=version, step=step, timeout_s=timeout_s)
+        self.give_way = background
         self._thread = threading.Thread(target=self._after_receive, args=(worker.rank, prepare), daemon=True,
                                         name="policyworker-vllm-prepare")
         self._thread.start()
         return self
 
     def _after_receive(self, rank: int, prepare: Callable[[], Any]) -> None:
+        if self.give_way:
+            give_way()
         try:
             self._wait_receive(rank)
             self.times["receive_end"] = time.monotonic()
@@ -174,6 +203,7 @@ def release_in_background(held: list[Any], pause_s: float = 0.001) -> None:
     """
 
     def run() -> None:
+        give_way()
         while held:
             held.pop()
             time.sleep(pause_s)
