@@ -64,3 +64,38 @@ def test_longest_gap_counts_whole_gaps_that_overlap_the_window():
     assert longest_gap(passes, 2.5, 4.0) == (3.0, 10.0)     # runs past the window's end: whole
     assert longest_gap(passes, 1.2, 1.3) == (1.0, 1.5)      # began before it: whole
     assert longest_gap(passes, 11.5, 20.0) == (12.0, 20.0)  # still open: up to the end
+
+
+def test_worker_steps_run_from_execute_model_to_sample_tokens_and_the_stall_is_between_them(monkeypatch):
+    """A step is ``execute_model`` through the ``sample_tokens`` after it (a step that samples
+    nothing ends with ``execute_model``); the idle gaps are between steps, not passes."""
+    import policyworker.integrations.vllm.steps as steps_mod
+    from policyworker.cli.vllm_overlap_bench import gaps_between, longest_gap
+    from policyworker.integrations.vllm.steps import WorkerSteps
+
+    clock = [0.0]
+    monkeypatch.setattr(steps_mod.time, "monotonic", lambda: clock[0])
+
+    class Worker:  # vLLM's two step calls; each advances the clock by its own length
+        def execute_model(self, seconds: float) -> str:
+            clock[0] += seconds
+            return "executed"
+
+        def sample_tokens(self, seconds: float) -> str:
+            clock[0] += seconds
+            return "sampled"
+
+    worker = Worker()
+    recorder = WorkerSteps.of(worker)
+    assert WorkerSteps.of(worker) is recorder  # installed once
+    for execute, sample, idle in ((1.0, 0.5, 0.25), (1.0, 0.5, 3.0), (2.0, None, 0.5), (1.0, 0.5, 0.0)):
+        assert worker.execute_model(execute) == "executed"
+        if sample is not None:
+            assert worker.sample_tokens(sample) == "sampled"
+        clock[0] += idle
+    steps = recorder.times()
+    assert steps == [(0.0, 1.5), (1.75, 3.25), (6.25, 8.25), (8.75, 10.25)]
+    assert recorder.times(since=6.0) == steps[2:]
+    assert gaps_between(steps, 0.0, 20.0) == [0.25, 3.0, 0.5]
+    assert gaps_between(steps, 1.0, 7.0) == [0.25, 3.0]  # only gaps inside the phase
+    assert longest_gap(steps, 2.0, 9.0) == (3.25, 6.25)
