@@ -24,9 +24,9 @@ weight_transfer_config={"backend": "policyworker-lora"})``), the trainers being
     engine steps, replaces the adapter registered under the stable id by it and
     activates it (vLLM's ``set_lora`` writes each slot's buffers). Later versions of the
     same plan go in place (:mod:`.lora_install`): the staged factors are copied into that
-    ``LoRAModel``'s own tensors as vLLM's install left them, and the adapter is
-    re-activated (its slot buffers rewritten by ``set_lora``); no ``LoRAModel`` per
-    version. Memory stays one adapter. vLLM's worker then resets its LoRA state (it
+    ``LoRAModel``'s own tensors as vLLM's install left them, then into its slot buffers
+    through views kept from vLLM's activation (or by re-activating it, ``set_lora`` per
+    module, when those views went stale); no ``LoRAModel`` per version. Memory stays one adapter. vLLM's worker then resets its LoRA state (it
     assumes a weight update replaced the base); the committed adapter stays registered
     and active (see ``_remove_all_adapters``).
 
