@@ -26,9 +26,10 @@ weight_transfer_config={"backend": "policyworker-lora"})``), the trainers being
     same plan go in place (:mod:`.lora_install`): the staged factors are copied into that
     ``LoRAModel``'s own tensors as vLLM's install left them, then into its slot buffers
     through views kept from vLLM's activation (or by re-activating it, ``set_lora`` per
-    module, when those views went stale); no ``LoRAModel`` per version. Memory stays one adapter. vLLM's worker then resets its LoRA state (it
-    assumes a weight update replaced the base); the committed adapter stays registered
-    and active (see ``_remove_all_adapters``).
+    module, when those views went stale); no ``LoRAModel`` per version. Memory stays one
+    adapter. vLLM's worker then resets its LoRA state (it assumes a weight update replaced
+    the base); the committed adapter stays registered and active (see
+    ``_remove_all_adapters``).
 
 Requests name the adapter by :func:`lora_request` — one stable name and id, which always
 mean the committed version; after a commit, reset the prefix cache as for a dense refit
@@ -336,7 +337,7 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         self._committed = lora
         self._in_place = InPlaceAdapter.capture(lora, tensors, scales)
         if self._in_place is not None:
-            self._slots = SlotWriter.capture(self.manager, LORA_ID, lora)
+            self._slots = SlotWriter.capture(self.manager, LORA_ID, lora, self._in_place)
         self.last_install_slots = False
         self.last_base_bytes = base.nbytes if base is not None else 0
         self.last_install_s, self.last_install_in_place = time.perf_counter() - t0, False
@@ -352,7 +353,7 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         """Copy the staged factors into the committed adapter, then into its slot buffers
         (between two engine steps, inside ``finish_weight_update``): through the kept slot
         views (:class:`.SlotWriter`), or by re-activating it (vLLM's ``set_lora`` per module)
-        when the adapter moved slot or a module its buffers since they were captured."""
+        when the adapter moved slot or a module replaced its buffers since they were captured."""
         manager = self.manager
         with self.ledger.transaction(version) as tx:
             tx.touched = True  # the committed adapter's only copy is overwritten from here on
@@ -364,7 +365,7 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
                 manager.activate_adapter(LORA_ID)
             tx.commit()
         if not slots:
-            self._slots = SlotWriter.capture(manager, LORA_ID, self._committed)
+            self._slots = SlotWriter.capture(manager, LORA_ID, self._committed, self._in_place)
         self.last_install_slots = slots
         self.last_base_bytes = 0
 

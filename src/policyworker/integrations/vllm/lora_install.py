@@ -121,16 +121,18 @@ class SlotWriter:
         self.index, self.dst, self.src, self._buffers = index, dst, src, buffers
 
     @classmethod
-    def capture(cls, manager: Any, lora_id: int, lora: Any) -> SlotWriter | None:
+    def capture(cls, manager: Any, lora_id: int, lora: Any, owned: InPlaceAdapter) -> SlotWriter | None:
         """Right after vLLM activated ``lora`` (registered as ``lora_id``): its slot views, or
-        None when some module is of a kind this does not know or a view does not hold
-        exactly what vLLM wrote (then every version is re-activated by vLLM)."""
+        None when some module is of a kind this does not know, a view does not hold
+        exactly what vLLM wrote, or its source is not one of the tensors ``owned`` copies
+        each version into (then every version is re-activated by vLLM)."""
         from vllm.lora.layers import ClassificationHeadWithLoRA
 
         if lora_id not in manager.lora_index_to_id or getattr(manager, "is_pooling_model", False):
             return None  # (a pooling model's module names may be looked up another way)
         index = manager.lora_index_to_id.index(lora_id)
         kinds = _set_lora_kinds()
+        written = {id(t) for t in owned.tensors}
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         buffers: list[tuple] = []
@@ -153,7 +155,7 @@ class SlotWriter:
                     if factor is None:
                         continue
                     view = stacked[i][index, 0, : factor.shape[0], : factor.shape[1]]
-                    if view.shape != factor.shape or not torch.equal(view, factor):
+                    if id(factor) not in written or view.shape != factor.shape or not torch.equal(view, factor):
                         return None
                     dst.append(view)
                     src.append(factor)
