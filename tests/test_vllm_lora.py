@@ -92,6 +92,9 @@ def test_three_adapter_refits_generate_like_hf_peft(world):
         # The first version builds vLLM's LoRAModel; later ones are copied into it.
         in_place = world.llm.collective_rpc(lambda worker: worker.weight_transfer_engine.last_install_in_place)
         assert in_place == [version > 1]
+        # ... and into the slot views kept from vLLM's activation (no set_lora per module).
+        slots = world.llm.collective_rpc(lambda worker: worker.weight_transfer_engine.last_install_slots)
+        assert slots == [version > 1]
         world.history[version] = got
         world.version = version
 

@@ -24,11 +24,12 @@ weight_transfer_config={"backend": "policyworker-lora"})``), the trainers being
     engine steps, replaces the adapter registered under the stable id by it and
     activates it (vLLM's ``set_lora`` writes each slot's buffers). Later versions of the
     same plan go in place (:mod:`.lora_install`): the staged factors are copied into that
-    ``LoRAModel``'s own tensors as vLLM's install left them, and the adapter is
-    re-activated (its slot buffers rewritten by ``set_lora``); no ``LoRAModel`` per
-    version. Memory stays one adapter. vLLM's worker then resets its LoRA state (it
-    assumes a weight update replaced the base); the committed adapter stays registered
-    and active (see ``_remove_all_adapters``).
+    ``LoRAModel``'s own tensors as vLLM's install left them, then into its slot buffers
+    through views kept from vLLM's activation (or by re-activating it, ``set_lora`` per
+    module, when those views went stale); no ``LoRAModel`` per version. Memory stays one
+    adapter. vLLM's worker then resets its LoRA state (it assumes a weight update replaced
+    the base); the committed adapter stays registered and active (see
+    ``_remove_all_adapters``).
 
 Requests name the adapter by :func:`lora_request` — one stable name and id, which always
 mean the committed version; after a commit, reset the prefix cache as for a dense refit
@@ -61,7 +62,7 @@ from policyworker.ledger import WeightLedger
 from policyworker.integrations.vllm.backend import PolicyworkerInitInfo, PolicyworkerUpdateInfo, PolicyworkerWeightTransferEngine, _marked
 from policyworker.integrations.vllm.join import Joined, Loop, join
 from policyworker.integrations.vllm.lora_base import PendingBase, base_needs
-from policyworker.integrations.vllm.lora_install import InPlaceAdapter, layer_scales
+from policyworker.integrations.vllm.lora_install import InPlaceAdapter, SlotWriter, layer_scales
 from policyworker.integrations.vllm.lora_plan import ENGINE_KEY, PLAN_KEY, LoraEngineInfo, LoraPlanInfo, decode, encode
 
 __all__ = ["BACKEND_LORA", "LORA_ID", "LORA_NAME", "PolicyworkerLoraEngine", "checkpoint_hash", "lora_request"]
@@ -145,6 +146,10 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
         self.last_install_s: float | None = None
         #: Whether the last commit copied into the committed LoRAModel (else it built a new one).
         self.last_install_in_place = False
+        #: The committed adapter's slot views (None: the next in-place commit re-activates it).
+        self._slots: SlotWriter | None = None
+        #: Whether the last in-place commit wrote the slot views (else vLLM re-activated the adapter).
+        self.last_install_slots = False
         self.ledger = WeightLedger(rank=self.tp_rank, what="vLLM LoRA adapter")
         #: The kv-cache scales the trainers sent with the last refit received (None: none).
         self.kv_scales: dict[str, float] | None = None
@@ -319,6 +324,7 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
                 self._base_prepack = base.stage.prepack
                 base.commit(prepared)
                 self._base_hash, self._pending = base.base_hash, None
+            self._slots = None
             try:
                 self._install(lora)
             except BaseException:
@@ -330,6 +336,9 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
             tx.commit()
         self._committed = lora
         self._in_place = InPlaceAdapter.capture(lora, tensors, scales)
+        if self._in_place is not None:
+            self._slots = SlotWriter.capture(self.manager, LORA_ID, lora, self._in_place)
+        self.last_install_slots = False
         self.last_base_bytes = base.nbytes if base is not None else 0
         self.last_install_s, self.last_install_in_place = time.perf_counter() - t0, False
 
@@ -341,16 +350,23 @@ class PolicyworkerLoraEngine(WeightTransferEngine[PolicyworkerInitInfo, Policywo
                 and self.manager.get_adapter(LORA_ID) is self._committed and held.fits(self._staging))
 
     def _commit_in_place(self, version: int) -> None:
-        """Copy the staged factors into the committed adapter and re-activate it (between two
-        engine steps, inside ``finish_weight_update``): every module's slot buffers are
-        written from them by vLLM's ``set_lora``."""
+        """Copy the staged factors into the committed adapter, then into its slot buffers
+        (between two engine steps, inside ``finish_weight_update``): through the kept slot
+        views (:class:`.SlotWriter`), or by re-activating it (vLLM's ``set_lora`` per module)
+        when the adapter moved slot or a module replaced its buffers since they were captured."""
         manager = self.manager
         with self.ledger.transaction(version) as tx:
             tx.touched = True  # the committed adapter's only copy is overwritten from here on
             self._in_place.copy_from(self._staging)
-            manager.deactivate_adapter(LORA_ID)
-            manager.activate_adapter(LORA_ID)
+            slots = self._slots is not None and self._slots.write(manager, LORA_ID)
+            if not slots:
+                self._slots = None
+                manager.deactivate_adapter(LORA_ID)
+                manager.activate_adapter(LORA_ID)
             tx.commit()
+        if not slots:
+            self._slots = SlotWriter.capture(manager, LORA_ID, self._committed, self._in_place)
+        self.last_install_slots = slots
         self.last_base_bytes = 0
 
     def _remove_all_adapters(self) -> None:
