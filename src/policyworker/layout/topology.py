@@ -32,7 +32,7 @@ from math import prod
 from policyworker.errors import ConfigError
 from policyworker.layout.plan import ReshardPlan, dtype_size
 
-__all__ = ["Route", "RelayRoutes", "relay_routes"]
+__all__ = ["Route", "RelayRoutes", "relay_message_bytes", "relay_routes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +91,17 @@ def _classes(plan: ReshardPlan) -> dict[tuple[int, tuple[int, ...], tuple[int, .
             got[1].add(t.src)
             got[2].add(t.dst)
     return out
+
+
+def relay_message_bytes(bucket_bytes: int, fanout: int) -> int:
+    """The most bytes of one message into an entry that forwards it to ``fanout`` ranks.
+
+    The entry forwards a message once it landed, ``fanout`` copies through its one
+    intra-node port; cut to ``bucket_bytes // fanout``, the last message's forwarding
+    (the relays' drain, which nothing can overlap) costs at most one bucket on that
+    port, as a direct send of one bucket would.
+    """
+    return max(1, bucket_bytes // max(1, fanout))
 
 
 def relay_routes(plan: ReshardPlan, train_nodes: Sequence[Hashable],
