@@ -323,19 +323,29 @@ def _topology(plan: ReshardPlan, fabric: Fabric, place: Placement, bucket: int) 
     got = [dict.fromkeys(KINDS, 0.0) for _ in place.gen]
     relay_in: dict[int, float] = {}  # per entry: seconds its relayed classes take to come in
     fan: dict[int, int] = {}          # per entry: the most ranks one of its classes fans out to
+    # Bytes per (sender, receiver) pair first: a MoE has a million routes over a few
+    # thousand pairs.
+    first: dict[tuple[int, int], float] = {}
+    hops: dict[tuple[int, int], float] = {}
+    relayed_in: dict[tuple[int, int], float] = {}
     for r in routes.routes:
-        entry = place.gen[r.entry]
-        kind = _add(ports, fabric, place.train[r.src], entry, r.nbytes)
-        by_kind[kind] += r.nbytes
-        got[r.entry][kind] += r.nbytes
+        pair = (r.src, r.entry)
+        first[pair] = first.get(pair, 0) + r.nbytes
         if r.fanout:
             fan[r.entry] = max(fan.get(r.entry, 0), len(r.fanout))
-            if kind != "local":
-                relay_in[r.entry] = relay_in.get(r.entry, 0.0) + r.nbytes / fabric.bandwidth(kind)
-        for d in r.fanout:
-            kind = _add(ports, fabric, entry, place.gen[d], r.nbytes)
-            by_kind[kind] += r.nbytes
-            got[d][kind] += r.nbytes
+            relayed_in[pair] = relayed_in.get(pair, 0) + r.nbytes
+            for d in r.fanout:
+                hops[(r.entry, d)] = hops.get((r.entry, d), 0) + r.nbytes
+    for (s, e), n in first.items():
+        kind = _add(ports, fabric, place.train[s], place.gen[e], n)
+        by_kind[kind] += n
+        got[e][kind] += n
+        if (s, e) in relayed_in and kind != "local":
+            relay_in[e] = relay_in.get(e, 0.0) + relayed_in[(s, e)] / fabric.bandwidth(kind)
+    for (e, d), n in hops.items():
+        kind = _add(ports, fabric, place.gen[e], place.gen[d], n)
+        by_kind[kind] += n
+        got[d][kind] += n
     bound, port = port_bound(fabric, ports)
     # An entry forwards a message once it landed: its last message goes out to each of
     # its k fan-out ranks after it took in everything it relays. nccl_reshard cuts the

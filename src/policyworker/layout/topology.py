@@ -120,30 +120,43 @@ def relay_routes(plan: ReshardPlan, train_nodes: Sequence[Hashable],
     local_out = [0] * body.train_world_size    # bytes a trainer sends inside its node
     relay_out = [0] * body.gen_world_size      # bytes a generation rank forwards
     routes = RelayRoutes()
+    add = routes.routes.append
     classes = _classes(plan)
+    # Classes of a MoE share a few (holders, needers) sets: group them once per set.
+    shapes: dict[tuple[frozenset[int], frozenset[int]], tuple] = {}
+
+    def shape(holders: set[int], needers: set[int]) -> tuple:
+        key = (frozenset(holders), frozenset(needers))
+        got = shapes.get(key)
+        if got is None:
+            by_node: dict[Hashable, list[int]] = {}
+            for d in sorted(needers):
+                by_node.setdefault(gen_nodes[d], []).append(d)
+            hs = sorted(holders)
+            got = shapes[key] = (hs, [(by_node[n], [h for h in hs if train_nodes[h] == n])
+                                      for n in sorted(by_node, key=repr)])
+        return got
+
     # Biggest classes first: greedy balancing places the large pieces while every port
     # is still open, the small ones fill the gaps.
     for key in sorted(classes, key=lambda k: (-classes[k][0], k)):
         nbytes, holders, needers = classes[key]
-        by_node: dict[Hashable, list[int]] = {}
-        for d in sorted(needers):
-            by_node.setdefault(gen_nodes[d], []).append(d)
-        for node in sorted(by_node, key=repr):
-            ranks = by_node[node]
-            near = [h for h in sorted(holders) if train_nodes[h] == node]
+        hs, nodes = shape(holders, needers)
+        param, start, stop = key
+        for ranks, near in nodes:
             if near:
                 # Same node: every needer takes it from the least loaded near holder,
                 # as the plan would (no relay: nothing crosses the network).
                 for d in ranks:
                     h = min(near, key=lambda r: (local_out[r], r))
                     local_out[h] += nbytes
-                    routes.routes.append(Route(key[0], key[1], key[2], nbytes, h, d, (), False))
+                    add(Route(param, start, stop, nbytes, h, d, (), False))
                 continue
-            src = min(sorted(holders), key=lambda r: (net_out[r], r))
+            src = min(hs, key=lambda r: (net_out[r], r))
             entry = min(ranks, key=lambda r: (net_in[r], relay_out[r], r))
             fanout = tuple(d for d in ranks if d != entry)
             net_out[src] += nbytes
             net_in[entry] += nbytes
             relay_out[entry] += nbytes * len(fanout)
-            routes.routes.append(Route(key[0], key[1], key[2], nbytes, src, entry, fanout, True))
+            add(Route(param, start, stop, nbytes, src, entry, fanout, True))
     return routes
