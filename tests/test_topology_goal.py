@@ -56,3 +56,26 @@ def test_large_moe_rows(preset: str) -> None:
     plan = _plan(preset, *ROWS[preset])
     for path in FABRICS:
         _check(fabric_report(plan, load_fabric(path)), f"{preset} on {path.name}")
+
+
+@pytest.mark.timeout(60)
+def test_messages_into_a_relaying_entry_are_cut_to_a_bucket_over_its_fanout() -> None:
+    """What the model's drain assumes, in the executor's own schedule: every message into
+    an entry that fans out to k ranks, and every fan-out message, is at most bucket // k."""
+    from policyworker.layout.apply import copy_nbytes
+    from policyworker.transports.nccl_reshard.relay import relay_setup
+    from policyworker.transports.nccl_reshard.schedule import _buckets
+
+    plan = _plan("small", "tp=2", "tp=1,dp=4")   # 4 replicas on one node: fan-out 3
+    bucket = 1 << 20
+    first, fanouts, caps = relay_setup(plan, [0, 0], [1, 1, 1, 1], bucket)
+    assert fanouts and set(caps.values()) == {bucket // 3}
+    seen = 0
+    for t in first.transfers:
+        cap = caps[(t.src, t.dst)]
+        for msg in _buckets(first, t.all_copies(), cap):
+            assert sum(copy_nbytes(first, c) for c in msg) <= cap
+            seen += 1
+    assert seen > len(first.transfers)   # the cut made more messages than pairs
+    assert max(f.nbytes for f in fanouts) <= bucket // 3
+    assert sum(f.nbytes for f in fanouts) == 3 * first.total_bytes   # each byte to 3 peers

@@ -10,7 +10,7 @@ node's network links. `relay_routes` routes the plan's copies by node instead:
 * per destination node, a class needed there is taken from a holder *on that node*
   when one exists (nothing crosses the network); otherwise it crosses once, from the
   holder whose outbound network load is smallest, to the *entry* rank of that node
-  whose inbound load is smallest (so the bytes spread over every NIC of both nodes),
+  whose inbound load is smallest (so the bytes spread over the NICs of both nodes' ranks),
   and the entry relays it to the node's other ranks that need it (NVLink on GPUs,
   shared memory or loopback on CPU).
 
