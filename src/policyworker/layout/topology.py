@@ -82,14 +82,21 @@ def _classes(plan: ReshardPlan) -> dict[tuple[int, tuple[int, ...], tuple[int, .
     params = plan.params
     out: dict[tuple, tuple[int, set[int], set[int]]] = {}
     for t in plan.transfers:
-        for c in t.all_copies():
-            key = (c.param, tuple(c.start), tuple(c.stop))
-            got = out.get(key)
-            if got is None:
-                n = prod(b - a for a, b in zip(c.start, c.stop)) * dtype_size(params[c.param].dtype)
-                got = out[key] = (n, set(), set())
-            got[1].add(t.src)
-            got[2].add(t.dst)
+        src, dst = t.src, t.dst
+        # A run's repetitions share their boxes: walk (param, start, stop) without
+        # expanding the run into copies (a MoE plan holds a million of them).
+        boxes = [(c.param, tuple(c.start), tuple(c.stop), 0, 1) for c in t.copies]
+        boxes += [(c.param, tuple(c.start), tuple(c.stop), run.param_step, run.count)
+                  for run in t.runs for c in run.block]
+        for param, start, stop, step, count in boxes:
+            for p in range(param, param + step * count, step) if count > 1 else (param,):
+                key = (p, start, stop)
+                got = out.get(key)
+                if got is None:
+                    n = prod(b - a for a, b in zip(start, stop)) * dtype_size(params[p].dtype)
+                    got = out[key] = (n, set(), set())
+                got[1].add(src)
+                got[2].add(dst)
     return out
 
 
@@ -152,9 +159,12 @@ def relay_routes(plan: ReshardPlan, train_nodes: Sequence[Hashable],
                     local_out[h] += nbytes
                     add(Route(param, start, stop, nbytes, h, d, (), False))
                 continue
-            src = min(hs, key=lambda r: (net_out[r], r))
-            entry = min(ranks, key=lambda r: (net_in[r], relay_out[r], r))
-            fanout = tuple(d for d in ranks if d != entry)
+            src = hs[0] if len(hs) == 1 else min(hs, key=lambda r: (net_out[r], r))
+            if len(ranks) == 1:
+                entry, fanout = ranks[0], ()
+            else:
+                entry = min(ranks, key=lambda r: (net_in[r], relay_out[r], r))
+                fanout = tuple(d for d in ranks if d != entry)
             net_out[src] += nbytes
             net_in[entry] += nbytes
             relay_out[entry] += nbytes * len(fanout)
