@@ -77,7 +77,7 @@ def test_fabric_model_qwen3_8b_on_h100_meets_its_goal():
     model = report["broadcast"]["model_bytes"]
     assert topo["bytes_by_kind"]["nic"] == model == topo["cross_node_bytes"]   # the model crosses once
     assert topo["bound_s"] <= 0.045
-    assert topo["bound_s"] <= report["plan"]["bound_s"] and topo["bound_s"] <= report["broadcast"]["bound_s"] + 1e-3
+    assert topo["bound_s"] <= report["plan"]["bound_s"] and topo["bound_s"] <= report["broadcast"]["bound_s"]
     # Every byte is relayed: the last piece leaves its entry after the whole intake, so the
     # relay path (intake + one bucket over NVLink) sets the bound.
     assert topo["bound_s"] == topo["relay_path_s"] > topo["ports_bound_s"]

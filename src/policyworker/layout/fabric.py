@@ -22,20 +22,27 @@ Three strategies, for one plan's model and layouts:
   generation rank, as NeMo RL's packed broadcast, checkpoint-engine's broadcast and
   vLLM's stock nccl weight transfer do. Both phases are taken at their best: the
   gather takes each box rank 0 lacks from a holder in its NVLink domain when there is
-  one, else across the fabric into the root's node through all of its NICs, then over
-  NVLink to the root; the broadcast is a pipelined multi-ring one (NCCL's, one ring per
-  NIC of a node): every receiver takes in the whole model at ``min(nvlink,
-  gpus_per_node * nic)`` across domains, ``nvlink`` inside one. ``bound_s`` lets the
-  two phases overlap bucket by bucket (max); ``sequential_s`` adds them.
+  one, else across the fabric into the root's node through the NICs of that node's
+  GPUs that are ranks of the refit, then over NVLink to the root; the broadcast is a
+  pipelined multi-ring one (NCCL's, one ring per NIC): every receiver takes in the
+  whole model at ``min(nvlink, k * nic)`` across domains, ``nvlink`` inside one, where
+  ``k`` is the fewest GPUs of the refit on a node the rings enter or leave (a ring
+  hop is a rank of the communicator: a GPU outside it carries nothing, and one GPU
+  reaches the network through its own NIC). ``bound_s`` pipelines the phases bucket by
+  bucket and pays both fills: the first bucket is gathered before it is broadcast
+  (its share of the gather) or the last one broadcast after it is gathered, and the
+  ring's last rank gets its first chunk one chunk per hop later
+  (:data:`RING_CHUNK_BYTES`, NCCL's); ``sequential_s`` adds the phases.
 * ``full_tensor`` — every generation rank receives every parameter whole (vLLM's m2n
   transfer): each source box's replicas share the receivers round robin (receiver g
   from replica ``g % replicas``), so senders are as balanced as in the plan.
 * ``topology`` — the relay routes (:mod:`.topology`, NVLink domains as nodes): each
   class crosses into a domain once and its entry relays it over NVLink. ``bound_s``
-  is the larger of the ports' bound and the relay path: an entry forwards a piece
-  once it landed, so its last relayed piece leaves after everything it relays came in
-  and arrives one bucket's NVLink time later. (The broadcast's own ring has a fill
-  too; its figure leaves it out.)
+  is the larger of the ports' bound and the relay path: an entry forwards a message
+  once it landed, so its last message goes out to each of its ``k`` fan-out ranks
+  after everything it relays came in; nccl_reshard cuts the messages into a relaying
+  entry to ``bucket // k`` (``relay_message_bytes``), so that drain is at most one
+  bucket through the entry's NVLink port.
 """
 
 from __future__ import annotations
@@ -58,6 +65,11 @@ __all__ = ["Fabric", "Placement", "fabric_report", "format_fabric_report", "load
 
 GB = 1e9
 KINDS = ("nvlink", "nic", "local")
+# NCCL's ring broadcast moves a chunk of one step of its channel buffer per hop:
+# NCCL_BUFFSIZE (4 MiB by default) / NCCL_STEPS (8) with the Simple protocol that
+# large messages use. A pipelined ring's last rank gets its first chunk one chunk
+# per hop after the root sends it: the broadcast's fill.
+RING_CHUNK_BYTES = (4 << 20) // 8
 
 
 class Fabric(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -248,37 +260,61 @@ def _full_tensor_pairs(plan: ReshardPlan, gen_world: int) -> list[tuple[int, int
     return out
 
 
-def _broadcast(plan: ReshardPlan, fabric: Fabric, place: Placement) -> dict[str, Any]:
+def _world_gpus_per_node(fabric: Fabric, place: Placement) -> dict[int, int]:
+    """GPUs of the refit (training or generation ranks) on each node."""
+    out: dict[int, int] = {}
+    for g in set(place.train) | set(place.gen):
+        out[g // fabric.gpus_per_node] = out.get(g // fabric.gpus_per_node, 0) + 1
+    return out
+
+
+def _broadcast(plan: ReshardPlan, fabric: Fabric, place: Placement, bucket: int) -> dict[str, Any]:
     model = sum(prod(p.shape) * dtype_size(p.dtype) for p in plan.params)
     root = place.train[0]
     dom = fabric.domain_gpus
+    node = fabric.gpus_per_node
+    world = _world_gpus_per_node(fabric, place)
     gather = dict.fromkeys(("nvlink", "nic"), 0.0)
     for nbytes, ranks in _classes(plan):
         if 0 in ranks:
             continue
         near = any(place.train[r] // dom == root // dom for r in ranks)
         gather["nvlink" if near else "nic"] += nbytes
-    # Generous: the root's node takes the far bytes in through all its NICs and hands
-    # them (and the near ones) to the root over NVLink.
-    gather_s = max(gather["nic"] / (fabric.gpus_per_node * fabric.bandwidth("nic")),
+    # Generous: the root's node takes the far bytes in through the NICs of all its GPUs
+    # in the refit and hands them (and the near ones) to the root over NVLink.
+    gather_s = max(gather["nic"] / (world[root // node] * fabric.bandwidth("nic")),
                    (gather["nic"] + gather["nvlink"]) / fabric.bandwidth("nvlink"))
-    one_domain = all(g // dom == root // dom for g in place.gen)
-    rate = fabric.bandwidth("nvlink") if one_domain else min(
-        fabric.bandwidth("nvlink"), fabric.gpus_per_node * fabric.bandwidth("nic"))
+    far = sorted({g // node for g in place.gen if g // dom != root // dom})
+    if far:
+        k = min(world[n] for n in [root // node, *far])
+        rate = min(fabric.bandwidth("nvlink"), k * fabric.bandwidth("nic"))
+    else:
+        rate = fabric.bandwidth("nvlink")
     cast_s = model / rate
-    nodes = {g // fabric.gpus_per_node for g in place.gen if g // dom != root // dom}
-    nic = model * len(nodes)
+    # Fills. The ring passes every generation GPU; it enters each far domain once
+    # (a NIC hop), every other hop is NVLink (leaving out the root's hops to the
+    # trainers whose NICs the rings leave through: generous).
+    # A ring's chunk is at most its share of the model (k rings across domains).
+    chunk = min(RING_CHUNK_BYTES, model / (k if far else 1))
+    hops = len(set(place.gen) - {root})
+    nic_hops = len({g // dom for g in place.gen if g // dom != root // dom})
+    ring_fill = (nic_hops * chunk / fabric.bandwidth("nic")
+                 + (hops - nic_hops) * chunk / fabric.bandwidth("nvlink"))
+    share = min(1.0, bucket / model) if model else 0.0
+    pipelined = max(gather_s * share + cast_s, gather_s + cast_s * share)
+    nic = model * len({g // node for g in place.gen if g // dom != root // dom})
     total = model * len(place.gen)
     return {"model_bytes": model, "gather_bytes_by_kind": {k: int(v) for k, v in gather.items()},
-            "gather_s": gather_s, "broadcast_s": cast_s, "bound_s": max(gather_s, cast_s),
-            "sequential_s": gather_s + cast_s,
+            "gather_s": gather_s, "broadcast_s": cast_s, "bound_s": pipelined + ring_fill,
+            "sequential_s": gather_s + cast_s + ring_fill, "ring_fill_s": ring_fill,
+            "bucket_fill_s": pipelined - max(gather_s, cast_s), "ring_gpus_per_node": k if far else None,
             "bytes_by_kind": {"nvlink": int(total - nic), "nic": int(nic), "local": 0},
             "received_per_gen_rank": model}
 
 
 def _topology(plan: ReshardPlan, fabric: Fabric, place: Placement, bucket: int) -> dict[str, Any]:
     """The topology-aware routes (:mod:`.topology`) with NVLink domains as nodes."""
-    from policyworker.layout.topology import relay_routes
+    from policyworker.layout.topology import relay_message_bytes, relay_routes
 
     dom = fabric.domain_gpus
     routes = relay_routes(plan, [g // dom for g in place.train], [g // dom for g in place.gen])
@@ -286,24 +322,40 @@ def _topology(plan: ReshardPlan, fabric: Fabric, place: Placement, bucket: int) 
     by_kind = dict.fromkeys(KINDS, 0.0)
     got = [dict.fromkeys(KINDS, 0.0) for _ in place.gen]
     relay_in: dict[int, float] = {}  # per entry: seconds its relayed classes take to come in
+    fan: dict[int, int] = {}          # per entry: the most ranks one of its classes fans out to
+    # Bytes per (sender, receiver) pair first: a MoE has a million routes over a few
+    # thousand pairs.
+    first: dict[tuple[int, int], float] = {}
+    hops: dict[tuple[int, int], float] = {}
+    relayed_in: dict[tuple[int, int], float] = {}
     for r in routes.routes:
-        entry = place.gen[r.entry]
-        kind = _add(ports, fabric, place.train[r.src], entry, r.nbytes)
-        by_kind[kind] += r.nbytes
-        got[r.entry][kind] += r.nbytes
-        if r.fanout and kind != "local":
-            relay_in[r.entry] = relay_in.get(r.entry, 0.0) + r.nbytes / fabric.bandwidth(kind)
-        for d in r.fanout:
-            kind = _add(ports, fabric, entry, place.gen[d], r.nbytes)
-            by_kind[kind] += r.nbytes
-            got[d][kind] += r.nbytes
+        pair = (r.src, r.entry)
+        first[pair] = first.get(pair, 0) + r.nbytes
+        if r.fanout:
+            fan[r.entry] = max(fan.get(r.entry, 0), len(r.fanout))
+            relayed_in[pair] = relayed_in.get(pair, 0) + r.nbytes
+            for d in r.fanout:
+                hops[(r.entry, d)] = hops.get((r.entry, d), 0) + r.nbytes
+    for (s, e), n in first.items():
+        kind = _add(ports, fabric, place.train[s], place.gen[e], n)
+        by_kind[kind] += n
+        got[e][kind] += n
+        if (s, e) in relayed_in and kind != "local":
+            relay_in[e] = relay_in.get(e, 0.0) + relayed_in[(s, e)] / fabric.bandwidth(kind)
+    for (e, d), n in hops.items():
+        kind = _add(ports, fabric, place.gen[e], place.gen[d], n)
+        by_kind[kind] += n
+        got[d][kind] += n
     bound, port = port_bound(fabric, ports)
-    # A relay forwards a piece once it landed, so its last piece leaves one bucket's
-    # NVLink time after the entry took in everything it relays: a path that bounds the
-    # refit only when it is longer than the ports' bound. (An entry can take the classes
-    # it relays first; then the fill hides under its other bytes.)
-    fill = bucket / fabric.bandwidth("nvlink") if routes.relayed_bytes else 0.0
-    relay_path = max(relay_in.values(), default=0.0) + fill if routes.relayed_bytes else 0.0
+    # An entry forwards a message once it landed: its last message goes out to each of
+    # its k fan-out ranks after it took in everything it relays. nccl_reshard cuts the
+    # messages into a relaying entry to relay_message_bytes(bucket, k), so that drain
+    # is k such messages through the entry's NVLink port. It bounds the refit only
+    # when longer than the ports' bound (an entry that takes its relayed classes
+    # first hides it under its other bytes).
+    drain = {e: k * relay_message_bytes(bucket, k) / fabric.bandwidth("nvlink") for e, k in fan.items()}
+    relay_path = max((relay_in.get(e, 0.0) + drain[e] for e in fan), default=0.0)
+    fill = max(drain.values(), default=0.0)
     return {"bytes_by_kind": {k: int(v) for k, v in by_kind.items()}, "bound_s": max(bound, relay_path),
             "bound_port": _port_name(port) if bound >= relay_path else "relay path",
             "ports_bound_s": bound, "relay_path_s": relay_path, "pipeline_fill_s": fill,
@@ -328,7 +380,7 @@ def fabric_report(plan: ReshardPlan, fabric: Fabric, *, bucket_bytes: int | None
         "bucket_bytes": bucket,
         "model": "lower bounds from bytes / port bandwidth; not a measurement",
         "plan": ours,
-        "broadcast": _broadcast(plan, fabric, place),
+        "broadcast": _broadcast(plan, fabric, place, bucket),
         "full_tensor": full,
         "topology": _topology(plan, fabric, place, bucket),
     }
@@ -351,13 +403,14 @@ def format_fabric_report(d: dict[str, Any], *, per_rank: bool = True) -> str:
         f"NIC {f['nic_gbps']:g} GB/s per GPU; bucket {d['bucket_bytes'] / 2**20:g} MiB",
         "  MODEL (bytes / bandwidth lower bounds), not a measurement",
         f"  {'strategy':<14}{'bound s':>10}{'ordered s':>11}   bytes by link kind",
-        f"  {'plan':<14}{p['bound_s']:>10.3f}{p['ordered_s']:>11.3f}   {kinds(p['bytes_by_kind'])}",
-        f"  {'broadcast':<14}{b['bound_s']:>10.3f}{'':>11}   {kinds(b['bytes_by_kind'])}"
-        f"  (gather {b['gather_s']:.3f} s, broadcast {b['broadcast_s']:.3f} s)",
-        f"  {'full_tensor':<14}{m['bound_s']:>10.3f}{'':>11}   {kinds(m['bytes_by_kind'])}",
-        f"  {'topology':<14}{t['bound_s']:>10.3f}{'':>11}   {kinds(t['bytes_by_kind'])}"
+        f"  {'plan':<14}{p['bound_s']:>10.6f}{p['ordered_s']:>11.3f}   {kinds(p['bytes_by_kind'])}",
+        f"  {'broadcast':<14}{b['bound_s']:>10.6f}{'':>11}   {kinds(b['bytes_by_kind'])}"
+        f"  (gather {b['gather_s']:.3f} s, broadcast {b['broadcast_s']:.3f} s, fills "
+        f"{(b['bucket_fill_s'] + b['ring_fill_s']) * 1e3:.3f} ms)",
+        f"  {'full_tensor':<14}{m['bound_s']:>10.6f}{'':>11}   {kinds(m['bytes_by_kind'])}",
+        f"  {'topology':<14}{t['bound_s']:>10.6f}{'':>11}   {kinds(t['bytes_by_kind'])}"
         f"  (relays {gib(t['relayed_bytes']).strip()}, relay path {t['relay_path_s']:.3f} s "
-        f"incl. pipeline fill {t['pipeline_fill_s'] * 1e3:.2f} ms)",
+        f"incl. drain {t['pipeline_fill_s'] * 1e3:.3f} ms)",
         f"  plan bound set by {p['bound_port']}; full_tensor by {m['bound_port']}",
     ]
     if per_rank:

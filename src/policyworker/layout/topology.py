@@ -10,7 +10,7 @@ node's network links. `relay_routes` routes the plan's copies by node instead:
 * per destination node, a class needed there is taken from a holder *on that node*
   when one exists (nothing crosses the network); otherwise it crosses once, from the
   holder whose outbound network load is smallest, to the *entry* rank of that node
-  whose inbound load is smallest (so the bytes spread over every NIC of both nodes),
+  whose inbound load is smallest (so the bytes spread over the NICs of both nodes' ranks),
   and the entry relays it to the node's other ranks that need it (NVLink on GPUs,
   shared memory or loopback on CPU).
 
@@ -32,7 +32,7 @@ from math import prod
 from policyworker.errors import ConfigError
 from policyworker.layout.plan import ReshardPlan, dtype_size
 
-__all__ = ["Route", "RelayRoutes", "relay_routes"]
+__all__ = ["Route", "RelayRoutes", "relay_message_bytes", "relay_routes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,15 +82,33 @@ def _classes(plan: ReshardPlan) -> dict[tuple[int, tuple[int, ...], tuple[int, .
     params = plan.params
     out: dict[tuple, tuple[int, set[int], set[int]]] = {}
     for t in plan.transfers:
-        for c in t.all_copies():
-            key = (c.param, tuple(c.start), tuple(c.stop))
-            got = out.get(key)
-            if got is None:
-                n = prod(b - a for a, b in zip(c.start, c.stop)) * dtype_size(params[c.param].dtype)
-                got = out[key] = (n, set(), set())
-            got[1].add(t.src)
-            got[2].add(t.dst)
+        src, dst = t.src, t.dst
+        # A run's repetitions share their boxes: walk (param, start, stop) without
+        # expanding the run into copies (a MoE plan holds a million of them).
+        boxes = [(c.param, tuple(c.start), tuple(c.stop), 0, 1) for c in t.copies]
+        boxes += [(c.param, tuple(c.start), tuple(c.stop), run.param_step, run.count)
+                  for run in t.runs for c in run.block]
+        for param, start, stop, step, count in boxes:
+            for p in range(param, param + step * count, step) if count > 1 else (param,):
+                key = (p, start, stop)
+                got = out.get(key)
+                if got is None:
+                    n = prod(b - a for a, b in zip(start, stop)) * dtype_size(params[p].dtype)
+                    got = out[key] = (n, set(), set())
+                got[1].add(src)
+                got[2].add(dst)
     return out
+
+
+def relay_message_bytes(bucket_bytes: int, fanout: int) -> int:
+    """The most bytes of one message into an entry that forwards it to ``fanout`` ranks.
+
+    The entry forwards a message once it landed, ``fanout`` copies through its one
+    intra-node port; cut to ``bucket_bytes // fanout``, the last message's forwarding
+    (the relays' drain, which nothing can overlap) costs at most one bucket on that
+    port, as a direct send of one bucket would.
+    """
+    return max(1, bucket_bytes // max(1, fanout))
 
 
 def relay_routes(plan: ReshardPlan, train_nodes: Sequence[Hashable],
@@ -109,30 +127,46 @@ def relay_routes(plan: ReshardPlan, train_nodes: Sequence[Hashable],
     local_out = [0] * body.train_world_size    # bytes a trainer sends inside its node
     relay_out = [0] * body.gen_world_size      # bytes a generation rank forwards
     routes = RelayRoutes()
+    add = routes.routes.append
     classes = _classes(plan)
+    # Classes of a MoE share a few (holders, needers) sets: group them once per set.
+    shapes: dict[tuple[frozenset[int], frozenset[int]], tuple] = {}
+
+    def shape(holders: set[int], needers: set[int]) -> tuple:
+        key = (frozenset(holders), frozenset(needers))
+        got = shapes.get(key)
+        if got is None:
+            by_node: dict[Hashable, list[int]] = {}
+            for d in sorted(needers):
+                by_node.setdefault(gen_nodes[d], []).append(d)
+            hs = sorted(holders)
+            got = shapes[key] = (hs, [(by_node[n], [h for h in hs if train_nodes[h] == n])
+                                      for n in sorted(by_node, key=repr)])
+        return got
+
     # Biggest classes first: greedy balancing places the large pieces while every port
     # is still open, the small ones fill the gaps.
     for key in sorted(classes, key=lambda k: (-classes[k][0], k)):
         nbytes, holders, needers = classes[key]
-        by_node: dict[Hashable, list[int]] = {}
-        for d in sorted(needers):
-            by_node.setdefault(gen_nodes[d], []).append(d)
-        for node in sorted(by_node, key=repr):
-            ranks = by_node[node]
-            near = [h for h in sorted(holders) if train_nodes[h] == node]
+        hs, nodes = shape(holders, needers)
+        param, start, stop = key
+        for ranks, near in nodes:
             if near:
                 # Same node: every needer takes it from the least loaded near holder,
                 # as the plan would (no relay: nothing crosses the network).
                 for d in ranks:
                     h = min(near, key=lambda r: (local_out[r], r))
                     local_out[h] += nbytes
-                    routes.routes.append(Route(key[0], key[1], key[2], nbytes, h, d, (), False))
+                    add(Route(param, start, stop, nbytes, h, d, (), False))
                 continue
-            src = min(sorted(holders), key=lambda r: (net_out[r], r))
-            entry = min(ranks, key=lambda r: (net_in[r], relay_out[r], r))
-            fanout = tuple(d for d in ranks if d != entry)
+            src = hs[0] if len(hs) == 1 else min(hs, key=lambda r: (net_out[r], r))
+            if len(ranks) == 1:
+                entry, fanout = ranks[0], ()
+            else:
+                entry = min(ranks, key=lambda r: (net_in[r], relay_out[r], r))
+                fanout = tuple(d for d in ranks if d != entry)
             net_out[src] += nbytes
             net_in[entry] += nbytes
             relay_out[entry] += nbytes * len(fanout)
-            routes.routes.append(Route(key[0], key[1], key[2], nbytes, src, entry, fanout, True))
+            add(Route(param, start, stop, nbytes, src, entry, fanout, True))
     return routes

@@ -14,7 +14,11 @@ under the same deadline and verdict.
 **Pipelined.** The entry forwards each piece as soon as the bulk message that carries
 it has landed, not after the whole bulk: a fan-out message is cut exactly like the
 bulk's pieces of that class (``bucket_copies``: one piece per bucket-sized row block),
-so each one depends on exactly one bulk message into its entry.
+so each one depends on exactly one bulk message into its entry. The messages into an
+entry whose classes fan out to at most ``k`` ranks are cut to ``bucket_bytes // k``
+(:func:`~policyworker.layout.topology.relay_message_bytes`): the entry's last message,
+forwarded once to each of ``k`` ranks after everything else came in, then costs at
+most one bucket on its intra-node port — the relays' drain, which nothing overlaps.
 
 **One global order, deadlock-free.** Every message of the refit has a key: a bulk
 message ``(round, src, dst)`` (trainer ranks as ``src``), a fan-out message
@@ -52,7 +56,7 @@ import torch
 
 from policyworker.layout.apply import _region, bucket_copies
 from policyworker.layout.plan import Copy, PlanBody, ReshardPlan, Transfer, dtype_size
-from policyworker.layout.topology import RelayRoutes, relay_routes
+from policyworker.layout.topology import RelayRoutes, relay_message_bytes, relay_routes
 from policyworker.transports.nccl_reshard.schedule import _buckets, _Msg
 
 __all__ = ["NODE_ENV", "Fanout", "gather_nodes", "land_fanout", "merge_fanouts", "node_name", "post_fanout",
@@ -137,7 +141,18 @@ def _pieces(plan: ReshardPlan, c: Copy, bucket_bytes: int) -> list[Copy]:
     return [p for bucket in bucket_copies(plan, [c], bucket_bytes) for p in bucket]
 
 
-def _fanouts(first: ReshardPlan, routes: RelayRoutes, dst_side: dict, bucket_bytes: int) -> list[Fanout]:
+def _caps(routes: RelayRoutes, bucket_bytes: int) -> dict[tuple[int, int], int]:
+    """(src, entry) -> message size of every transfer into a relaying entry."""
+    fan: dict[int, int] = {}
+    for r in routes.routes:
+        if r.fanout:
+            fan[r.entry] = max(fan.get(r.entry, 0), len(r.fanout))
+    return {(r.src, r.entry): relay_message_bytes(bucket_bytes, fan[r.entry])
+            for r in routes.routes if r.entry in fan}
+
+
+def _fanouts(first: ReshardPlan, routes: RelayRoutes, dst_side: dict, bucket_bytes: int,
+             caps: dict[tuple[int, int], int]) -> list[Fanout]:
     """Every fan-out message of the refit, in global key order (the same on every rank)."""
     n_train = first.body.train_world_size
     entries = {r.entry for r in routes.routes if r.fanout}
@@ -146,7 +161,7 @@ def _fanouts(first: ReshardPlan, routes: RelayRoutes, dst_side: dict, bucket_byt
     for t in first.transfers:
         if t.dst not in entries:
             continue
-        for rnd, bucket in enumerate(_buckets(first, t.all_copies(), bucket_bytes)):
+        for rnd, bucket in enumerate(_buckets(first, t.all_copies(), caps.get((t.src, t.dst), bucket_bytes))):
             for p in bucket:
                 landed[(t.dst, p.param, tuple(p.start), tuple(p.stop))] = (rnd, t.src, t.dst)
     out: list[Fanout] = []
@@ -158,7 +173,7 @@ def _fanouts(first: ReshardPlan, routes: RelayRoutes, dst_side: dict, bucket_byt
         for d in r.fanout:
             d_tensor, d_at = dst_side[(key, d)]
             whole = Copy(r.param, r.start, r.stop, src_tensor, src_at, d_tensor, d_at)
-            for k, c in enumerate(_pieces(first, whole, bucket_bytes)):
+            for k, c in enumerate(_pieces(first, whole, caps.get((r.src, r.entry), bucket_bytes))):
                 dep = landed[(r.entry, c.param, tuple(c.start), tuple(c.stop))]
                 nbytes = _box_bytes(c.start, c.stop, first.params[c.param].dtype)
                 out.append(Fanout((dep[0], n_train + r.entry, d, i, k), dep, r.entry, d, c, nbytes))
@@ -167,8 +182,9 @@ def _fanouts(first: ReshardPlan, routes: RelayRoutes, dst_side: dict, bucket_byt
 
 
 def relay_setup(plan: ReshardPlan, train_nodes: Sequence[int], gen_nodes: Sequence[int],
-                bucket_bytes: int) -> tuple[ReshardPlan, list[Fanout]] | None:
-    """The first-hop plan and the fan-out messages, or None when nothing would be relayed."""
+                bucket_bytes: int) -> tuple[ReshardPlan, list[Fanout], dict[tuple[int, int], int]] | None:
+    """The first-hop plan, the fan-out messages and the message size of each (src, entry)
+    pair that differs from ``bucket_bytes``; None when nothing would be relayed."""
     if not plan.dest_format.passthrough:
         return None  # the sender converts copies (quantizes them, say): no bytes to forward as they are
     routes = relay_routes(plan, list(train_nodes), list(gen_nodes))
@@ -176,7 +192,8 @@ def relay_setup(plan: ReshardPlan, train_nodes: Sequence[int], gen_nodes: Sequen
         return None
     src_side, dst_side = _index(plan)
     first = _first_hop_plan(plan, routes, src_side, dst_side)
-    return first, _fanouts(first, routes, dst_side, bucket_bytes)
+    caps = _caps(routes, bucket_bytes)
+    return first, _fanouts(first, routes, dst_side, bucket_bytes, caps), caps
 
 
 def merge_fanouts(schedule: list[_Msg], fanouts: Sequence[Fanout], rank: int, group, n_stage_trainers: int

@@ -51,8 +51,12 @@ class _Msg:
     dep: tuple[int, int, int] | None = None  # a fan-out send: the bulk message it forwards
 
 
-def _schedule(plan: ReshardPlan, ctx: TransportContext, bucket_bytes: int) -> list[_Msg]:
-    """This rank's messages in global key order (the same order on every rank)."""
+def _schedule(plan: ReshardPlan, ctx: TransportContext, bucket_bytes: int,
+              caps: Mapping[tuple[int, int], int] | None = None) -> list[_Msg]:
+    """This rank's messages in global key order (the same order on every rank).
+
+    ``caps``: a smaller message size for some (src, dst) pairs (the transfers into a
+    relaying entry, :mod:`.relay`); the same on every rank."""
     members = stage_members(plan)
     msgs: list[_Msg] = []
     if ctx.role == "send":
@@ -68,7 +72,7 @@ def _schedule(plan: ReshardPlan, ctx: TransportContext, bucket_bytes: int) -> li
         peer_of = lambda t: members[t.stage].index(t.src)  # noqa: E731
         group_of = lambda t: groups[t.stage]  # noqa: E731
     for t in transfers:
-        buckets = _buckets(plan, t.all_copies(), bucket_bytes)
+        buckets = _buckets(plan, t.all_copies(), (caps or {}).get((t.src, t.dst), bucket_bytes))
         g, peer = group_of(t), peer_of(t)
         msgs.append(_Msg((-1, t.src, t.dst), g, peer, _TAG_HEADER, None, len(buckets)))
         for r, bucket in enumerate(buckets):

@@ -245,7 +245,7 @@ class NcclReshardTransport(Transport):
                 )
         device = groups[0].device
         bulk = self._route(ctx, plan)
-        schedule = ctx.state["schedule"] = _schedule(bulk, ctx, self.bucket_bytes)
+        schedule = ctx.state["schedule"] = _schedule(bulk, ctx, self.bucket_bytes, ctx.state.get("bulk_caps"))
         ctx.state["direct_spans"] = _DirectSpans()  # keyed by schedule index: new schedule, new spans
         pair_bytes: dict[tuple[int, int], int] = {}
         for m in schedule:
@@ -278,6 +278,7 @@ class NcclReshardTransport(Transport):
 
         ctx.state.pop("bulk_plan", None)
         ctx.state.pop("fanouts", None)
+        ctx.state.pop("bulk_caps", None)
         update_group = ctx.state.get("update_group")
         if self.relay != "auto" or self.delta is not None or update_group is None:
             return plan
@@ -286,7 +287,7 @@ class NcclReshardTransport(Transport):
         routed = relay_setup(plan, train_nodes, gen_nodes, self.bucket_bytes)
         if routed is None:
             return plan
-        ctx.state["bulk_plan"], ctx.state["fanouts"] = routed
+        ctx.state["bulk_plan"], ctx.state["fanouts"], ctx.state["bulk_caps"] = routed
         return routed[0]
 
     # -- refit -----------------------------------------------------------------------
