@@ -76,9 +76,27 @@ class RelayRoutes:
         return got
 
 
-def _classes(plan: ReshardPlan) -> dict[tuple[int, tuple[int, ...], tuple[int, ...]],
-                                         tuple[int, set[int], set[int]]]:
-    """(param, start, stop) -> (bytes, holders, needers) over every copy of the plan."""
+#: The last plans' classes by plan hash: one plan's routes are asked for once per
+#: fabric or node map (a MoE plan's walk takes seconds). Read-only to every caller.
+_CLASSES_CACHE: dict[str, tuple] = {}
+_CLASSES_KEEP = 2
+
+
+def _classes(plan: ReshardPlan) -> tuple[dict[tuple[int, tuple[int, ...], tuple[int, ...]],
+                                               tuple[int, set[int], set[int]]], list[tuple]]:
+    """(param, start, stop) -> (bytes, holders, needers) over every copy of the plan, and
+    its keys biggest class first (ties by key)."""
+    got = _CLASSES_CACHE.get(plan.hash)
+    if got is None:
+        classes = _walk_classes(plan)
+        got = _CLASSES_CACHE[plan.hash] = (classes, sorted(classes, key=lambda k: (-classes[k][0], k)))
+        while len(_CLASSES_CACHE) > _CLASSES_KEEP:
+            _CLASSES_CACHE.pop(next(iter(_CLASSES_CACHE)))
+    return got
+
+
+def _walk_classes(plan: ReshardPlan) -> dict[tuple[int, tuple[int, ...], tuple[int, ...]],
+                                              tuple[int, set[int], set[int]]]:
     params = plan.params
     out: dict[tuple, tuple[int, set[int], set[int]]] = {}
     for t in plan.transfers:
@@ -128,7 +146,7 @@ def relay_routes(plan: ReshardPlan, train_nodes: Sequence[Hashable],
     relay_out = [0] * body.gen_world_size      # bytes a generation rank forwards
     routes = RelayRoutes()
     add = routes.routes.append
-    classes = _classes(plan)
+    classes, order = _classes(plan)
     # Classes of a MoE share a few (holders, needers) sets: group them once per set.
     shapes: dict[tuple[frozenset[int], frozenset[int]], tuple] = {}
 
@@ -146,7 +164,7 @@ def relay_routes(plan: ReshardPlan, train_nodes: Sequence[Hashable],
 
     # Biggest classes first: greedy balancing places the large pieces while every port
     # is still open, the small ones fill the gaps.
-    for key in sorted(classes, key=lambda k: (-classes[k][0], k)):
+    for key in order:
         nbytes, holders, needers = classes[key]
         hs, nodes = shape(holders, needers)
         param, start, stop = key
