@@ -12,8 +12,9 @@ v's KV cache (HF with v's cache, continued by v+1) — never anything else. Requ
 submitted after ``finish_weight_update`` returned are v+1's. vLLM's own per-request
 ``weight_versions`` spans are checked too: exact when the controller brackets
 ``finish_weight_update`` with ``pause_generation(mode="keep")`` / ``resume_generation``.
-A trainer killed mid-transfer makes ``finish_weight_update`` raise while generation
-goes on with v; the next refit commits.
+A trainer killed mid-transfer, or frozen past the refit's deadline, makes
+``finish_weight_update`` raise (``PeerLost``, ``RefitTimeout``) while generation goes on
+with v; the next refit commits.
 """
 
 from __future__ import annotations
@@ -381,7 +382,7 @@ def test_asyncllm_trainer_killed_mid_overlapped_transfer_keeps_v_then_recovers(w
 
 
 @pytest.mark.timeout(120)
-def test_asyncllm_trainer_stalled_past_the_deadline_keeps_v_then_recovers(world, deadline_s: float = 2.0):
+def test_asyncllm_trainer_stalled_past_the_deadline_keeps_v_then_recovers(world):
     # A trainer frozen (SIGSTOP) mid-transfer: the engine's receive ends at the refit's
     # deadline, finish_weight_update raises RefitTimeout while the clients keep getting
     # v's tokens; the frozen trainer resumes (its own refit failed, typed), every side
@@ -391,7 +392,7 @@ def test_asyncllm_trainer_stalled_past_the_deadline_keeps_v_then_recovers(world,
     from policyworker import errors
     from policyworker.errors import ConfigError, PolicyWorkerError, RefitTimeout
 
-    v, world.done = world.version, []
+    v, world.done, deadline_s = world.version, [], 2.0
 
     async def scenario() -> dict[str, Any]:
         out: dict[str, Any] = {}
