@@ -5,10 +5,20 @@ Starts ``vllm serve`` (here ``python -m vllm.entrypoints.openai.api_server``: vl
 ``--weight-transfer-config '{"backend": "policyworker"}'`` and ``VLLM_SERVER_DEV_MODE=1``
 (which enables vLLM's weight-transfer routes), two trainer processes (tp=2 over a tiny
 Qwen3 built locally). A client thread sends greedy ``/v1/completions`` requests back to
-back the whole time; the controller runs one *overlapped* refit (``init_info.overlap``):
+back the whole time; the controller runs *overlapped* refits (``init_info.overlap``):
 ``update_weights`` returns while the bytes land beside the served weights, the server
-keeps answering with version 0, and ``finish_weight_update`` only swaps. Then it checks
-the answers against Hugging Face transformers' greedy tokens of each version.
+keeps answering with the committed version, and ``finish_weight_update`` only swaps.
+
+1. version 1 commits;
+2. trainer 1 dies in the middle of version 2's transfer: ``finish_weight_update`` fails
+   with policyworker's own error type (read back from vLLM's error body) and the server
+   keeps answering with version 1;
+3. the recovery of docs/vllm-overlap.md: the next ``update_weights`` only closes vLLM's
+   update session, a replacement trainer starts, every side joins fresh groups, and
+   version 2 commits.
+
+Then it checks every answer against Hugging Face transformers' greedy tokens of the
+version it ran on.
 
     python examples/vllm_http_controller.py
 """
@@ -23,9 +33,12 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
+from policyworker.errors import ConfigError, PolicyWorkerError
+from policyworker.integrations.vllm.errors import error_from_text
 from policyworker.integrations.vllm.versions import EXTENSION
 from policyworker.testing.vllm_world import TrainerPool, WorldSpec, greedy_tokens, hf_model, save_hf_model
 from policyworker.runtime.procs import free_port
@@ -36,10 +49,17 @@ PROMPTS = [[1, 2, 3, 4], [100, 7, 8, 9, 11]]
 
 
 def post(url: str, body: dict | None = None, timeout: float = 120.0) -> dict:
+    """POST JSON; a failure of the "policyworker" backend raises as its own policyworker class."""
     data = json.dumps(body).encode() if body is not None else b""
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read() or b"{}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        error = error_from_text(exc.read().decode(errors="replace"))  # the marker in vLLM's error body
+        if error is None:
+            raise
+        raise error from exc
 
 
 def get(url: str, timeout: float = 30.0) -> dict:
@@ -78,12 +98,39 @@ class Load(threading.Thread):
 
 
 def main() -> int:
-    spec = WorldSpec(config=CONFIG)
+    # Small buckets: a refit is dozens of messages, so step 2's trainer dies in the middle of one.
+    spec = WorldSpec(config=CONFIG, reshard_options={"bucket_bytes": 64 << 10})
     tmp = tempfile.mkdtemp(prefix="policyworker-serve-")
     try:
         return _serve_and_refit(spec, os.path.join(tmp, "model"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the model the server loaded
+
+
+def _overlapped_refit(base: str, pool: TrainerPool, load: Load, version: int, kill: int | None = None) -> dict:
+    """One overlapped refit under the load (``kill``: that trainer SIGKILLs itself after its
+    3rd wait of it). Returns its times and the error ``finish_weight_update`` raised (or None)."""
+    t: dict[str, Any] = {"update": time.monotonic(), "error": None}
+    post(base + "/start_weight_update")
+    post(base + "/update_weights", {"update_info": {"version": version}})  # returns: the receive is in flight
+    t["receiving"] = time.monotonic()
+    load.wait_for(lambda s, f, p, tokens: f > t["receiving"])  # served (the old version) while receiving
+    for rank in range(pool.spec.n_train):
+        extra = {"die_after_waits": 3} if rank == kill else {}
+        pool.send({"cmd": "refit", "version": version, **extra}, [rank])  # only now: a request was served
+    alive = [r for r in range(pool.spec.n_train) if r != kill]
+    replies = pool.replies(60, alive)  # the trainers' send returned: every byte landed (or it failed)
+    if kill is None:
+        _check(replies)
+    else:
+        t["exit_code"] = pool.wait_dead(kill, 30)
+    t["finish"] = time.monotonic()
+    try:
+        post(base + "/finish_weight_update", {"weight_version": str(version)})  # only the swap
+    except PolicyWorkerError as exc:  # nothing committed: the server still serves the old version
+        t["error"] = exc
+    t["commit"] = time.monotonic()
+    return t
 
 
 def _serve_and_refit(spec: WorldSpec, path: str) -> int:
@@ -116,34 +163,53 @@ def _serve_and_refit(spec: WorldSpec, path: str) -> int:
         _check(pool.replies(60))
         post(base + "/update_weight_version", {"new_version": "0"})
         load.start()
-        # 2. one overlapped refit of version 1 while the load runs.
-        version = 1
-        load.wait_for(lambda s, f, p, t: True)
-        t_update = time.monotonic()
-        post(base + "/start_weight_update")
-        post(base + "/update_weights", {"update_info": {"version": version}})  # returns: the receive is in flight
-        t_receiving = time.monotonic()
-        load.wait_for(lambda s, f, p, t: f > t_receiving)  # served (version 0) while receiving
-        pool.send({"cmd": "refit", "version": version})  # only now: a request was served while receiving
-        _check(pool.replies(60))  # the trainers' send returned: every byte landed
-        t_finish = time.monotonic()
-        post(base + "/finish_weight_update", {"weight_version": str(version)})  # only the swap
-        t_commit = time.monotonic()
-        load.wait_for(lambda s, f, p, t: s > t_commit)
+        load.wait_for(lambda s, f, p, tokens: True)
+        # 2. an overlapped refit of version 1 while the load runs.
+        one = _overlapped_refit(base, pool, load, 1)
+        if one["error"] is not None:
+            raise one["error"]
+        load.wait_for(lambda s, f, p, tokens: s > one["commit"])
+        # 3. trainer 1 dies in the middle of version 2's transfer: the finish fails, typed.
+        failed = _overlapped_refit(base, pool, load, 2, kill=1)
+        pool.start(1)  # the replacement imports while the server goes on serving version 1
+        label = get(base + "/weight_info")["weight_version"]
+        load.wait_for(lambda s, f, p, tokens: s > failed["commit"])  # served after the failure
+        # Recovery: vLLM keeps its update session open after a failed finish (this call
+        # only closes it); fresh ports, every trainer and the engine join, then version 2 again.
+        try:
+            post(base + "/update_weights", {"update_info": {"version": 2}})
+        except ConfigError as exc:
+            closing = exc
+        else:
+            raise RuntimeError("update_weights after a failed finish did not refuse to receive")
+        init_info = {**pool.connect(gen_world_size=1, version=1), "overlap": True}
+        post(base + "/init_weight_transfer_engine", {"init_info": init_info})
+        _check(pool.replies(60))
+        two = _overlapped_refit(base, pool, load, 2)
+        if two["error"] is not None:
+            raise two["error"]
+        load.wait_for(lambda s, f, p, tokens: s > two["commit"])
         load.stop.set()
         load.join(60)
         served = get(base + "/weight_info")["weight_version"]
         (record,) = post(base + "/collective_rpc", {"method": "policyworker_weight_versions"})["results"]
-        # 3. the answers against HF (one that spans the swap is v's then v+1's: docs/vllm-overlap.md).
-        want = {v: dict(zip(map(tuple, PROMPTS), greedy_tokens(hf_model(spec, v), PROMPTS, 8))) for v in (0, version)}
-        phases = {"before": [d for d in load.done if d[1] < t_update],  # finished before update_weights
-                  "during": [d for d in load.done if t_receiving < d[1] < t_finish],  # ... while receiving
-                  "after": [d for d in load.done if d[0] > t_commit]}  # submitted after the commit
-        ok = served == str(version) and all(phases.values()) and record["commits"][-1][0] == version
-        for phase, v in (("before", 0), ("during", 0), ("after", version)):
-            same = all(tokens == want[v][tuple(prompt)] for _, _, prompt, tokens in phases[phase])
-            ok = ok and same
-            print(f"{phase}: {len(phases[phase])} requests, tokens {'==' if same else '!='} HF version {v}")
+        # 4. the answers against HF (one that spans a swap is v's then v+1's: docs/vllm-overlap.md).
+        want = {v: dict(zip(map(tuple, PROMPTS), greedy_tokens(hf_model(spec, v), PROMPTS, 8))) for v in (0, 1, 2)}
+        phases = {"before": ([d for d in load.done if d[1] < one["update"]], 0),  # finished before update_weights
+                  "during": ([d for d in load.done if one["receiving"] < d[1] < one["finish"]], 0),  # ... receiving
+                  "after": ([d for d in load.done if one["commit"] < d[0] and d[1] < failed["update"]], 1),
+                  # submitted once version 2's refit began, finished before the recovery's swap
+                  "failure": ([d for d in load.done if failed["update"] < d[0] and d[1] < two["finish"]], 1),
+                  "recovered": ([d for d in load.done if d[0] > two["commit"]], 2)}  # submitted after the commit
+        print(f"failed refit of version 2: finish_weight_update raised {type(failed['error']).__name__} (trainer 1 "
+              f"exit code {failed['exit_code']}); weight_version={label}; then update_weights raised "
+              f"{type(closing).__name__} (closes the session)")
+        ok = (type(failed["error"]).__name__ == "PeerLost" and failed["exit_code"] == -9 and label == "1"
+              and served == "2" and [c[0] for c in record["commits"]] == [1, 2])
+        for phase, (done, v) in phases.items():
+            same = all(tokens == want[v][tuple(prompt)] for _, _, prompt, tokens in done)
+            ok = ok and same and bool(done)
+            print(f"{phase}: {len(done)} requests, tokens {'==' if same else '!='} HF version {v}")
         print(f"weight_version={served} committed at engine step {record['commits'][-1][1]}; "
               f"{len(load.done)} requests in all: {'OK' if ok else 'FAILED'}")
         return 0 if ok else 1

@@ -132,6 +132,14 @@ def test_staging_modes_commit_like_hf_and_fail_as_documented(world):
     cases.refit_commits(world, world.version + 1)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["host", "none"])
+def test_staging_mode_a_trainer_stalled_past_the_deadline_fails_as_documented(world, mode):
+    # A trainer frozen mid-refit: RefitTimeout within the deadline; "host" serves the old
+    # version (live bytes unchanged), "none" is torn (live bytes changed) until a full refit.
+    cases.staging_deadline(world, mode)
+
+
 # -- the overlapped refit, on the same engine -------------------------------------------------
 
 def _backend_state(worker):

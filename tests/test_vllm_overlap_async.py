@@ -12,8 +12,9 @@ v's KV cache (HF with v's cache, continued by v+1) — never anything else. Requ
 submitted after ``finish_weight_update`` returned are v+1's. vLLM's own per-request
 ``weight_versions`` spans are checked too: exact when the controller brackets
 ``finish_weight_update`` with ``pause_generation(mode="keep")`` / ``resume_generation``.
-A trainer killed mid-transfer makes ``finish_weight_update`` raise while generation
-goes on with v; the next refit commits.
+A trainer killed mid-transfer, or frozen past the refit's deadline, makes
+``finish_weight_update`` raise (``PeerLost``, ``RefitTimeout``) while generation goes on
+with v; the next refit commits.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class AsyncWorld:
     version: int = 0
     done: list[Done] = field(default_factory=list)
     _hf: dict[int, Any] = field(default_factory=dict)
+    _oracle: dict[tuple[int, tuple[int, ...]], list[int]] = field(default_factory=dict)
 
     def run(self, coro: Any, timeout_s: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
@@ -71,7 +73,10 @@ class AsyncWorld:
         return self._hf[version]
 
     def oracle(self, version: int, prompt: list[int]) -> list[int]:
-        return greedy_tokens(self.hf(version), [prompt], MAX_TOKENS)[0]
+        key = (version, tuple(prompt))  # kept: a load's hundred requests share two prompts
+        if key not in self._oracle:
+            self._oracle[key] = greedy_tokens(self.hf(version), [prompt], MAX_TOKENS)[0]
+        return list(self._oracle[key])
 
     def spliced(self, prompt: list[int], tokens: list[int], k: int, old: int, new: int) -> list[int]:
         """HF's tokens when weights ``old`` produced output tokens ``[0, k)`` and ``new`` the rest.
@@ -149,14 +154,20 @@ class AsyncWorld:
         assert all(r["ok"] for r in replies), replies
 
     async def overlapped_refit(self, version: int, *, die: dict[int, int] | None = None,
+                               stall: dict[int, int] | None = None, refit_timeout_s: float | None = None,
                                keep_pause: bool = False) -> dict[str, Any]:
-        """One refit under the load; returns its marks (times) and the engine-side error."""
+        """One refit under the load; returns its marks (times) and the engine-side error.
+
+        ``die`` / ``stall``: {trainer rank: k}: that trainer SIGKILLs / SIGSTOPs itself
+        after its k-th wait (a stalled one resumes once the engine's receive ended);
+        ``refit_timeout_s``: this refit's deadline on every side (None: the spec's)."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        die = die or {}
+        die, stall = die or {}, stall or {}
         marks: dict[str, Any] = {"update_called": time.monotonic()}
         await self.engine.start_weight_update()
-        await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
+        await self.engine.update_weights(WeightTransferUpdateRequest(
+            update_info={"version": version, "refit_timeout_s": refit_timeout_s}))
         marks["update_returned"] = time.monotonic()
         receiving = (await self.rpc_versions())["receiving"]
         assert receiving == {"version": version, "started_step": receiving["started_step"], "landed": False,
@@ -165,15 +176,27 @@ class AsyncWorld:
         marks["during"] = await self.finished_after(marks["update_returned"])
         marks["send"] = time.monotonic()
         for rank in range(self.spec.n_train):
-            cmd = {"cmd": "refit", "version": version}
+            cmd = {"cmd": "refit", "version": version, "refit_timeout_s": refit_timeout_s}
             if rank in die:
                 cmd["die_after_waits"] = die[rank]
+            if rank in stall:
+                cmd["stall_after_waits"] = stall[rank]
             self.pool.send(cmd, [rank])
+        if stall:
+            try:  # until the engine's deadline ended its receive
+                while not (await self.rpc_versions())["receiving"]["landed"]:
+                    if time.monotonic() > marks["send"] + 2 * (refit_timeout_s or self.spec.refit_timeout_s):
+                        raise TimeoutError("the engine's receive did not end within twice its deadline")
+                    await asyncio.sleep(0.05)
+                marks["receive_ended"] = time.monotonic()
+            finally:
+                for rank in stall:
+                    self.pool.resume(rank)
         alive = [r for r in range(self.spec.n_train) if r not in die]
         marks["replies"] = await asyncio.to_thread(self.pool.replies, self.spec.refit_timeout_s, alive)
         for rank in die:
             marks.setdefault("exit_codes", {})[rank] = await asyncio.to_thread(self.pool.wait_dead, rank, 10.0)
-        if not die:
+        if not die and not stall:
             assert (await self.rpc_versions())["receiving"]["landed"]  # every byte (post-processing may still run)
         marks["error"] = None
         if keep_pause:
@@ -356,6 +379,61 @@ def test_asyncllm_trainer_killed_mid_overlapped_transfer_keeps_v_then_recovers(w
     counts = _check_all(world, 1, 2, exact_spans=True)
     print(f"\nrequests: {counts}; commits {out['record']['commits']}")
     world.version = 2
+
+
+@pytest.mark.timeout(120)
+def test_asyncllm_trainer_stalled_past_the_deadline_keeps_v_then_recovers(world):
+    # A trainer frozen (SIGSTOP) mid-transfer: the engine's receive ends at the refit's
+    # deadline, finish_weight_update raises RefitTimeout while the clients keep getting
+    # v's tokens; the frozen trainer resumes (its own refit failed, typed), every side
+    # joins fresh groups and the next refit commits.
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    from policyworker import errors
+    from policyworker.errors import ConfigError, PolicyWorkerError, RefitTimeout
+
+    v, world.done, deadline_s = world.version, [], 2.0
+
+    async def scenario() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        await world.connect(version=v)  # fresh groups, whatever the test before left
+        async with world.load():
+            out["commits_before"] = (await world.rpc_versions())["commits"]
+            out["failed"] = await world.overlapped_refit(v + 1, stall={1: 3}, refit_timeout_s=deadline_s,
+                                                         keep_pause=True)
+            out["after_failure"] = await world.finished_after(out["failed"]["finish_returned"], 2, submitted=True)
+            out["label_after_failure"] = await world.engine.get_weight_version()
+            out["record_after_failure"] = await world.rpc_versions()
+            try:  # vLLM keeps its update session open after a failed finish: this call closes it
+                await world.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": v + 1}))
+            except Exception as exc:  # vLLM re-raises a worker's error as a plain Exception
+                out["closing"] = engine_error(exc) or exc
+            await world.connect(version=v)  # the deadline aborted the engine's groups
+            out["recovered"] = await world.overlapped_refit(v + 1, keep_pause=True)
+            out["after"] = await world.finished_after(out["recovered"]["finish_returned"], 2, submitted=True)
+            out["label"] = await world.engine.get_weight_version()
+        return out
+
+    out = world.run(scenario(), 110)
+    failed = out["failed"]
+    assert isinstance(failed["error"], RefitTimeout), failed["error"]
+    assert failed["receive_ended"] - failed["update_returned"] < deadline_s + 10.0  # the deadline, not later
+    for r in failed["replies"]:  # both trainers' own refits failed, typed; the frozen one too once resumed
+        assert r["ok"] is False and not r.get("fatal") and issubclass(getattr(errors, r["error"]), PolicyWorkerError), r
+    record = out["record_after_failure"]
+    assert out["label_after_failure"] == str(v) and record["version"] == v and not record["torn"]
+    assert record["commits"] == out["commits_before"] and record["receiving"] is None
+    for d in failed["during"] + out["after_failure"]:
+        assert d.tokens == world.oracle(v, d.prompt) and d.spans == [(str(v), 0, MAX_TOKENS)], d
+    assert isinstance(out.get("closing"), ConfigError) and "only closes that session" in str(out["closing"])
+    rec = out["recovered"]
+    assert rec["error"] is None and [r["version"] for r in rec["replies"]] == [v + 1, v + 1], rec
+    for d in out["after"]:
+        assert d.tokens == world.oracle(v + 1, d.prompt) and d.spans == [(str(v + 1), 0, MAX_TOKENS)], d
+    assert out["label"] == str(v + 1)
+    counts = _check_all(world, v, v + 1, exact_spans=True)
+    print(f"\nrequests: {counts}; receive ended {failed['receive_ended'] - failed['send']:.2f} s after the send")
+    world.version = v + 1
 
 
 @pytest.mark.timeout(300)

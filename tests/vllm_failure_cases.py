@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from policyworker import errors
 from policyworker.runtime.procs import free_port
 from policyworker.errors import ConfigError, PeerLost, PolicyWorkerError, RefitTimeout, TornWeights, TransportError
 from policyworker.integrations.vllm.backend import typed_errors
@@ -238,27 +239,89 @@ def staging_modes(world, modes=("device", "host", "none")) -> None:
             with pytest.raises(ConfigError, match=r"update_info.overlap with staging='none'"):
                 with typed_errors():
                     world.llm.update_weights({"update_info": {"version": v + 1, "overlap": True}})
+        before = live_digests(world)
         error, replies = world.refit(v + 1, die={1: 3})
         assert isinstance(error, PeerLost), (mode, error)
         assert world.pool.wait_dead(1, 10.0) == -9
-        if mode == "none":
-            assert _engine_torn(world) == [True] * world.tp, mode
-            world.pool.start(1)
-            assert all(r["ok"] for r in world.connect(version=v, staging=mode))
-            world.llm.start_weight_update()
-            with pytest.raises(TornWeights):  # refuses to commit anything but a full refit
-                with typed_errors():
-                    world.llm.finish_weight_update(weight_version=str(v + 1))
-            _resend_and_commit(world, v + 1)  # a full refit in the session vLLM kept open heals it
-        else:
-            assert _engine_torn(world) == [False] * world.tp, mode
-            assert_serves(world, v)
-            assert world.tokens() == world.oracle(v)
-            world.pool.start(1)
-            assert all(r["ok"] for r in world.connect(version=v, staging=mode))
-            refit_commits(world, v + 1)  # tokens are HF's
-        assert _engine_torn(world) == [False] * world.tp, mode
-        _check_report(world, mode)
+        _left_as_documented(world, mode, v, before)
+        world.pool.start(1)
+        _recovers(world, mode, v)
+
+
+def _left_as_documented(world, mode: str, v: int, before: list[dict[str, str]] | None = None) -> None:
+    """After a failed refit of ``v + 1``: "none" is torn on every rank, the others serve ``v``
+    untouched (HF's tokens); ``before``: the live digests before it, of which some rank's
+    changed iff torn (bytes, not only the flag: a rank is torn too when only another's changed)."""
+    torn = mode == "none"
+    assert _engine_torn(world) == [torn] * world.tp, mode
+    if before is not None:
+        assert any(a != b for a, b in zip(live_digests(world), before)) == torn, mode
+    if not torn:
+        assert_serves(world, v)
+        assert world.tokens() == world.oracle(v)
+
+
+def _recovers(world, mode: str, v: int) -> None:
+    """Every side joins fresh groups; "none" refuses to commit until a full refit heals it;
+    then ``v + 1`` commits (HF's tokens) and the report says what the mode holds."""
+    assert all(r["ok"] for r in world.connect(version=v, staging=mode))
+    if mode == "none":
+        world.llm.start_weight_update()
+        with pytest.raises(TornWeights):  # refuses to commit anything but a full refit
+            with typed_errors():
+                world.llm.finish_weight_update(weight_version=str(v + 1))
+        _resend_and_commit(world, v + 1)  # a full refit in the session vLLM kept open heals it
+    else:
+        refit_commits(world, v + 1)  # tokens are HF's
+    assert _engine_torn(world) == [False] * world.tp, mode
+    _check_report(world, mode)
+
+
+def live_digests(world) -> list[dict[str, str]]:
+    """Per vLLM rank, a sha256 of every parameter and buffer its live model holds."""
+
+    def digest(worker) -> dict[str, str]:
+        import hashlib
+
+        import torch
+
+        model = worker.weight_transfer_engine.model
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        return {name: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+                for name, t in tensors}
+
+    return world.llm.collective_rpc(digest)
+
+
+def staging_deadline(world, mode: str, deadline_s: float = 2.0) -> None:
+    """A trainer that stalls mid-refit (SIGSTOP after its 3rd wait) past the refit's deadline:
+    ``update_weights`` raises ``RefitTimeout`` within the deadline (plus process slack) and
+    leaves what the mode promises (:func:`_left_as_documented`); the stalled trainer
+    resumes and reports a typed failure of its own, every side joins fresh groups (the
+    deadline aborted the engine's), and the next refit commits."""
+    served_at_least_v1(world)
+    v = world.version
+    assert all(r["ok"] for r in world.connect(version=v, staging=mode))
+    before = live_digests(world)
+    for rank in range(world.spec.n_train):  # every side gets this refit's deadline
+        cmd = {"cmd": "refit", "version": v + 1, "refit_timeout_s": deadline_s}
+        world.pool.send({**cmd, "stall_after_waits": 3} if rank == 1 else cmd, [rank])
+    world.llm.start_weight_update()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RefitTimeout) as info:
+            with typed_errors():
+                world.llm.update_weights({"update_info": {"version": v + 1, "refit_timeout_s": deadline_s}})
+        elapsed = time.monotonic() - t0
+    finally:
+        world.pool.resume(1)
+    assert elapsed < deadline_s + 10.0, elapsed
+    assert isinstance(info.value.rank, int)
+    replies = world.pool.replies(world.spec.refit_timeout_s)
+    for r in replies:  # each trainer's own refit failed, typed (the loop replies ok=False for ours only)
+        assert r["ok"] is False and not r.get("fatal") and issubclass(getattr(errors, r["error"]), PolicyWorkerError), r
+    _left_as_documented(world, mode, v, before)
+    _recovers(world, mode, v)
 
 
 def _check_report(world, mode: str) -> None:

@@ -167,11 +167,20 @@ async def _trainer(rank: int, spec: WorldSpec, commands: Any, replies: Any) -> N
             elif kind == "refit":
                 if cmd.get("load", True):
                     spec.load(w, cmd["version"])
+                # die_after_waits: SIGKILL after this trainer's k-th wait of the refit;
+                # stall_after_waits: SIGSTOP there (frozen until the controller's resume).
+                remove = None
                 if cmd.get("die_after_waits"):
-                    die_after_waits(cmd["die_after_waits"])
+                    remove = die_after_waits(cmd["die_after_waits"])
+                elif cmd.get("stall_after_waits"):
+                    remove = die_after_waits(cmd["stall_after_waits"], signal.SIGSTOP)
                 t0 = time.perf_counter()
-                rep = await w.refit("nccl_reshard", refit_timeout_s=spec.refit_timeout_s,
-                                    kv_scales=cmd.get("kv_scales"))
+                try:
+                    rep = await w.refit("nccl_reshard", kv_scales=cmd.get("kv_scales"),
+                                        refit_timeout_s=cmd.get("refit_timeout_s") or spec.refit_timeout_s)
+                finally:
+                    if remove is not None:  # a refit that ended before the k-th wait: no leak into the next
+                        remove()
                 replies.put({"ok": True, "version": rep.version, "bytes": rep.bytes, "seconds": rep.seconds,
                              "wall": time.perf_counter() - t0, "notes": list(rep.notes),
                              "wire_bytes": rep.wire_bytes, "kv_scales": rep.kv_scales, "base_bytes": rep.base_bytes})
@@ -273,6 +282,10 @@ class TrainerPool:
         return {"host": "127.0.0.1", "update_port": update_port, "stage_ports": [stage_port],
                 "trainers_per_stage": [self.spec.n_train], "timeout_s": self.spec.timeout_s,
                 "refit_timeout_s": self.spec.refit_timeout_s, "reshard_options": dict(self.spec.reshard_options)}
+
+    def resume(self, rank: int) -> None:
+        """SIGCONT trainer ``rank`` (one that a ``stall_after_waits`` refit froze)."""
+        os.kill(self.procs[rank].pid, signal.SIGCONT)
 
     def wait_dead(self, rank: int, timeout_s: float) -> int | None:
         self.procs[rank].join(timeout_s)
