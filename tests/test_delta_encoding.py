@@ -8,7 +8,13 @@ import torch
 from policyworker.errors import ConfigError, ProtocolError
 from policyworker.transports.nccl_reshard.transport import NcclReshardOptions, NcclReshardSetup
 from policyworker.layout import delta as D
-from policyworker.layout.delta_inc import INCREMENTAL_MAX, apply_update, encode_update, segment_checksums
+from policyworker.layout.delta_inc import (
+    INCREMENTAL_MAX,
+    apply_update,
+    encode_update,
+    segment_checksums,
+    word_deltas_sum,
+)
 from policyworker.transports.nccl_reshard.delta_handshake import (
     _HS_MAGIC,
     _NO_SHADOW,
@@ -178,6 +184,24 @@ def test_segment_checksums_equal_checksum_per_segment(aligned):
         segs = _segments(nbytes, g, aligned)
         for data in (raw[:nbytes], raw[1:nbytes + 1]):  # an 8-byte-aligned start, and not
             assert segment_checksums(data, segs) == [D.checksum(data[a:a + m]) for a, m in segs]
+
+
+def test_word_deltas_sum_finds_each_words_segment_across_empty_ones():
+    # Changed words (with repeats, as units of one word give) in segments of a stream that
+    # has empty segments at its start, in its middle and at its end: the increments equal
+    # the checksums' difference, segment by segment.
+    g = torch.Generator().manual_seed(6)
+    segs = [(0, 0), (0, 2048), (2048, 0), (2048, 8), (2056, 4096), (6152, 0), (6152, 1032), (7184, 0)]
+    old = torch.randint(0, 256, (7184,), dtype=torch.uint8, generator=g)
+    new = old.clone()
+    units = torch.randint(0, 7184 // 2, (300,), generator=g).unique()
+    new.view(torch.int16)[units] ^= 3
+    words = (units >> 2).numpy()  # ascending, with repeats
+    delta = (new.view(torch.int64)[units >> 2].numpy().view("u8") - old.view(torch.int64)[units >> 2].numpy().view("u8"))
+    first = [i == 0 or words[i] != words[i - 1] for i in range(words.size)]  # one delta per changed word
+    got = word_deltas_sum(segs, words[first], delta[first])
+    before, after = segment_checksums(old, segs), segment_checksums(new, segs)
+    assert {i: (a - b) % 2**64 for i, (a, b) in enumerate(zip(after, before)) if a != b} == got
 
 
 def _row(role, v, shadow=0, want=_WANT_DELTA):

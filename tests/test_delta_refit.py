@@ -72,10 +72,11 @@ def test_checksum_mismatch_fails_nothing_served_next_refit_full_forced_full_and_
 
 @pytest.mark.timeout(120)
 def test_a_stall_mid_delta_times_out_and_leaves_the_rollouts_intact_at_their_version():
-    # Trainer 0 stalls at its 2nd group wait of v3 (the handshake, then its one header
+    # Trainer 0 stalls at its 7th group wait of v3 (the handshake's 6 as the update
+    # group's rank 0 of 4 — a row from each peer, an answer to each — then its one header
     # send), before it posts its payload, past everyone's deadline: the rollouts had
     # received headers only and applied nothing.
-    spec = DeltaSpec(fractions=[1.0, 0.01, 0.01], stall=(0, 3, 2, 8.0), refit_timeout_s=3.0)
+    spec = DeltaSpec(fractions=[1.0, 0.01, 0.01], stall=(0, 3, 7, 8.0), refit_timeout_s=3.0)
     results = _world(spec)
     n_train = spec.train_par.world_size
     for g, r in enumerate(results[n_train:]):

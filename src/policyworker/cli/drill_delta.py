@@ -80,8 +80,9 @@ def delta_rank_main(rank: int, sc: Any, ports: list[dict], events, start_epoch: 
             if version > REFITS:
                 break
             if victim and version == FAULT_VERSION and not out["failures"]:
-                # waits of a delta on the receiver: the handshake, one header, then the payload
-                faults.die_after_waits(3, signal.SIGKILL)
+                # waits of a delta on the receiver: the handshake's two (its row sent, the
+                # answer), one header, then the payload: it dies waiting for the payload
+                faults.die_after_waits(4, signal.SIGKILL)
             t0 = time.monotonic()
             try:
                 if trainer:

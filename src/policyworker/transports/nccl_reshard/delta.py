@@ -4,7 +4,7 @@ version every receiver holds; anything unsure is a full refit.
 Turned on at attach (``delta=True`` on every rank, checked at connect); per refit the
 trainers may ask for a full one (``refit(..., delta=False)``). One refit, both sides:
 
-1. **Handshake** over the update group (one small all-reduce,
+1. **Handshake** over the update group (one short round to rank 0 and back,
    :mod:`.delta_handshake`): a trainer says the version it sends, the version of its
    *shadow* (the bytes it last sent, per transfer) and whether it wants a delta
    (option, ``delta_full_every``, the changed fraction estimated on a sample of a few
