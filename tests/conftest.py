@@ -58,7 +58,7 @@ COST_S = {
     "test_vllm_moe_ep.py": 45, "test_vllm_trainer_api.py": 40,
     "test_demo.py": 40, "test_relay.py": 40, "test_vllm_bench.py": 35, "test_vllm_delta.py": 35,
     "test_vllm_fp8.py": 35, "test_delta_refit.py": 35, "test_files_processes.py": 35,
-    "test_vllm_errors.py": 30, "test_vllm_refusal.py": 25, "test_lora_rollout.py": 25,
+    "test_vllm_errors.py": 30, "test_vllm_refusal.py": 25, "test_lora_rollout.py": 25, "test_topology_goal.py": 25,
 }
 
 
