@@ -197,7 +197,13 @@ class AsyncWorld:
         for rank in die:
             marks.setdefault("exit_codes", {})[rank] = await asyncio.to_thread(self.pool.wait_dead, rank, 10.0)
         if not die and not stall:
-            assert (await self.rpc_versions())["receiving"]["landed"]  # every byte (post-processing may still run)
+            # Every byte landed (post-processing may still run). The trainers return on the
+            # verdict; the engine's receive thread marks the landing just after it, at a lower
+            # priority than the engine: wait for it, bounded.
+            landed_by = time.monotonic() + self.spec.refit_timeout_s
+            while not (await self.rpc_versions())["receiving"]["landed"]:
+                assert time.monotonic() < landed_by, "the engine never marked the receive landed"
+                await asyncio.sleep(0.02)
         marks["error"] = None
         if keep_pause:
             await self.engine.pause_generation(mode="keep", clear_cache=False)
