@@ -302,7 +302,7 @@ def _broadcast(plan: ReshardPlan, fabric: Fabric, place: Placement, bucket: int)
                  + (hops - nic_hops) * chunk / fabric.bandwidth("nvlink"))
     share = min(1.0, bucket / model) if model else 0.0
     pipelined = max(gather_s * share + cast_s, gather_s + cast_s * share)
-    nic = model * len({g // node for g in place.gen if g // dom != root // dom})
+    nic = model * len(far)
     total = model * len(place.gen)
     return {"model_bytes": model, "gather_bytes_by_kind": {k: int(v) for k, v in gather.items()},
             "gather_s": gather_s, "broadcast_s": cast_s, "bound_s": pipelined + ring_fill,
@@ -322,7 +322,7 @@ def _topology(plan: ReshardPlan, fabric: Fabric, place: Placement, bucket: int) 
     by_kind = dict.fromkeys(KINDS, 0.0)
     got = [dict.fromkeys(KINDS, 0.0) for _ in place.gen]
     relay_in: dict[int, float] = {}  # per entry: seconds its relayed classes take to come in
-    fan: dict[int, int] = {}          # per entry: the most ranks one of its classes fans out to
+    fan = routes.entry_fanouts()      # per entry: the most ranks one of its classes fans out to
     # Bytes per (sender, receiver) pair first: a MoE has a million routes over a few
     # thousand pairs.
     first: dict[tuple[int, int], float] = {}
@@ -332,7 +332,6 @@ def _topology(plan: ReshardPlan, fabric: Fabric, place: Placement, bucket: int) 
         pair = (r.src, r.entry)
         first[pair] = first.get(pair, 0) + r.nbytes
         if r.fanout:
-            fan[r.entry] = max(fan.get(r.entry, 0), len(r.fanout))
             relayed_in[pair] = relayed_in.get(pair, 0) + r.nbytes
             for d in r.fanout:
                 hops[(r.entry, d)] = hops.get((r.entry, d), 0) + r.nbytes

@@ -63,6 +63,14 @@ class RelayRoutes:
     def relayed_bytes(self) -> int:
         return sum(r.nbytes * len(r.fanout) for r in self.routes)
 
+    def entry_fanouts(self) -> dict[int, int]:
+        """Per relaying entry: the most ranks one of its classes fans out to."""
+        fan: dict[int, int] = {}
+        for r in self.routes:
+            if r.fanout:
+                fan[r.entry] = max(fan.get(r.entry, 0), len(r.fanout))
+        return fan
+
     @property
     def total_bytes(self) -> int:
         return sum(r.nbytes * (1 + len(r.fanout)) for r in self.routes)

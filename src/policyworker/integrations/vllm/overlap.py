@@ -91,7 +91,8 @@ class OverlappedReceive:
     """One receive running on the backend's loop while the engine steps, then its
     post-processing on a thread of its own; see the module docstring."""
 
-    def __init__(self, future: concurrent.futures.Future, *, version: int, step: int, timeout_s: float) -> None:
+    def __init__(self, future: concurrent.futures.Future, *, version: int, step: int, timeout_s: float,
+                 background: bool = False) -> None:
         self.future = future
         self.version = version
         self.started_step = step
@@ -105,7 +106,7 @@ class OverlappedReceive:
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
-        self.give_way = False
+        self._background = background
 
     @classmethod
     def start(cls, loop: Any, coro: Any, *, worker: Any, version: int, step: int, timeout_s: float,
@@ -126,15 +127,14 @@ class OverlappedReceive:
             time.sleep(0.0005)
         if future.done():
             future.result()  # a receive that failed at once raises here, before update_weights returns
-        self = cls(future, version=version, step=step, timeout_s=timeout_s)
-        self.give_way = background
+        self = cls(future, version=version, step=step, timeout_s=timeout_s, background=background)
         self._thread = threading.Thread(target=self._after_receive, args=(worker.rank, prepare), daemon=True,
                                         name="policyworker-vllm-prepare")
         self._thread.start()
         return self
 
     def _after_receive(self, rank: int, prepare: Callable[[], Any]) -> None:
-        if self.give_way:
+        if self._background:
             give_way()
         try:
             self._wait_receive(rank)

@@ -143,10 +143,7 @@ def _pieces(plan: ReshardPlan, c: Copy, bucket_bytes: int) -> list[Copy]:
 
 def _caps(routes: RelayRoutes, bucket_bytes: int) -> dict[tuple[int, int], int]:
     """(src, entry) -> message size of every transfer into a relaying entry."""
-    fan: dict[int, int] = {}
-    for r in routes.routes:
-        if r.fanout:
-            fan[r.entry] = max(fan.get(r.entry, 0), len(r.fanout))
+    fan = routes.entry_fanouts()
     return {(r.src, r.entry): relay_message_bytes(bucket_bytes, fan[r.entry])
             for r in routes.routes if r.entry in fan}
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from policyworker.errors import ConfigError, PeerLost, ProtocolError, RefitAborted, RefitTimeout, TransportError
 from policyworker.transports.zmq import wire as w
@@ -156,8 +157,7 @@ class Channel:
             raise TransportError(f"{what}: {exc}", rank=self.rank, transport="zmq") from exc
 
     def _monitor_event(self) -> int:
-        frames = self._monitor.recv_multipart(zmq.NOBLOCK)
-        return int.from_bytes(frames[0][:2], "little")  # zmq's event frame: uint16 event, uint32 value
+        return parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
 
     def recv(self, deadline: float, what: str, *, reconnect_grace_s: float | None = None,
              on_reconnect: Any = None) -> w.ZmqMessage:
