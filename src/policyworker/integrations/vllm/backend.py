@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -73,7 +74,7 @@ from policyworker.layout.plan import ReshardPlan
 from policyworker.integrations.vllm.errors import engine_error, mark, typed_errors
 from policyworker.integrations.vllm.join import Joined, Loop as _Loop, join
 from policyworker.integrations.vllm.overlap import (OverlappedReceive, StepCounter, give_way, hold_live_state,
-                                                    release_in_background)
+                                                    hurry_gil, release_in_background)
 from policyworker.integrations.vllm.plan import NEEDS_KEY, PLAN_KEY, encode_needs
 from policyworker.integrations.vllm.rpc import Agreement, install_single_reply
 from policyworker.integrations.vllm.stage import VllmStage, loaded_set_bytes
@@ -228,6 +229,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self._joined: Joined | None = None
         self._info: PolicyworkerInitInfo | None = None
         self._received: int | None = None
+        self._gil_switch: float | None = None  # the switch interval before the first overlapped refit
         #: The last refit's report on this rank (its notes say whether it was a delta).
         self.last_report: Any = None
         #: The FP8 kv-cache scales the trainers sent with the last refit received (None: none).
@@ -447,6 +449,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         joined.land_in(self._stage.receive_views())
         bound = timeout if timeout is not None else self._info.timeout_s
         if self._info.overlap if update_info.overlap is None else update_info.overlap:
+            if self.device.type == "cpu" and self._gil_switch is None:
+                self._gil_switch = hurry_gil()  # for the engine's life: restored at shutdown
             self._pending = OverlappedReceive.start(
                 self._loop, joined.refit(timeout), worker=worker,
                 version=update_info.version, step=self.steps.count, timeout_s=bound, prepare=self._stage.prepare,
@@ -586,6 +590,9 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
                     joined.close()
 
     def shutdown(self) -> None:
+        if self._gil_switch is not None:
+            sys.setswitchinterval(self._gil_switch)
+            self._gil_switch = None
         if self._stage is not None:
             self._stage.prepack.stop()
         self._close_worker()
