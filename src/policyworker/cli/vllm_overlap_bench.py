@@ -244,7 +244,7 @@ class _Bench:
                "finish_call_seconds": t4 - t3, "trainer_send_seconds": max(r["seconds"] for r in replies),
                "stall_seconds": gap[1] - gap[0],
                "stall_excess_seconds": gap[1] - gap[0] - statistics.median(before_gaps),
-               "stall_from_seconds": gap[0] - t0,
+               "stall_from_seconds": gap[0] - t0, "stall_to_seconds": gap[1] - t0,
                "stall_in": [name for name, (a, b) in calls.items() if a <= gap[1] - t0 and b >= gap[0] - t0],
                "forward_gap_seconds": fgap[1] - fgap[0],
                "baseline_gap_max_seconds": max(before_gaps),

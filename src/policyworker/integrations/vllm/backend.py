@@ -54,32 +54,26 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from policyworker.ledger import WeightLedger
 from policyworker.errors import (ConfigError, PlanMismatch, PolicyWorkerError, ProtocolError, TornWeights,
                       translate_comm_error)
 from policyworker.layout.plan import ReshardPlan
 from policyworker.integrations.vllm.errors import engine_error, mark, typed_errors
+from policyworker.integrations.vllm.info import PolicyworkerInitInfo, PolicyworkerUpdateInfo
 from policyworker.integrations.vllm.join import Joined, Loop as _Loop, join
-from policyworker.integrations.vllm.overlap import (OverlappedReceive, StepCounter, give_way, hold_live_state,
+from policyworker.integrations.vllm.overlap import (OverlappedReceive, SideThread, StepCounter, hold_live_state,
                                                     hurry_gil, release_in_background)
 from policyworker.integrations.vllm.plan import NEEDS_KEY, PLAN_KEY, encode_needs
 from policyworker.integrations.vllm.rpc import Agreement, install_single_reply
 from policyworker.integrations.vllm.stage import VllmStage, loaded_set_bytes
-from policyworker.integrations.vllm.staging import (build as build_stage, decide, report as staging_report,
-                                                    validate as validate_staging)
+from policyworker.integrations.vllm.staging import build as build_stage, decide, report as staging_report
 from policyworker.integrations.vllm.targets import Target, needs_from_vllm_model, needs_of, vllm_targets
 
 __all__ = ["BACKEND", "PolicyworkerInitInfo", "PolicyworkerUpdateInfo", "PolicyworkerWeightTransferEngine",
@@ -109,86 +103,6 @@ def register() -> None:
     from policyworker.integrations.vllm.trainer import register_trainer
 
     register_trainer()  # the same name in vLLM's trainer API (WeightTransferTrainerFactory)
-
-
-# -- typed init / update info -------------------------------------------------------------
-@dataclass
-class PolicyworkerInitInfo(WeightTransferInitInfo):
-    """``init_info`` of ``init_weight_transfer_engine`` (JSON-safe; see the README recipe).
-
-    ``host``/``update_port``: the update group's store (hosted by trainer rank 0);
-    ``stage_ports[s]`` (on ``stage_hosts[s]``, default ``host``): stage ``s``'s group,
-    whose trainers (``trainers_per_stage[s]`` of them) come first. This engine's ranks
-    are generation ranks ``rank_offset .. rank_offset + tp - 1`` of ``gen_world_size``
-    (default: this engine's tp size; more when several engines share one update group).
-    """
-
-    host: str
-    update_port: int
-    stage_ports: list[int]
-    trainers_per_stage: list[int]
-    stage_hosts: list[str] | None = None
-    rank_offset: int = 0
-    gen_world_size: int | None = None
-    timeout_s: float = 120.0
-    refit_timeout_s: float | None = 120.0
-    reshard_options: dict[str, Any] = field(default_factory=dict)
-    #: How the commit puts the post-processed state in place: ``"swap"`` installs it
-    #: (no copies), ``"copy"`` copies into live tensors of unchanged shape (what CUDA
-    #: graphs and compiled models need), ``"auto"``: swap only for eager models on CPU.
-    commit: str = "auto"
-    #: CPU only: ``"prepack"`` (vLLM's default kernels: each commit runs its oneDNN / sgl
-    #: prepack, a copy of every linear weight), ``"torch"`` (vLLM's plain
-    #: ``torch.nn.functional.linear`` path, which reads the received tensors as they are:
-    #: the commit is a swap) or ``"background"`` (served as with "torch" at commit, then
-    #: prepacked layer by layer on a background thread). No effect on GPU, where
-    #: unquantized layers read the parameter as is anyway.
-    cpu_linear: str = "prepack"
-    #: ``update_weights`` starts the receive and returns; vLLM keeps generating on the
-    #: committed version until ``finish_weight_update`` (integrations/vllm/overlap.py).
-    overlap: bool = False
-    #: Where the next version is staged: ``"device"`` (one set on the engine's device),
-    #: ``"host"`` (host memory, pinned on CUDA), ``"none"`` (into vLLM's live tensors: a
-    #: failed refit leaves the engine torn) or ``"auto"`` (from free memory; the choice and
-    #: why are in ``engine.staging_report``). docs/vllm-staging.md.
-    staging: str = "auto"
-
-    def __post_init__(self) -> None:
-        validate_staging(self.staging, overlap=self.overlap,
-                         delta=bool(isinstance(self.reshard_options, dict) and self.reshard_options.get("delta")))
-        if self.staging == "none" and self.cpu_linear == "background":
-            raise ConfigError("init_info.staging='none' cannot prepack in the background (the packed copy is a "
-                              "second set); use cpu_linear='torch' or 'prepack'")
-        if self.commit not in ("auto", "swap", "copy"):
-            raise ConfigError(f"init_info.commit must be 'auto', 'swap' or 'copy', got {self.commit!r}")
-        if self.cpu_linear not in ("prepack", "torch", "background"):
-            raise ConfigError(f"init_info.cpu_linear must be 'prepack', 'torch' or 'background', "
-                              f"got {self.cpu_linear!r}")
-        if not isinstance(self.host, str) or not self.host:
-            raise ConfigError(f"init_info.host must be a non-empty string, got {self.host!r}")
-        n = len(self.stage_ports)
-        if n == 0 or len(self.trainers_per_stage) != n or (self.stage_hosts is not None and len(self.stage_hosts) != n):
-            raise ConfigError("init_info: stage_ports, trainers_per_stage (and stage_hosts) need one entry per "
-                              "pipeline stage")
-        for value, what in ((self.rank_offset, "rank_offset"), (self.update_port, "update_port")):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"init_info.{what} must be an int >= 0, got {value!r}")
-
-
-@dataclass
-class PolicyworkerUpdateInfo(WeightTransferUpdateInfo):
-    """``update_info`` of ``update_weights``: the version the trainers are sending now."""
-
-    version: int
-    refit_timeout_s: float | None = None
-    #: Overlap this update (True) or receive inside ``update_weights`` (False); None: ``init_info.overlap``.
-    overlap: bool | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1:
-            raise ConfigError(f"update_info.version must be an int >= 1, got {self.version!r}")
-        if self.overlap is not None and not isinstance(self.overlap, bool):
-            raise ConfigError(f"update_info.overlap must be true, false or null, got {self.overlap!r}")
 
 
 def _marked(method: Any) -> Any:
@@ -305,7 +219,10 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
     def _init(self, init_info: PolicyworkerInitInfo, bound: float) -> None:
         if self._loop is None:
             # On CPU the receive's threads share vLLM's pinned core with the engine's step.
-            self._loop = _Loop(background=self.device.type == "cpu")
+            cpu = self.device.type == "cpu"
+            self._loop = _Loop(background=cpu)
+            self._prepare_side = SideThread("policyworker-vllm-prepare", background=cpu, overtake=True)
+            self._tidy_side = SideThread("policyworker-vllm-tidy", background=cpu)
         self._close_worker()
         gen_world = init_info.gen_world_size or self.tp_size
         rank = init_info.rank_offset + self.tp_rank
@@ -419,6 +336,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         return float(timeout if timeout is not None else self._info.timeout_s) + 30.0
 
     def receive_weights(self, update_info: PolicyworkerUpdateInfo) -> None:
+        entered = time.monotonic()
         worker = self._require_worker()
         if self._open_session:
             # vLLM closes its update session only on a successful finish or a failed
@@ -454,7 +372,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             self._pending = OverlappedReceive.start(
                 self._loop, joined.refit(timeout), worker=worker,
                 version=update_info.version, step=self.steps.count, timeout_s=bound, prepare=self._stage.prepare,
-                background=self.device.type == "cpu")
+                side=self._prepare_side)
+            self._pending.times.update(update_enter=entered, update_return=time.monotonic())
             return
         try:
             report = self._call(joined.refit(timeout), bound)
@@ -515,7 +434,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
                          on_failure=self._torn_everywhere)
         finally:
             pending.times["swap_end"] = time.monotonic()
-            release_in_background(held)
+            release_in_background(held, self._tidy_side)
+            pending.times["finish_end"] = time.monotonic()
 
     def weight_update_ready(self) -> bool:
         """True unless an overlapped refit is still receiving or post-processing on this
@@ -541,19 +461,17 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self._settle_later()
 
     def _settle_later(self) -> None:
-        """The stage's bookkeeping after a swap (:meth:`VllmStage.settle`) on a thread, so the
-        engine steps again right after the swap; the next receive settles first anyway."""
-        stage, cpu = self._stage, self.device.type == "cpu"
+        """The stage's bookkeeping after a swap (:meth:`VllmStage.settle`) on a side thread, so
+        the engine steps again right after the swap; the next receive settles first anyway."""
+        stage = self._stage
 
         def run() -> None:
-            if cpu:
-                give_way()
             try:
                 stage.settle()
             except Exception as exc:  # left unsettled: the next receive settles again and raises it there
                 logger.warning("policyworker: settling the staging set after a commit failed: %s", exc)
 
-        threading.Thread(target=run, daemon=True, name="policyworker-vllm-settle").start()
+        self._tidy_side.run(run)
 
     def _torn_everywhere(self) -> None:
         # A rank whose swap succeeded serves the new version while another does not.
@@ -599,3 +517,5 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         if self._loop is not None:
             self._loop.close()
             self._loop = None
+            self._prepare_side.close()
+            self._tidy_side.close()

@@ -2,7 +2,7 @@
 
 With ``init_info.overlap=True`` (or ``update_info.overlap=True`` for one update) the
 backend's ``update_weights`` starts the receive into its staging set (which nothing
-live references) on its own loop thread and returns as soon as the receive is running;
+live references) on its own loop thread and returns as soon as it handed the receive over;
 vLLM keeps stepping on the committed version meanwhile. Once the receive ended with
 every rank's verdict good, a background thread runs vLLM's post-processing
 (``VllmStage.prepare``: on CPU the linear layers' prepack) on copies of the layers,
@@ -34,8 +34,8 @@ import torch
 
 from policyworker.errors import ProtocolError, RefitTimeout
 
-__all__ = ["BACKGROUND_NICE", "GIL_SWITCH_S", "OverlappedReceive", "StepCounter", "give_way", "hold_live_state",
-           "hurry_gil", "release_in_background"]
+__all__ = ["BACKGROUND_NICE", "GIL_SWITCH_S", "OverlappedReceive", "SideThread", "StepCounter", "give_way",
+           "hold_live_state", "hurry_gil", "release_in_background"]
 
 #: Niceness of the backend's background threads on a CPU engine (:func:`give_way`).
 BACKGROUND_NICE = 10
@@ -85,6 +85,59 @@ def hurry_gil(switch_s: float = GIL_SWITCH_S) -> float:
     return old
 
 
+class SideThread:
+    """One long-lived daemon thread that runs the backend's work beside the engine's
+    thread, one task after the other (``background``: it gives way first, :func:`give_way`).
+
+    Handing a task to a thread that runs already costs the engine's thread a queue put.
+    Starting a thread per task made the engine's thread wait inside its call until the
+    new thread had run (``Thread.start`` waits for it, and it needs the GIL, which the
+    receive's threads may hold): 3 ms of ``update_weights`` on the CPU bench. With
+    ``overtake``, a task handed over while an earlier one still runs (a post-processing
+    waiting for a receive stuck until its deadline) gets a thread of its own, so it never
+    waits behind it; else it queues.
+    """
+
+    def __init__(self, name: str, background: bool = False, overtake: bool = False) -> None:
+        import queue
+
+        self.name = name
+        self._background = background
+        self._overtake = overtake
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy = threading.Event()  # set from a hand-over until the queue ran dry
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=name)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        if self._background:
+            give_way()
+        while (task := self._tasks.get()) is not None:
+            try:
+                task()
+            finally:
+                if self._tasks.empty():
+                    self._busy.clear()
+
+    def run(self, task: Callable[[], None]) -> None:
+        """Run ``task`` (which handles its own errors) on this thread (with ``overtake``: on a
+        fresh one while this one is busy)."""
+        if (self._overtake and self._busy.is_set()) or not self._thread.is_alive():
+            def alone() -> None:
+                if self._background:
+                    give_way()
+                task()
+
+            threading.Thread(target=alone, daemon=True, name=self.name).start()
+            return
+        self._busy.set()
+        self._tasks.put(task)
+
+    def close(self) -> None:
+        """Stop the thread once the tasks handed over so far ended."""
+        self._tasks.put(None)
+
+
 class StepCounter:
     """Forward passes of ``model`` so far and the times of the latest ``keep`` of them.
 
@@ -118,51 +171,40 @@ class OverlappedReceive:
     """One receive running on the backend's loop while the engine steps, then its
     post-processing on a thread of its own; see the module docstring."""
 
-    def __init__(self, future: concurrent.futures.Future, *, version: int, step: int, timeout_s: float,
-                 background: bool = False) -> None:
+    def __init__(self, future: concurrent.futures.Future, *, version: int, step: int, timeout_s: float) -> None:
         self.future = future
         self.version = version
         self.started_step = step
         self.timeout_s = timeout_s
         #: The receive's ``RefitReport`` once it ended well.
         self.report: Any = None
-        #: Monotonic times of this refit's phases on this rank (receive_start, receive_end,
-        #: prepare_end, finish_start, swap_start, swap_end), for timelines.
+        #: Monotonic times of this refit's phases on this rank (update_enter, receive_start,
+        #: update_return, receive_end, prepare_end, finish_start, swap_start, swap_end,
+        #: finish_end), for timelines.
         self.times: dict[str, float] = {"receive_start": time.monotonic()}
         self._prepared: Any = None
         self._error: BaseException | None = None
         self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._background = background
 
     @classmethod
     def start(cls, loop: Any, coro: Any, *, worker: Any, version: int, step: int, timeout_s: float,
-              prepare: Callable[[], Any], start_timeout_s: float = 10.0,
-              background: bool = False) -> OverlappedReceive:
-        """Submit ``coro`` (the worker's receive) and return once it is in flight (or done);
-        ``prepare`` (the post-processing) runs on a thread once the receive ended well
-        (``background``: a thread that gives way to the engine's, :func:`give_way`)."""
+              prepare: Callable[[], Any], side: SideThread) -> OverlappedReceive:
+        """Submit ``coro`` (the worker's receive) to ``loop`` and return at once; ``prepare``
+        (the post-processing) runs on ``side`` once the receive ended well.
+
+        It does not wait for the loop to pick the receive up: that thread gives way to the
+        engine's, so the engine's thread would wait for a thread it outranks (1-8 ms on the
+        CPU bench). A receive that fails before its first byte (a refit still in flight,
+        a closed worker) fails this refit in ``finish_weight_update``, like any other.
+        """
         import asyncio
 
-        future = asyncio.run_coroutine_threadsafe(coro, loop.loop)
-        end = time.monotonic() + start_timeout_s
-        while not worker.ledger.in_flight and not future.done():
-            if time.monotonic() > end:
-                future.cancel()
-                raise RefitTimeout(f"vLLM rank {worker.rank}: the overlapped receive did not start within "
-                                   f"{start_timeout_s} s", rank=worker.rank)
-            time.sleep(0.0005)
-        if future.done():
-            future.result()  # a receive that failed at once raises here, before update_weights returns
-        self = cls(future, version=version, step=step, timeout_s=timeout_s, background=background)
-        self._thread = threading.Thread(target=self._after_receive, args=(worker.rank, prepare), daemon=True,
-                                        name="policyworker-vllm-prepare")
-        self._thread.start()
+        self = cls(asyncio.run_coroutine_threadsafe(coro, loop.loop), version=version, step=step,
+                   timeout_s=timeout_s)
+        side.run(lambda: self._after_receive(worker.rank, prepare))
         return self
 
     def _after_receive(self, rank: int, prepare: Callable[[], Any]) -> None:
-        if self._background:
-            give_way()
         try:
             self._wait_receive(rank)
             self.times["receive_end"] = time.monotonic()
@@ -211,8 +253,7 @@ class OverlappedReceive:
         """Stop the receive; return once the post-processing thread stopped touching the
         staging set (or ``timeout_s`` passed)."""
         self.future.cancel()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self._done.wait(timeout_s)
 
 
 def hold_live_state(layers: list[tuple[torch.nn.Module, Any]]) -> list[Any]:
@@ -220,8 +261,8 @@ def hold_live_state(layers: list[tuple[torch.nn.Module, Any]]) -> list[Any]:
     return [(dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m, _ in layers]
 
 
-def release_in_background(held: list[Any], pause_s: float = 0.001) -> None:
-    """Drop ``held`` (:func:`hold_live_state`) one layer at a time on a daemon thread.
+def release_in_background(held: list[Any], side: SideThread, pause_s: float = 0.001) -> None:
+    """Drop ``held`` (:func:`hold_live_state`) one layer at a time on ``side``.
 
     The swap itself only moves references; freeing the replaced kernels' memory (on CPU
     the old version's prepacked weights: as many bytes as the model) inside the commit
@@ -230,9 +271,8 @@ def release_in_background(held: list[Any], pause_s: float = 0.001) -> None:
     """
 
     def run() -> None:
-        give_way()
         while held:
             held.pop()
             time.sleep(pause_s)
 
-    threading.Thread(target=run, daemon=True, name="policyworker-vllm-release").start()
+    side.run(run)
