@@ -3,7 +3,7 @@
 # and numpy paths, bit for bit), then bench_delta_encode.py on a 2 GiB bf16 stream: each changed
 # fraction with the encoding step by step (scan; prefix: the tiles' starts and totals; sync: the one
 # read to the host; [glue: torch's header, torch finish only]; gather; CUDA events), the torch
-# finish interleaved, and the sweep of tile sizes / warps / kernel forms / finishes at
+# and tiles finishes interleaved, and the sweep of tile sizes / warps / kernel forms / finishes at
 # SWEEP_FRACTIONS, the fastest named; then the fused scan's sweep in a process of its own (its
 # look-back waits on other programs: a fault there cannot take the other results with it).
 # Usage (from the repository root, wheels for pyzmq/msgspec in .whl/):
@@ -18,7 +18,7 @@ timeout 170 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rA -m gpu --
   > "$OUT/delta_gpu_tests.log" 2>&1
 echo "gpu tests rc=$? (t=${SECONDS}s)"; tail -3 "$OUT/delta_gpu_tests.log"
 timeout 260 python3 benchmarks/bench_delta_encode.py --gib "${GIB:-2}" --reps "${REPS:-5}" --sweep \
-  --sweep-fractions "${SWEEP_FRACTIONS:-0.03}" --sweep-finishes device,torch \
+  --sweep-fractions "${SWEEP_FRACTIONS:-0.03}" --sweep-finishes device,torch,tiles \
   --json "$OUT/delta_encode_kernels_h200.json" 2>&1 | tee "$OUT/delta_encode_kernels_h200.log"
 echo "bench rc=${PIPESTATUS[0]} (t=${SECONDS}s)"
 timeout 130 python3 benchmarks/bench_delta_encode.py --gib "${GIB:-2}" --reps "${REPS:-5}" --fractions 0.01,0.03 \

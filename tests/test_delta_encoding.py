@@ -260,7 +260,7 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     import sys
     from pathlib import Path
 
-    from policyworker.testing.delta_check import ENCODE_CASES, FORMS
+    from policyworker.testing.delta_check import ENCODE_CASES, FORMS, TILES_CASES
 
     src = str(Path(D.__file__).resolve().parents[2])
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
@@ -272,9 +272,16 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     res = json.loads(lines[-1])
     assert {k: v for k, v in res.items() if not v["ok"]} == {}
     encodes = [v for k, v in res.items() if k.startswith("encode")]
-    assert len(encodes) == len(ENCODE_CASES) + 6 and len(res) >= len(encodes) + 8
-    assert {(v["finish"], v["kind"]) for v in encodes} >= {(f, kind) for f in ("device", "fused", "torch")
+    assert len(encodes) == len(ENCODE_CASES) + len(TILES_CASES) + 6 and len(res) >= len(encodes) + 8
+    assert {(v["finish"], v["kind"]) for v in encodes} >= {(f, kind) for f in ("device", "fused", "torch", "tiles")
                                                            for kind in (D.SPARSE, D.BITMAP)}
+    # the tiles finish: every kind and unit width, both refreshing passes, and blobs of each
+    # kind where tiles over their scratch slot (gathered again) meet tiles under it (compacted)
+    tiles = [v for v in encodes if v["finish"] == "tiles"]
+    assert {v["kind"] for v in tiles} == {D.NONE, D.SPARSE, D.BITMAP, D.RAW}
+    assert {v["unit"] for v in tiles} == {1, 2, 4, 8} and {v["refresh"] for v in tiles} == {"gather", "scan"}
+    mixed = {(v["unit"], v["kind"]) for v in tiles if v["over_cap"] and v["under_cap"]}
+    assert mixed >= {(u, kind) for u in (1, 2, 4, 8) for kind in (D.SPARSE, D.BITMAP)}, mixed
     assert {tuple(v["forms"]) for v in encodes} == set(FORMS)
     assert {v["kind"] for v in encodes if tuple(v["forms"]) == FORMS[0]} >= {D.SPARSE, D.BITMAP, D.NONE}
     assert any(v["offset"] for v in encodes)  # an unaligned stream: the units scan under the words form
@@ -363,9 +370,11 @@ def test_kernel_settings_are_checked():
                 {"refresh": "both"}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
-    for bad in ({"scan": "bytes"}, {"gather": "all"}, {"finish": "host"}, {"plan_chunk": 100}, {"plan_chunk": 8}):
+    for bad in ({"scan": "bytes"}, {"gather": "all"}, {"finish": "host"}, {"plan_chunk": 100}, {"plan_chunk": 8},
+                {"tile_share": 1}, {"tile_share": 12}, {"tile_share": 128}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
     assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH, K.SCAN, K.GATHER) == (16384, 4, "gather", "units", "bits")
-    assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS) == ("torch", 4096, 8)
+    assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS, K.TILE_SHARE) == ("torch", 4096, 8, 16)
+    assert [K.tile_cap(u) for u in (1, 2, 4, 8)] == [1024, 512, 256, 128]  # the fused scan's bound: n / 16 units
     assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [16384, 8192, 4096, 2048]  # each divides a 65,536-unit block

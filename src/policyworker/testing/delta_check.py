@@ -13,8 +13,11 @@ process) or ``--device cuda`` prints one JSON object, per case whether:
   the new ones. The finish is, case by case, the device's (one program for the tiles'
   starts and totals, the blob's header and padding written by the gather), the fused
   scan's (changed units placed by a look-back in the scan, a sparse blob copied from its
-  scratch) or torch's; every tensor the encoding allocates starts as 0xA5 bytes, so a
-  byte left unwritten shows;
+  scratch), torch's, or the tiles scan's (each tile's changed units kept in a slot of its
+  own, then compacted; a tile over its slot gathered again: its cases change whole tiles
+  among sparse ones, so tiles over and under their slot meet in one blob, of each kind and
+  unit width); every tensor the encoding allocates starts as 0xA5 bytes, so a byte left
+  unwritten shows;
 * checksums: the kernel's checksum of each byte segment equals the torch path's.
 
 Cases: 1-, 2-, 4- and 8-byte units; lengths that end inside a tile and inside a
@@ -53,13 +56,33 @@ ENCODE_CASES = [
     (8, 1, 1.0, "random"),
 ]
 
+#: The tiles finish's cases: (unit bytes, units, changed fraction, where, tile bytes); "runs": random
+#: changes plus two runs of changed units that cover whole tiles (over their slots)
+TILES_CASES = [
+    (2, 200_003, 0.002, "random", 16384),  # sparse, a ragged last tile
+    (2, 70_001, 0.01, "runs", 1024),  # sparse, tiles over and under their slot
+    (2, 70_001, 0.08, "random", 1024),  # bitmap, tiles over and under
+    (2, 8_192, 0.0, "random", 1024),  # nothing changed
+    (1, 60_001, 0.005, "runs", 1024),
+    (1, 30_001, 0.07, "random", 1024),
+    (4, 40_003, 0.001, "runs", 1024),
+    (4, 9_001, 0.07, "random", 4096),
+    (8, 40_003, 0.002, "runs", 1024),
+    (8, 12_289, 0.08, "random", 1024),
+    (8, 3_001, 1.0, "random", 16384),  # every unit changed: raw
+    (2, 4_097, 1.0, "random", 1024),
+]
+
 
 def _case(n: int, unit: int, fraction: float, seed: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     old = torch.randint(0, 256, (n * unit,), dtype=torch.uint8, generator=g).view(D.unit_dtype(unit))
     new = old.clone()
-    if where == "random":
+    if where in ("random", "runs"):
         mask = torch.rand(n, generator=g) < fraction
+        if where == "runs":  # each covers at least one whole tile of 1 KiB
+            mask[1000:2100] = True
+            mask[n // 2:n // 2 + 700] = True
     else:  # one unit: the first, the last (a ragged tile's end), the last of the first block
         mask = torch.zeros(n, dtype=torch.bool)
         mask[{"first": 0, "last": n - 1, "block_end": min(n, 1 << 16) - 1}[where]] = True
@@ -104,7 +127,8 @@ def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device
                  settings: dict | None = None) -> dict:
     """One case; ``refresh``: which kernel pass refreshes the old tensor (both must); ``forms``:
     the scan's and the gather's; ``offset``: units the tensors start into their allocations;
-    ``finish``: the kernels' finish ("device" or "torch"); ``settings``: more ``configure`` keywords.
+    ``finish``: the kernels' finish ("device", "fused", "torch" or "tiles"); ``settings``: more
+    ``configure`` keywords.
     Every tensor the encoding allocates starts as 0xA5 bytes."""
     n, unit = new.numel(), new.element_size()
     want = D._encode_np(new, old, n, unit)
@@ -112,11 +136,12 @@ def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device
     by_torch = D._encode_torch(cur, base)
     shadow = _placed(old, device, offset)
     default = dict(refresh=ops.REFRESH, scan=ops.SCAN, gather=ops.GATHER, finish=ops.FINISH,
-                   tile_bytes=ops.TILE_BYTES, plan_chunk=ops.PLAN_CHUNK)
+                   tile_bytes=ops.TILE_BYTES, plan_chunk=ops.PLAN_CHUNK, tile_share=ops.TILE_SHARE)
     ops.configure(refresh=refresh, scan=forms[0], gather=forms[1], finish=finish, **(settings or {}))
     try:
         with mock.patch.object(torch, "empty", _poisoned_empty):
             got = D._encode_fused(ops, cur, shadow, True, True)
+        tiles = _slots(ops, new, old) if finish == "tiles" else {}
     finally:
         ops.configure(**default)
     applied = base.clone()
@@ -126,7 +151,16 @@ def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device
           and got.checksum == D._checksum_torch(new.view(torch.uint8))
           and torch.equal(shadow, cur) and torch.equal(applied, cur))
     return {"ok": bool(ok), "kind": got.kind, "count": got.count, "refresh": refresh, "forms": list(forms),
-            "offset": offset, "finish": finish}
+            "offset": offset, "finish": finish, "unit": unit, **tiles}
+
+
+def _slots(ops, new: torch.Tensor, old: torch.Tensor) -> dict:
+    """How many tiles have more changed units than the tiles finish's slot holds, and how many fewer (not 0)."""
+    t, cap = ops.tile_units(new.element_size()), ops.tile_cap(new.element_size())
+    hit = torch.zeros(-(-new.numel() // t) * t, dtype=torch.int32)
+    hit[:new.numel()] = (new != old).to(torch.int32)
+    counts = hit.view(-1, t).sum(1)
+    return {"over_cap": int((counts > cap).sum()), "under_cap": int(((counts > 0) & (counts <= cap)).sum())}
 
 
 def check_checksums(ops, raw: torch.Tensor, segments: list[tuple[int, int]]) -> bool:
@@ -143,6 +177,11 @@ def run(device: torch.device, scale: int = 1) -> dict:
         out[f"encode unit={unit} n={n * scale} changed={fraction} {where}"] = check_encode(
             ops, new, old, device, ("gather", "scan")[i % 2], FORMS[(i // 2) % len(FORMS)],
             finish=("device", "fused", "torch")[i % 3])
+    for i, (unit, n, fraction, where, tile) in enumerate(TILES_CASES):
+        new, old = _case(n * scale, unit, fraction, seed=n + unit + 1, where=where)
+        out[f"encode tiles unit={unit} n={n * scale} changed={fraction} {where} tile={tile} B"] = check_encode(
+            ops, new, old, device, ("gather", "scan")[i % 2], FORMS[i % len(FORMS)], finish="tiles",
+            settings=dict(tile_bytes=tile))
     new, old = _case(70_001 * scale, 2, 0.01, seed=11, where="random")  # not 8-byte aligned: the units scan
     out["encode unit=2 at a 2-byte offset"] = check_encode(ops, new, old, device, "scan", FORMS[0], offset=1)
     for fraction, forms, finish in ((0.003, FORMS[0], "device"), (0.1, FORMS[1], "device"), (0.01, FORMS[0], "fused")):

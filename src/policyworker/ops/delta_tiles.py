@@ -1,0 +1,83 @@
+"""The delta encoding's "tiles" finish: the scan keeps each tile's changed units, so the
+stream is read once (:mod:`policyworker.ops.delta_triton` launches these kernels with
+``FINISH = "tiles"``; the other finishes' kernels are in :mod:`policyworker.ops.delta_kernels`).
+
+* ``_scan_tiles_kernel``, one program a tile: the units scan (count, packbits bitmap,
+  checksum share) and, from the same registers, the tile's changed units (values, and
+  their offsets inside their 65,536-unit block) written compactly to the tile's own
+  scratch slot ``[t * CAP, t * CAP + CAP)``, their places an in-tile prefix sum (no
+  other tile is waited on); with UPDATE the changed units go into ``old`` too (masked
+  stores: the shadow refresh without a second read).
+* between the two kernels the host runs torch's cumsum over the tiles' counts (each
+  tile's start in the blob) and reads back the total and the checksum (as the torch finish).
+* ``_compact_kernel``, one program a tile: copies its scratch run to its start in the
+  blob's values (and offsets) section and writes its share of the blob's header and
+  padding (``_glue``, as the device finish's gather). A tile with more than CAP changed
+  units (its scratch kept the first CAP) takes the bits gather from ``cur``
+  (``_gather_bits_tile``): correct whatever the data, only slower.
+
+Memory traffic per encoding, for a stream of S bytes of u-byte units with a fraction f of
+them changed (every tile under CAP; f * S / u changed units): the scan reads 2 S (both
+sides), writes S / (8 u) of bitmap, a few bytes a tile, and f * S * (u + 2) / u of scratch
+(bf16: 2 f S); the refresh, when asked, writes the changed units into ``old`` (masked
+2-byte stores: at 3% random changes about 40% of the 32-byte sectors of ``old`` get one,
+sectors already in L2 from the scan's read); the compaction reads the scratch runs and
+writes them to the blob (bf16: 2 f S each way) plus the header (S / 8 u for a bitmap blob).
+bf16 at 3% changed: about 2.06 S read and 0.18 S written (0.06 S of it bitmap), ~1.1 flat
+copies of the stream (a copy reads S and writes S), against the gather finishes' second read of ``cur``
+(at 3% random changes nearly every 128-byte line of ``cur`` holds a changed unit:
+0.6 copies measured on an H200). The scratch is ``tiles * CAP * (u + 2)`` bytes, CAP =
+the tile's units / ``TILE_SHARE`` (16: the most changed units a sparse blob can have,
+n / 16, as the fused finish's scratch): 1/8 of a bf16 stream's bytes (3/16 for 1-byte
+units, 3/32 for 4-byte, 5/64 for 8-byte) more GPU memory while an encoding runs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from policyworker.ops.delta_kernels import _NO_SPEC, _gather_bits_tile, _glue, _load_tile, _tile_sum
+
+
+@triton.jit
+def _scan_tiles_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, val_ptr, off_ptr, T: tl.constexpr,
+                       CAP: tl.constexpr, PER: tl.constexpr, UBITS: tl.constexpr, UDT: tl.constexpr,
+                       REFRESH: tl.constexpr, UPDATE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = t * T + tl.arange(0, T)
+    a, b = _load_tile(cur_ptr, old_ptr, offs, t, n, T, REFRESH)
+    hit = a != b  # integer units: bit patterns, never values; zero past the end on both sides
+    changed = hit.to(tl.int32)
+    count = tl.sum(changed, axis=0)
+    tl.store(counts_ptr + t, count)
+    weights = 7 - tl.arange(0, 8)  # the first unit of a byte is its top bit (packbits)
+    packed = tl.sum(tl.reshape(changed, (T // 8, 8)) << weights[None, :], axis=1)
+    tl.store(bits_ptr + t * (T // 8) + tl.arange(0, T // 8), packed.to(tl.uint8))
+    tl.store(part_ptr + t, _tile_sum(a, t * (T // PER // 128), T, PER, UBITS, UDT).to(tl.int64, bitcast=True))
+    if count > 0:
+        at = tl.cumsum(changed, axis=0) - changed  # exclusive: the unit's place among the tile's changed units
+        keep = hit & (at < CAP)  # a tile over CAP keeps its first CAP; the compaction gathers it instead
+        slot = t * CAP + at
+        tl.store(val_ptr + slot, a, mask=keep)
+        tl.store(off_ptr + slot, (offs & 65535).to(tl.int16), mask=keep)  # a tile never straddles a block
+        if UPDATE:
+            tl.store(old_ptr + offs, a, mask=hit)
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _compact_kernel(cur_ptr, counts_ptr, starts_ptr, bits_ptr, sval_ptr, soff_ptr, val_ptr, off_ptr, blob_ptr, tiles,
+                    k, at_offs, at_vals, size, T: tl.constexpr, CAP: tl.constexpr, OFFSETS: tl.constexpr,
+                    GLUE: tl.constexpr, TPB: tl.constexpr, UNIT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    _glue(t, starts_ptr, bits_ptr, blob_ptr, tiles, k, at_offs, at_vals, size, T, GLUE, TPB, UNIT)
+    count = tl.load(counts_ptr + t)
+    start = tl.load(starts_ptr + t)
+    if count > CAP:  # the scratch holds only the first CAP: gather the tile again (the scan refreshed old)
+        _gather_bits_tile(cur_ptr, cur_ptr, bits_ptr, val_ptr, off_ptr, t, start, T, OFFSETS, False)
+    elif count > 0:
+        i = tl.arange(0, CAP)
+        m = i < count
+        tl.store(val_ptr + start + i, tl.load(sval_ptr + t * CAP + i, mask=m), mask=m)
+        if OFFSETS:
+            tl.store(off_ptr + start + i, tl.load(soff_ptr + t * CAP + i, mask=m), mask=m)
