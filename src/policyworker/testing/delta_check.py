@@ -56,21 +56,21 @@ ENCODE_CASES = [
     (8, 1, 1.0, "random"),
 ]
 
-#: The tiles finish's cases: (unit bytes, units, changed fraction, where, tile bytes); "runs": random
-#: changes plus two runs of changed units that cover whole tiles (over their slots)
+#: The tiles finish's cases: (unit bytes, units, changed fraction, where, tile bytes, scan step bytes);
+#: "runs": random changes plus two runs of changed units that cover whole tiles (over their slots)
 TILES_CASES = [
-    (2, 200_003, 0.002, "random", 16384),  # sparse, a ragged last tile
-    (2, 70_001, 0.01, "runs", 1024),  # sparse, tiles over and under their slot
-    (2, 70_001, 0.08, "random", 1024),  # bitmap, tiles over and under
-    (2, 8_192, 0.0, "random", 1024),  # nothing changed
-    (1, 60_001, 0.005, "runs", 1024),
-    (1, 30_001, 0.07, "random", 1024),
-    (4, 40_003, 0.001, "runs", 1024),
-    (4, 9_001, 0.07, "random", 4096),
-    (8, 40_003, 0.002, "runs", 1024),
-    (8, 12_289, 0.08, "random", 1024),
-    (8, 3_001, 1.0, "random", 16384),  # every unit changed: raw
-    (2, 4_097, 1.0, "random", 1024),
+    (2, 200_003, 0.002, "random", 16384, 4096),  # sparse, a ragged last tile, 4 steps a tile
+    (2, 70_001, 0.01, "runs", 1024, 1024),  # sparse, tiles over and under their slot
+    (2, 70_001, 0.08, "random", 1024, 1024),  # bitmap, tiles over and under
+    (2, 8_192, 0.0, "random", 1024, 1024),  # nothing changed
+    (1, 60_001, 0.005, "runs", 4096, 1024),
+    (1, 30_001, 0.07, "random", 1024, 1024),
+    (4, 40_003, 0.001, "runs", 1024, 1024),
+    (4, 9_001, 0.07, "random", 4096, 1024),
+    (8, 40_003, 0.002, "runs", 2048, 1024),
+    (8, 12_289, 0.08, "random", 1024, 1024),
+    (8, 3_001, 1.0, "random", 16384, 4096),  # every unit changed: raw
+    (2, 4_097, 1.0, "random", 1024, 1024),
 ]
 
 
@@ -136,7 +136,8 @@ def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device
     by_torch = D._encode_torch(cur, base)
     shadow = _placed(old, device, offset)
     default = dict(refresh=ops.REFRESH, scan=ops.SCAN, gather=ops.GATHER, finish=ops.FINISH,
-                   tile_bytes=ops.TILE_BYTES, plan_chunk=ops.PLAN_CHUNK, tile_share=ops.TILE_SHARE)
+                   tile_bytes=ops.TILE_BYTES, plan_chunk=ops.PLAN_CHUNK, tile_share=ops.TILE_SHARE,
+                   tile_step=ops.TILE_STEP)
     ops.configure(refresh=refresh, scan=forms[0], gather=forms[1], finish=finish, **(settings or {}))
     try:
         with mock.patch.object(torch, "empty", _poisoned_empty):
@@ -177,11 +178,12 @@ def run(device: torch.device, scale: int = 1) -> dict:
         out[f"encode unit={unit} n={n * scale} changed={fraction} {where}"] = check_encode(
             ops, new, old, device, ("gather", "scan")[i % 2], FORMS[(i // 2) % len(FORMS)],
             finish=("device", "fused", "torch")[i % 3])
-    for i, (unit, n, fraction, where, tile) in enumerate(TILES_CASES):
+    for i, (unit, n, fraction, where, tile, step) in enumerate(TILES_CASES):
         new, old = _case(n * scale, unit, fraction, seed=n + unit + 1, where=where)
-        out[f"encode tiles unit={unit} n={n * scale} changed={fraction} {where} tile={tile} B"] = check_encode(
+        out[f"encode tiles unit={unit} n={n * scale} changed={fraction} {where} tile={tile} B step={step} B"] = (
+            check_encode(
             ops, new, old, device, ("gather", "scan")[i % 2], FORMS[i % len(FORMS)], finish="tiles",
-            settings=dict(tile_bytes=tile))
+            settings=dict(tile_bytes=tile, tile_step=step)))
     new, old = _case(70_001 * scale, 2, 0.01, seed=11, where="random")  # not 8-byte aligned: the units scan
     out["encode unit=2 at a 2-byte offset"] = check_encode(ops, new, old, device, "scan", FORMS[0], offset=1)
     for fraction, forms, finish in ((0.003, FORMS[0], "device"), (0.1, FORMS[1], "device"), (0.01, FORMS[0], "fused")):
