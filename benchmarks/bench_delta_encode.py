@@ -47,7 +47,7 @@ import torch
 from policyworker.layout import delta
 
 #: (tile bytes, warps, refreshing pass, scan form, gather form, finish, plan chunk[, the tiles scan's step in
-#: bytes]) tried by --sweep; the first is
+#: bytes, whether it loads a step ahead]) tried by --sweep; the first is
 #: the library's default, the second the same kernels with the torch finish, the
 #: "units"/"units" rows the first kernels
 _SWEEP = [(16384, 4, "gather", "units", "bits", "device", 4096), (16384, 4, "gather", "units", "bits", "torch", 4096),
@@ -65,11 +65,13 @@ _SWEEP = [(16384, 4, "gather", "units", "bits", "device", 4096), (16384, 4, "gat
           (4096, 4, "gather", "units", "bits", "fused", 4096), (4096, 2, "gather", "units", "bits", "fused", 4096),
           (2048, 2, "gather", "units", "bits", "fused", 4096), (8192, 8, "gather", "units", "bits", "fused", 4096),
           (16384, 8, "gather", "units", "bits", "fused", 4096), (8192, 4, "scan", "units", "bits", "fused", 4096),
-          *[(tile, warps, refresh, "units", "bits", "tiles", 4096, step) for tile, warps, refresh, step in (
-              (16384, 4, "gather", 4096), (16384, 4, "gather", 2048), (16384, 4, "gather", 8192),
-              (16384, 8, "gather", 4096), (16384, 8, "gather", 8192), (32768, 8, "gather", 8192),
-              (8192, 4, "gather", 4096), (8192, 4, "gather", 2048), (4096, 2, "gather", 2048),
-              (16384, 4, "scan", 4096))]]
+          *[(tile, warps, refresh, "units", "bits", "tiles", 4096, step, ahead)
+            for tile, warps, refresh, step, ahead in (
+                (16384, 4, "gather", 4096, False), (16384, 4, "gather", 2048, False), (16384, 4, "gather", 8192, False),
+                (16384, 8, "gather", 4096, False), (16384, 8, "gather", 8192, False), (8192, 4, "gather", 4096, False),
+                (8192, 4, "gather", 2048, False), (4096, 2, "gather", 2048, False), (16384, 8, "gather", 4096, True),
+                (32768, 8, "gather", 4096, True), (16384, 4, "gather", 2048, True), (8192, 8, "gather", 2048, True),
+                (16384, 4, "scan", 4096, False))]]
 
 
 def _sync() -> None:
@@ -300,7 +302,8 @@ def main() -> int:
            "torch": torch.__version__, "triton": __import__("triton").__version__, "gib": args.gib, "reps": args.reps,
            "link_gbs": args.link_gbs, "tile_bytes": ops.TILE_BYTES, "num_warps": ops.NUM_WARPS,
            "refresh": ops.REFRESH, "scan": ops.SCAN, "gather": ops.GATHER, "finish": ops.FINISH,
-           "plan_chunk": ops.PLAN_CHUNK, "tile_share": ops.TILE_SHARE, "tile_step": ops.TILE_STEP, "rows": rows, "sweep": sweep,
+           "plan_chunk": ops.PLAN_CHUNK, "tile_share": ops.TILE_SHARE, "tile_step": ops.TILE_STEP,
+           "tile_ahead": ops.TILE_AHEAD, "rows": rows, "sweep": sweep,
            "sweep_best": best, "failures": failures}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
@@ -325,14 +328,16 @@ def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, frac
     shadow = torch.empty_like(old)
     out = []
     default = dict(tile_bytes=ops.TILE_BYTES, num_warps=ops.NUM_WARPS, refresh=ops.REFRESH, scan=ops.SCAN,
-                   gather=ops.GATHER, finish=ops.FINISH, plan_chunk=ops.PLAN_CHUNK, tile_step=ops.TILE_STEP)
+                   gather=ops.GATHER, finish=ops.FINISH, plan_chunk=ops.PLAN_CHUNK, tile_step=ops.TILE_STEP,
+                   tile_ahead=ops.TILE_AHEAD)
     try:
         for tile, warps, refresh, scan, gather, finish, chunk, *step in (r for r in _SWEEP if r[5] in finishes):
             setting = {"changed_fraction": fraction, "tile_bytes": tile, "num_warps": warps, "refresh": refresh,
                        "scan": scan, "gather": gather, "finish": finish, "plan_chunk": chunk,
-                       **({"tile_step": step[0]} if step else {})}
+                       **({"tile_step": step[0], "tile_ahead": step[1]} if step else {})}
             ops.configure(tile_bytes=tile, num_warps=warps, refresh=refresh, scan=scan, gather=gather, finish=finish,
-                          plan_chunk=chunk, tile_step=step[0] if step else default["tile_step"])
+                          plan_chunk=chunk, tile_step=step[0] if step else default["tile_step"],
+                          tile_ahead=step[1] if step else default["tile_ahead"])
             shadow.copy_(old)
             try:
                 got = delta._encode_fused(ops, cur, shadow, True, True)
@@ -371,8 +376,9 @@ def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, frac
 def _name(r: dict) -> str:
     if r["finish"] == "tiles":
         how = "changed units" if r["refresh"] == "gather" else "whole tiles"
-        return f"tile {r['tile_bytes']} B, {r['num_warps']} warps, finish tiles (scan step {r['tile_step']} B, " \
-               f"refresh: {how})"
+        ahead = ", a step ahead" if r["tile_ahead"] else ""
+        return (f"tile {r['tile_bytes']} B, {r['num_warps']} warps, finish tiles (scan step {r['tile_step']} B"
+                f"{ahead}, refresh: {how})")
     return (f"tile {r['tile_bytes']} B, {r['num_warps']} warps, refresh in the {r['refresh']}, scan {r['scan']}, "
             f"gather {r['gather']}, finish {r['finish']} (plan chunk {r['plan_chunk']})")
 

@@ -371,10 +371,12 @@ def test_kernel_settings_are_checked():
         with pytest.raises(ConfigError):
             K.configure(**bad)
     for bad in ({"scan": "bytes"}, {"gather": "all"}, {"finish": "host"}, {"plan_chunk": 100}, {"plan_chunk": 8},
-                {"tile_share": 1}, {"tile_share": 12}, {"tile_share": 128}, {"tile_step": 512}, {"tile_step": 3072}):
+                {"tile_share": 1}, {"tile_share": 12}, {"tile_share": 128}, {"tile_step": 512}, {"tile_step": 3072},
+                {"tile_ahead": 1}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
     assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH, K.SCAN, K.GATHER) == (16384, 4, "gather", "units", "bits")
-    assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS, K.TILE_SHARE, K.TILE_STEP) == ("torch", 4096, 8, 16, 4096)
+    assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS, K.TILE_SHARE, K.TILE_STEP, K.TILE_AHEAD) == ("torch", 4096, 8, 16,
+                                                                                          4096, False)
     assert [K.tile_cap(u) for u in (1, 2, 4, 8)] == [1024, 512, 256, 128]  # the fused scan's bound: n / 16 units
     assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [16384, 8192, 4096, 2048]  # each divides a 65,536-unit block

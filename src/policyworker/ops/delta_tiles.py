@@ -10,7 +10,9 @@ stream is read once (:mod:`policyworker.ops.delta_triton` launches these kernels
   stores: the shadow refresh without a second read). It walks its tile in steps of S
   units: every unit of a step needs its place and two scattered addresses in registers,
   and a whole 16 KiB tile at once spills (ptxas for sm_90a: 255 registers and ~1.1 KB
-  of spills at 4 warps, where the plain scan takes 126 registers).
+  of spills at 4 warps, where the plain scan takes 126 registers; 4 KiB steps: 158, no
+  spills). Steps cut the bytes a program has in flight, so AHEAD issues the next step's
+  loads before this step's work (8 warps, 4 KiB steps: 128 registers, two steps in flight).
 * between the two kernels the host runs torch's cumsum over the tiles' counts (each
   tile's start in the blob) and reads back the total and the checksum (as the torch finish).
 * ``_compact_kernel``, one program a tile: copies its scratch run to its start in the
@@ -46,16 +48,25 @@ from policyworker.ops.delta_kernels import _NO_SPEC, _gather_bits_tile, _glue, _
 @triton.jit
 def _scan_tiles_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, val_ptr, off_ptr, T: tl.constexpr,
                        S: tl.constexpr, CAP: tl.constexpr, PER: tl.constexpr, UBITS: tl.constexpr, UDT: tl.constexpr,
-                       REFRESH: tl.constexpr, UPDATE: tl.constexpr):
+                       REFRESH: tl.constexpr, UPDATE: tl.constexpr, AHEAD: tl.constexpr):
     # The tile in steps of S units (S divides T; a step is whole checksum rows): a step's units,
-    # places and addresses live in registers at once, so S, not T, bounds the registers.
+    # places and addresses live in registers at once, so S, not T, bounds the registers. AHEAD:
+    # the next step's loads are issued before this step's work (two steps' bytes in flight).
     t = tl.program_id(0).to(tl.int64)
     count = t.to(tl.int32) * 0
     part = t.to(tl.uint64) * 0
+    if AHEAD:
+        a, b = _load_tile(cur_ptr, old_ptr, t * T + tl.arange(0, S), t * (T // S), n, S, REFRESH)
     for j in range(0, T // S):
         g = t * (T // S) + j  # the step's index in the stream, in steps of S
         offs = g * S + tl.arange(0, S)
-        a, b = _load_tile(cur_ptr, old_ptr, offs, g, n, S, REFRESH)
+        if AHEAD:
+            if j + 1 < T // S:
+                a_next, b_next = _load_tile(cur_ptr, old_ptr, offs + S, g + 1, n, S, REFRESH)
+            else:
+                a_next, b_next = a, b
+        else:
+            a, b = _load_tile(cur_ptr, old_ptr, offs, g, n, S, REFRESH)
         hit = a != b  # integer units: bit patterns, never values; zero past the end on both sides
         changed = hit.to(tl.int32)
         weights = 7 - tl.arange(0, 8)  # the first unit of a byte is its top bit (packbits)
@@ -72,6 +83,8 @@ def _scan_tiles_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, val_
             if UPDATE:
                 tl.store(old_ptr + offs, a, mask=hit)
         count += c
+        if AHEAD:
+            a, b = a_next, b_next
     tl.store(counts_ptr + t, count)
     tl.store(part_ptr + t, part.to(tl.int64, bitcast=True))
 

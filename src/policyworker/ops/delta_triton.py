@@ -78,7 +78,7 @@ from policyworker.ops.delta_kernels import (_assemble_kernel, _fused_kernel, _ga
 from policyworker.ops.delta_tiles import _compact_kernel, _scan_tiles_kernel
 
 __all__ = ["FINISH", "GATHER", "LOOKBACK", "NUM_WARPS", "PLAN_CHUNK", "PLAN_WARPS", "PROFILE", "REFRESH", "SCAN",
-           "Scanned", "TILE_BYTES", "TILE_SHARE", "TILE_STEP",
+           "Scanned", "TILE_AHEAD", "TILE_BYTES", "TILE_SHARE", "TILE_STEP",
            "checksums", "configure", "gather_into", "mark", "plan", "scan", "tile_cap", "tile_units"]
 
 #: Bytes of one stream a program covers (a power of two, 1 KiB .. 64 KiB), and warps per program.
@@ -96,10 +96,12 @@ GATHER = "bits"
 #: "tiles" (the scan, in its units form, keeps each tile's changed units in a slot of its own;
 #: torch's cumsum, then a compaction of the slots into the blob).
 FINISH = "torch"
-#: The tiles finish's slot: 1/TILE_SHARE of a tile's units (a power of two, 2 .. 64), and the
-#: bytes its scan takes a step (a power of two, 1 KiB .. 64 KiB; at most a tile).
+#: The tiles finish's slot: 1/TILE_SHARE of a tile's units (a power of two, 2 .. 64), the bytes
+#: its scan takes a step (a power of two, 1 KiB .. 64 KiB; at most a tile), and whether the scan
+#: loads the next step before working on this one (TILE_AHEAD).
 TILE_SHARE = 16
 TILE_STEP = 4096
+TILE_AHEAD = False
 #: Tile counts per step of the device finish's one-program prefix sum, and its warps.
 PLAN_CHUNK = 4096
 PLAN_WARPS = 8
@@ -113,9 +115,10 @@ _UNSIGNED = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 
 def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, refresh: str | None = None,
               scan: str | None = None, gather: str | None = None, finish: str | None = None,
-              plan_chunk: int | None = None, tile_share: int | None = None, tile_step: int | None = None) -> None:
+              plan_chunk: int | None = None, tile_share: int | None = None, tile_step: int | None = None,
+              tile_ahead: bool | None = None) -> None:
     """Set the tile size, warps, refreshing pass, the passes' forms and the finish (the benchmark's sweep)."""
-    global TILE_BYTES, NUM_WARPS, REFRESH, SCAN, GATHER, FINISH, PLAN_CHUNK, TILE_SHARE, TILE_STEP
+    global TILE_BYTES, NUM_WARPS, REFRESH, SCAN, GATHER, FINISH, PLAN_CHUNK, TILE_SHARE, TILE_STEP, TILE_AHEAD
     if finish is not None:
         if finish not in ("device", "torch", "fused", "tiles"):
             raise ConfigError(f"delta kernels: finish {finish!r} is not 'device', 'torch', 'fused' or 'tiles'")
@@ -128,6 +131,10 @@ def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, re
         if tile_step < 1024 or tile_step > 65536 or tile_step & (tile_step - 1):
             raise ConfigError(f"delta kernels: tile_step {tile_step} is not a power of two in 1 KiB .. 64 KiB")
         TILE_STEP = tile_step
+    if tile_ahead is not None:
+        if not isinstance(tile_ahead, bool):
+            raise ConfigError(f"delta kernels: tile_ahead {tile_ahead!r} is not a bool")
+        TILE_AHEAD = tile_ahead
     if plan_chunk is not None:
         if plan_chunk < 16 or plan_chunk > 65536 or plan_chunk & (plan_chunk - 1):
             raise ConfigError(f"delta kernels: plan_chunk {plan_chunk} is not a power of two in 16 .. 65,536")
@@ -219,7 +226,8 @@ def scan(cur: torch.Tensor, old: torch.Tensor, group: int, refresh: bool = False
         values = torch.empty(tiles * c, dtype=cur.dtype, device=cur.device)
         step = min(t, TILE_STEP // cur.element_size())
         _scan_tiles_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, values, offsets, T=t, S=step, CAP=c,
-                                     REFRESH=refresh, UPDATE=update, num_warps=NUM_WARPS, **consts)
+                                     REFRESH=refresh, UPDATE=update, AHEAD=TILE_AHEAD and step < t, num_warps=NUM_WARPS,
+                                     **consts)
         return Scanned(counts, bitmap, parts, offsets, values, update, None, c)
     if FINISH == "fused":
         state = torch.zeros(tiles + 2, dtype=torch.int64, device=cur.device)  # ticket, each tile's status, error

@@ -137,7 +137,7 @@ def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device
     shadow = _placed(old, device, offset)
     default = dict(refresh=ops.REFRESH, scan=ops.SCAN, gather=ops.GATHER, finish=ops.FINISH,
                    tile_bytes=ops.TILE_BYTES, plan_chunk=ops.PLAN_CHUNK, tile_share=ops.TILE_SHARE,
-                   tile_step=ops.TILE_STEP)
+                   tile_step=ops.TILE_STEP, tile_ahead=ops.TILE_AHEAD)
     ops.configure(refresh=refresh, scan=forms[0], gather=forms[1], finish=finish, **(settings or {}))
     try:
         with mock.patch.object(torch, "empty", _poisoned_empty):
@@ -183,7 +183,7 @@ def run(device: torch.device, scale: int = 1) -> dict:
         out[f"encode tiles unit={unit} n={n * scale} changed={fraction} {where} tile={tile} B step={step} B"] = (
             check_encode(
             ops, new, old, device, ("gather", "scan")[i % 2], FORMS[i % len(FORMS)], finish="tiles",
-            settings=dict(tile_bytes=tile, tile_step=step)))
+            settings=dict(tile_bytes=tile, tile_step=step, tile_ahead=i % 4 < 2)))
     new, old = _case(70_001 * scale, 2, 0.01, seed=11, where="random")  # not 8-byte aligned: the units scan
     out["encode unit=2 at a 2-byte offset"] = check_encode(ops, new, old, device, "scan", FORMS[0], offset=1)
     for fraction, forms, finish in ((0.003, FORMS[0], "device"), (0.1, FORMS[1], "device"), (0.01, FORMS[0], "fused")):
