@@ -331,7 +331,12 @@ def test_kernels_compile_for_hopper_with_16_byte_loads_of_whole_tiles(monkeypatc
     for kernel, glue in ((K._gather_kernel, 0), (K._gather_bits_kernel, 1), (K._gather_bits_kernel, 2)):
         code = ptx(kernel, gsig, dict(T=K.tile_units(2), OFFSETS=glue != 2, UPDATE=True, GLUE=glue, TPB=8, UNIT=2))
         assert "st.global.b16" in code and (glue != 2 or "st.global.v2.b32" in code or "st.global.v4.b32" in code)
-    # The opt-in finishes' kernels ("fused", "device") are compiled and checked bit for bit
+    # the tiles finish's scan: whole steps 16-byte loads, the changed units 2-byte masked stores
+    tiles = ptx(K._scan_tiles_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "n": "i64", "counts_ptr": "*i32",
+                                       "bits_ptr": "*u8", "part_ptr": "*i64", "val_ptr": "*i16", "off_ptr": "*i16"},
+                dict(bf16, S=K.TILE_STEP // 2, CAP=K.tile_cap(2), REFRESH=False, UPDATE=True, AHEAD=True))
+    assert "ld.global.v4.b32" in tiles and "st.global.b16" in tiles and "mul.lo.s64" in tiles
+    # The other opt-in finishes' kernels ("fused", "device") are compiled and checked bit for bit
     # on the GPU (tests/test_delta_gpu.py); compiling them here too cost ~20 s of CI.
 
 
