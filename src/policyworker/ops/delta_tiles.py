@@ -21,18 +21,18 @@ stream is read once (:mod:`policyworker.ops.delta_triton` launches these kernels
   units (its scratch kept the first CAP) takes the bits gather from ``cur``
   (``_gather_bits_tile``): correct whatever the data, only slower.
 
-Memory traffic per encoding, for a stream of S bytes of u-byte units with a fraction f of
-them changed (every tile under CAP; f * S / u changed units): the scan reads 2 S (both
-sides), writes S / (8 u) of bitmap, a few bytes a tile, and f * S * (u + 2) / u of scratch
-(bf16: 2 f S); the refresh, when asked, writes the changed units into ``old`` (masked
+Memory traffic per encoding, for a stream of B bytes of u-byte units with a fraction f of
+them changed (every tile under CAP; f * B / u changed units): the scan reads 2 B (both
+sides), writes B / (8 u) of bitmap, a few bytes a tile, and f * B * (u + 2) / u of scratch
+(bf16: 2 f B); the refresh, when asked, writes the changed units into ``old`` (masked
 2-byte stores: at 3% random changes about 40% of the 32-byte sectors of ``old`` get one,
-sectors already in L2 from the scan's read); the compaction reads the scratch runs and
-writes them to the blob (bf16: 2 f S each way) plus the header (S / 8 u for a bitmap blob).
-bf16 at 3% changed: about 2.06 S read and 0.18 S written (0.06 S of it bitmap), ~1.1 flat
-copies of the stream (a copy reads S and writes S), against the gather finishes' second read of ``cur``
-(at 3% random changes nearly every 128-byte line of ``cur`` holds a changed unit:
-0.6 copies measured on an H200). The scratch is ``tiles * CAP * (u + 2)`` bytes, CAP =
-the tile's units / ``TILE_SHARE`` (16: the most changed units a sparse blob can have,
+sectors still in L2 from the scan's read); the compaction reads the scratch runs and writes
+them to the blob (bf16: 2 f B each way) plus the header (B / 8 u for a bitmap blob). bf16
+at 3% changed: about 2.06 B read and 0.18 B written (0.06 B of it bitmap), ~1.1 flat copies
+of the stream (a copy reads B and writes B), where the gather finishes read ``cur`` a second
+time (at 3% random changes nearly every 128-byte line of ``cur`` holds a changed unit: the
+gather measured 0.6 copies on an H200). The scratch is ``tiles * CAP * (u + 2)`` bytes, CAP
+= the tile's units / ``TILE_SHARE`` (16: the most changed units a sparse blob can have,
 n / 16, as the fused finish's scratch): 1/8 of a bf16 stream's bytes (3/16 for 1-byte
 units, 3/32 for 4-byte, 5/64 for 8-byte) more GPU memory while an encoding runs.
 """
@@ -97,7 +97,7 @@ def _compact_kernel(cur_ptr, counts_ptr, starts_ptr, bits_ptr, sval_ptr, soff_pt
     _glue(t, starts_ptr, bits_ptr, blob_ptr, tiles, k, at_offs, at_vals, size, T, GLUE, TPB, UNIT)
     count = tl.load(counts_ptr + t)
     start = tl.load(starts_ptr + t)
-    if count > CAP:  # the scratch holds only the first CAP: gather the tile again (the scan refreshed old)
+    if count > CAP:  # the scratch holds only the first CAP: gather the tile again (old refreshed by the scan)
         _gather_bits_tile(cur_ptr, cur_ptr, bits_ptr, val_ptr, off_ptr, t, start, T, OFFSETS, False)
     elif count > 0:
         i = tl.arange(0, CAP)

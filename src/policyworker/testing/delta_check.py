@@ -23,7 +23,8 @@ process) or ``--device cuda`` prints one JSON object, per case whether:
 Cases: 1-, 2-, 4- and 8-byte units; lengths that end inside a tile and inside a
 65,536-unit block; nothing, one unit (the first, the last, a block's last), a few,
 many and all units changed; bf16 and float32 ``-0.0`` vs ``0.0`` and NaN payloads;
-1 KiB tiles with a 16-tile step of the prefix sum (its carry over many steps);
+1 KiB tiles with a 16-tile step of the prefix sum (its carry over many steps); the tiles
+finish with tiles over their slot, several scan steps a tile, with and without a step ahead;
 segments at odd addresses, of odd lengths, empty. ``--scale`` multiplies the lengths
 (the GPU test uses it for many tiles and blocks). Exit status 1 if any case fails.
 """
@@ -180,10 +181,11 @@ def run(device: torch.device, scale: int = 1) -> dict:
             finish=("device", "fused", "torch")[i % 3])
     for i, (unit, n, fraction, where, tile, step) in enumerate(TILES_CASES):
         new, old = _case(n * scale, unit, fraction, seed=n + unit + 1, where=where)
-        out[f"encode tiles unit={unit} n={n * scale} changed={fraction} {where} tile={tile} B step={step} B"] = (
-            check_encode(
+        ahead = i % 4 < 2  # the scan's next step loaded before this one's work, or not
+        out[f"encode tiles unit={unit} n={n * scale} changed={fraction} {where} tile={tile} B step={step} B"
+            f"{' ahead' if ahead else ''}"] = check_encode(
             ops, new, old, device, ("gather", "scan")[i % 2], FORMS[i % len(FORMS)], finish="tiles",
-            settings=dict(tile_bytes=tile, tile_step=step, tile_ahead=i % 4 < 2)))
+            settings=dict(tile_bytes=tile, tile_step=step, tile_ahead=ahead))
     new, old = _case(70_001 * scale, 2, 0.01, seed=11, where="random")  # not 8-byte aligned: the units scan
     out["encode unit=2 at a 2-byte offset"] = check_encode(ops, new, old, device, "scan", FORMS[0], offset=1)
     for fraction, forms, finish in ((0.003, FORMS[0], "device"), (0.1, FORMS[1], "device"), (0.01, FORMS[0], "fused")):
