@@ -58,18 +58,18 @@ ENCODE_CASES = [
 ]
 
 #: The tiles finish's cases: (unit bytes, units, changed fraction, where, tile bytes, scan step bytes);
-#: "runs": random changes plus two runs of changed units that cover whole tiles (over their slots)
+#: "runs": random changes plus two runs of changed units, each more than a tile's slot holds
 TILES_CASES = [
     (2, 200_003, 0.002, "random", 16384, 4096),  # sparse, a ragged last tile, 4 steps a tile
-    (2, 70_001, 0.01, "runs", 1024, 1024),  # sparse, tiles over and under their slot
-    (2, 70_001, 0.08, "random", 1024, 1024),  # bitmap, tiles over and under
+    (2, 30_001, 0.01, "runs", 1024, 1024),  # sparse, tiles over and under their slot
+    (2, 20_001, 0.08, "random", 1024, 1024),  # bitmap, tiles over and under
     (2, 8_192, 0.0, "random", 1024, 1024),  # nothing changed
     (1, 60_001, 0.005, "runs", 4096, 1024),
     (1, 30_001, 0.07, "random", 1024, 1024),
-    (4, 40_003, 0.001, "runs", 1024, 1024),
+    (4, 20_003, 0.001, "runs", 1024, 1024),
     (4, 9_001, 0.07, "random", 4096, 1024),
-    (8, 40_003, 0.002, "runs", 2048, 1024),
-    (8, 12_289, 0.08, "random", 1024, 1024),
+    (8, 16_003, 0.002, "runs", 2048, 1024),
+    (8, 6_001, 0.08, "random", 1024, 1024),
     (8, 3_001, 1.0, "random", 16384, 4096),  # every unit changed: raw
     (2, 4_097, 1.0, "random", 1024, 1024),
 ]
@@ -81,9 +81,9 @@ def _case(n: int, unit: int, fraction: float, seed: int, where: str) -> tuple[to
     new = old.clone()
     if where in ("random", "runs"):
         mask = torch.rand(n, generator=g) < fraction
-        if where == "runs":  # each covers at least one whole tile of 1 KiB
-            mask[1000:2100] = True
-            mask[n // 2:n // 2 + 700] = True
+        if where == "runs":  # the first covers a whole tile of 1 KiB of units of 2 bytes or more
+            mask[1000:1600] = True
+            mask[n // 2:n // 2 + 300] = True
     else:  # one unit: the first, the last (a ragged tile's end), the last of the first block
         mask = torch.zeros(n, dtype=torch.bool)
         mask[{"first": 0, "last": n - 1, "block_end": min(n, 1 << 16) - 1}[where]] = True
