@@ -22,7 +22,8 @@ step by step (CUDA events, each step named by its end: the scan; the prefix, i.e
 tiles' starts and the totals; the sync, the one read of the totals to the host; the glue,
 torch's blob header and padding, only with the torch finish; the gather) and, interleaved,
 the kernels with the torch finish (torch sums, cumsum and copies
-between the scan and the gather). ``--sweep`` also times the kernels at
+between the scan and the gather) and with the tiles finish (the scan keeps each tile's
+changed units, a compaction replaces the gather's second read of the stream). ``--sweep`` also times the kernels at
 ``--sweep-fractions`` changed (3%) under tile sizes, warp counts, refreshing passes,
 the passes' forms (``words``/``units`` scan, ``bits``/``units`` gather), the finish and
 the prefix's chunk (each variant checked first, then timed with its steps; the library's
@@ -45,7 +46,8 @@ import torch
 
 from policyworker.layout import delta
 
-#: (tile bytes, warps, refreshing pass, scan form, gather form, finish, plan chunk) tried by --sweep; the first is
+#: (tile bytes, warps, refreshing pass, scan form, gather form, finish, plan chunk[, the tiles scan's step in
+#: bytes, whether it loads a step ahead]) tried by --sweep; the first is
 #: the library's default, the second the same kernels with the torch finish, the
 #: "units"/"units" rows the first kernels
 _SWEEP = [(16384, 4, "gather", "units", "bits", "device", 4096), (16384, 4, "gather", "units", "bits", "torch", 4096),
@@ -62,7 +64,14 @@ _SWEEP = [(16384, 4, "gather", "units", "bits", "device", 4096), (16384, 4, "gat
           (16384, 4, "gather", "units", "bits", "fused", 4096), (8192, 4, "gather", "units", "bits", "fused", 4096),
           (4096, 4, "gather", "units", "bits", "fused", 4096), (4096, 2, "gather", "units", "bits", "fused", 4096),
           (2048, 2, "gather", "units", "bits", "fused", 4096), (8192, 8, "gather", "units", "bits", "fused", 4096),
-          (16384, 8, "gather", "units", "bits", "fused", 4096), (8192, 4, "scan", "units", "bits", "fused", 4096)]
+          (16384, 8, "gather", "units", "bits", "fused", 4096), (8192, 4, "scan", "units", "bits", "fused", 4096),
+          *[(tile, warps, refresh, "units", "bits", "tiles", 4096, step, ahead)
+            for tile, warps, refresh, step, ahead in (
+                (16384, 4, "gather", 4096, False), (16384, 4, "gather", 2048, False), (16384, 4, "gather", 8192, False),
+                (16384, 8, "gather", 4096, False), (16384, 8, "gather", 8192, False), (8192, 4, "gather", 4096, False),
+                (8192, 4, "gather", 2048, False), (4096, 2, "gather", 2048, False), (16384, 8, "gather", 4096, True),
+                (32768, 8, "gather", 4096, True), (16384, 4, "gather", 2048, True), (8192, 8, "gather", 2048, True),
+                (16384, 4, "scan", 4096, False))]]
 
 
 def _sync() -> None:
@@ -149,7 +158,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true",
                     help="also time a few tile sizes / warp counts / kernel forms (at --sweep-fractions)")
     ap.add_argument("--sweep-fractions", default="0.03")
-    ap.add_argument("--sweep-finishes", default="device,torch,fused",
+    ap.add_argument("--sweep-finishes", default="device,torch,fused,tiles",
                     help="the sweep's rows of these finishes only (the fused scan in a process of its own: a kernel "
                          "that hangs there cannot take the other rows with it)")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a dry run in Triton's interpreter)")
@@ -183,6 +192,7 @@ def main() -> int:
         raw = cur.view(torch.uint8)
         try:
             bad = _check(ops, cur, old, raw, segments)  # compiles the kernels too
+            bad += [f"tiles finish: {b}" for b in _finished(ops, "tiles", _check, cur, old, raw, segments)]
         except Exception as exc:  # a kernel that does not compile or run here: reported, the sweep still runs
             bad = [f"{type(exc).__name__}: {exc}"[:2000]]
         if bad:
@@ -192,6 +202,7 @@ def main() -> int:
         dst = torch.empty_like(old)
         shadow = torch.empty_like(old)
         s = {name: [] for name in ("copy", "encode_torch", "encode_kernels", "encode_kernels_torch_finish",
+                                   "encode_kernels_tiles_finish",
                                    "encode_torch_refresh", "encode_kernels_refresh", "apply", "checksum_torch",
                                    "checksum_kernels", "copies_torch", "copies_kernels")}
         box = {}
@@ -199,7 +210,8 @@ def main() -> int:
             s["copy"] += _timed(lambda: dst.copy_(cur))
             s["encode_torch"] += _timed(lambda: box.__setitem__("t", delta._encode_torch(cur, old)))
             s["encode_kernels"] += _timed(lambda: box.__setitem__("k", delta._encode_fused(ops, cur, old, False, True)))
-            s["encode_kernels_torch_finish"] += _timed(lambda: _finished(ops, "torch", cur, old))
+            s["encode_kernels_torch_finish"] += _timed(lambda: _finished(ops, "torch", _encode, cur, old))
+            s["encode_kernels_tiles_finish"] += _timed(lambda: _finished(ops, "tiles", _encode, cur, old))
             shadow.copy_(old)
             s["encode_torch_refresh"] += _timed(lambda: _torch_refresh(cur, shadow))
             shadow.copy_(old)
@@ -232,6 +244,9 @@ def main() -> int:
             "encode_kernels_over_copy": med["encode_kernels"] / med["copy"],
             "encode_kernels_over_copy_per_rep": [e / c for e, c in zip(s["encode_kernels"], s["copy"])],
             "encode_kernels_torch_finish_over_copy": med["encode_kernels_torch_finish"] / med["copy"],
+            "encode_kernels_tiles_finish_over_copy": med["encode_kernels_tiles_finish"] / med["copy"],
+            "encode_kernels_tiles_finish_over_copy_per_rep": [e / c for e, c in zip(s["encode_kernels_tiles_finish"],
+                                                                                     s["copy"])],
             "encode_kernels_refresh_over_copy": med["encode_kernels_refresh"] / med["copy"],
             "encode_torch_over_copy": med["encode_torch"] / med["copy"],
             "checksum_kernels_gbs": full_bytes / med["checksum_kernels"] / 1e9,
@@ -247,7 +262,8 @@ def main() -> int:
         print(f"{frac:>6.3%}: blob {blob / full_bytes:.4f} x | copy {med['copy'] * 1e3:.2f} ms "
               f"({row['copy_gbs']:.0f} GB/s) | encode torch {med['encode_torch'] * 1e3:.2f} ms, kernels "
               f"{med['encode_kernels'] * 1e3:.2f} ms ({row['encode_kernels_over_copy']:.2f} copies; torch finish "
-              f"{row['encode_kernels_torch_finish_over_copy']:.2f}; with the shadow "
+              f"{row['encode_kernels_torch_finish_over_copy']:.2f}; tiles finish "
+              f"{row['encode_kernels_tiles_finish_over_copy']:.2f}; with the shadow "
               f"refresh {med['encode_kernels_refresh'] * 1e3:.2f} ms, torch {med['encode_torch_refresh'] * 1e3:.2f}) "
               f"| checksum torch {med['checksum_torch'] * 1e3:.2f} ms, kernels {med['checksum_kernels'] * 1e3:.2f} ms; "
               f"{len(segments)} copies torch {med['copies_torch'] * 1e3:.2f} ms, kernels "
@@ -268,7 +284,9 @@ def main() -> int:
         ratio, worst = goal[0]["encode_kernels_over_copy"], max(goal[0]["encode_kernels_over_copy_per_rep"])
         print(f"goal (encode at 3% changed < 2 flat copies, defaults): median {ratio:.2f} copies, worst repetition "
               f"{worst:.2f} -> {'met' if worst < 2 else 'met at the median only' if ratio < 2 else 'NOT met'} "
-              f"(torch finish, same run: {goal[0]['encode_kernels_torch_finish_over_copy']:.2f})", flush=True)
+              f"(torch finish, same run: {goal[0]['encode_kernels_torch_finish_over_copy']:.2f}; tiles finish "
+              f"{goal[0]['encode_kernels_tiles_finish_over_copy']:.2f}, worst repetition "
+              f"{max(goal[0]['encode_kernels_tiles_finish_over_copy_per_rep']):.2f})", flush=True)
     failures.update({f"sweep {r['changed_fraction']} {_name(r)}": [r.get("error", "blob, checksum or refresh")]
                      for r in sweep if not r["exact"]})
     best = {}
@@ -284,7 +302,8 @@ def main() -> int:
            "torch": torch.__version__, "triton": __import__("triton").__version__, "gib": args.gib, "reps": args.reps,
            "link_gbs": args.link_gbs, "tile_bytes": ops.TILE_BYTES, "num_warps": ops.NUM_WARPS,
            "refresh": ops.REFRESH, "scan": ops.SCAN, "gather": ops.GATHER, "finish": ops.FINISH,
-           "plan_chunk": ops.PLAN_CHUNK, "rows": rows, "sweep": sweep,
+           "plan_chunk": ops.PLAN_CHUNK, "tile_share": ops.TILE_SHARE, "tile_step": ops.TILE_STEP,
+           "tile_ahead": ops.TILE_AHEAD, "rows": rows, "sweep": sweep,
            "sweep_best": best, "failures": failures}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
@@ -309,13 +328,16 @@ def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, frac
     shadow = torch.empty_like(old)
     out = []
     default = dict(tile_bytes=ops.TILE_BYTES, num_warps=ops.NUM_WARPS, refresh=ops.REFRESH, scan=ops.SCAN,
-                   gather=ops.GATHER, finish=ops.FINISH, plan_chunk=ops.PLAN_CHUNK)
+                   gather=ops.GATHER, finish=ops.FINISH, plan_chunk=ops.PLAN_CHUNK, tile_step=ops.TILE_STEP,
+                   tile_ahead=ops.TILE_AHEAD)
     try:
-        for tile, warps, refresh, scan, gather, finish, chunk in (r for r in _SWEEP if r[5] in finishes):
+        for tile, warps, refresh, scan, gather, finish, chunk, *step in (r for r in _SWEEP if r[5] in finishes):
             setting = {"changed_fraction": fraction, "tile_bytes": tile, "num_warps": warps, "refresh": refresh,
-                       "scan": scan, "gather": gather, "finish": finish, "plan_chunk": chunk}
+                       "scan": scan, "gather": gather, "finish": finish, "plan_chunk": chunk,
+                       **({"tile_step": step[0], "tile_ahead": step[1]} if step else {})}
             ops.configure(tile_bytes=tile, num_warps=warps, refresh=refresh, scan=scan, gather=gather, finish=finish,
-                          plan_chunk=chunk)
+                          plan_chunk=chunk, tile_step=step[0] if step else default["tile_step"],
+                          tile_ahead=step[1] if step else default["tile_ahead"])
             shadow.copy_(old)
             try:
                 got = delta._encode_fused(ops, cur, shadow, True, True)
@@ -352,16 +374,25 @@ def _sweep(ops, old: torch.Tensor, n: int, gen: torch.Generator, reps: int, frac
 
 
 def _name(r: dict) -> str:
+    if r["finish"] == "tiles":
+        how = "changed units" if r["refresh"] == "gather" else "whole tiles"
+        ahead = ", a step ahead" if r["tile_ahead"] else ""
+        return (f"tile {r['tile_bytes']} B, {r['num_warps']} warps, finish tiles (scan step {r['tile_step']} B"
+                f"{ahead}, refresh: {how})")
     return (f"tile {r['tile_bytes']} B, {r['num_warps']} warps, refresh in the {r['refresh']}, scan {r['scan']}, "
             f"gather {r['gather']}, finish {r['finish']} (plan chunk {r['plan_chunk']})")
 
 
-def _finished(ops, finish: str, cur: torch.Tensor, old: torch.Tensor):
-    """The kernels' encoding under another finish (the library's setting restored after)."""
+def _encode(ops, cur: torch.Tensor, old: torch.Tensor):
+    return delta._encode_fused(ops, cur, old, False, True)
+
+
+def _finished(ops, finish: str, fn, *args):
+    """``fn(ops, *args)`` (an encoding, or its check) under another finish (the library's setting restored after)."""
     before = ops.FINISH
     ops.configure(finish=finish)
     try:
-        return delta._encode_fused(ops, cur, old, False, True)
+        return fn(ops, *args)
     finally:
         ops.configure(finish=before)
 

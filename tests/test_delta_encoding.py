@@ -260,7 +260,7 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     import sys
     from pathlib import Path
 
-    from policyworker.testing.delta_check import ENCODE_CASES, FORMS
+    from policyworker.testing.delta_check import ENCODE_CASES, FORMS, TILES_CASES
 
     src = str(Path(D.__file__).resolve().parents[2])
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
@@ -272,9 +272,16 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     res = json.loads(lines[-1])
     assert {k: v for k, v in res.items() if not v["ok"]} == {}
     encodes = [v for k, v in res.items() if k.startswith("encode")]
-    assert len(encodes) == len(ENCODE_CASES) + 6 and len(res) >= len(encodes) + 8
-    assert {(v["finish"], v["kind"]) for v in encodes} >= {(f, kind) for f in ("device", "fused", "torch")
+    assert len(encodes) == len(ENCODE_CASES) + len(TILES_CASES) + 6 and len(res) >= len(encodes) + 8
+    assert {(v["finish"], v["kind"]) for v in encodes} >= {(f, kind) for f in ("device", "fused", "torch", "tiles")
                                                            for kind in (D.SPARSE, D.BITMAP)}
+    # the tiles finish: every kind and unit width, both refreshing passes, and blobs of each
+    # kind where tiles over their scratch slot (gathered again) meet tiles under it (compacted)
+    tiles = [v for v in encodes if v["finish"] == "tiles"]
+    assert {v["kind"] for v in tiles} == {D.NONE, D.SPARSE, D.BITMAP, D.RAW}
+    assert {v["unit"] for v in tiles} == {1, 2, 4, 8} and {v["refresh"] for v in tiles} == {"gather", "scan"}
+    mixed = {(v["unit"], v["kind"]) for v in tiles if v["over_cap"] and v["under_cap"]}
+    assert mixed >= {(u, kind) for u in (1, 2, 4, 8) for kind in (D.SPARSE, D.BITMAP)}, mixed
     assert {tuple(v["forms"]) for v in encodes} == set(FORMS)
     assert {v["kind"] for v in encodes if tuple(v["forms"]) == FORMS[0]} >= {D.SPARSE, D.BITMAP, D.NONE}
     assert any(v["offset"] for v in encodes)  # an unaligned stream: the units scan under the words form
@@ -324,7 +331,12 @@ def test_kernels_compile_for_hopper_with_16_byte_loads_of_whole_tiles(monkeypatc
     for kernel, glue in ((K._gather_kernel, 0), (K._gather_bits_kernel, 1), (K._gather_bits_kernel, 2)):
         code = ptx(kernel, gsig, dict(T=K.tile_units(2), OFFSETS=glue != 2, UPDATE=True, GLUE=glue, TPB=8, UNIT=2))
         assert "st.global.b16" in code and (glue != 2 or "st.global.v2.b32" in code or "st.global.v4.b32" in code)
-    # The opt-in finishes' kernels ("fused", "device") are compiled and checked bit for bit
+    # the tiles finish's scan: whole steps 16-byte loads, the changed units 2-byte masked stores
+    tiles = ptx(K._scan_tiles_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "n": "i64", "counts_ptr": "*i32",
+                                       "bits_ptr": "*u8", "part_ptr": "*i64", "val_ptr": "*i16", "off_ptr": "*i16"},
+                dict(bf16, S=K.TILE_STEP // 2, CAP=K.tile_cap(2), REFRESH=False, UPDATE=True, AHEAD=True))
+    assert "ld.global.v4.b32" in tiles and "st.global.b16" in tiles and "mul.lo.s64" in tiles
+    # The other opt-in finishes' kernels ("fused", "device") are compiled and checked bit for bit
     # on the GPU (tests/test_delta_gpu.py); compiling them here too cost ~20 s of CI.
 
 
@@ -363,9 +375,13 @@ def test_kernel_settings_are_checked():
                 {"refresh": "both"}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
-    for bad in ({"scan": "bytes"}, {"gather": "all"}, {"finish": "host"}, {"plan_chunk": 100}, {"plan_chunk": 8}):
+    for bad in ({"scan": "bytes"}, {"gather": "all"}, {"finish": "host"}, {"plan_chunk": 100}, {"plan_chunk": 8},
+                {"tile_share": 1}, {"tile_share": 12}, {"tile_share": 128}, {"tile_step": 512}, {"tile_step": 3072},
+                {"tile_ahead": 1}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
     assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH, K.SCAN, K.GATHER) == (16384, 4, "gather", "units", "bits")
-    assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS) == ("torch", 4096, 8)
+    assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS, K.TILE_SHARE, K.TILE_STEP, K.TILE_AHEAD) == ("torch", 4096, 8, 16,
+                                                                                          4096, False)
+    assert [K.tile_cap(u) for u in (1, 2, 4, 8)] == [1024, 512, 256, 128]  # the fused scan's bound: n / 16 units
     assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [16384, 8192, 4096, 2048]  # each divides a 65,536-unit block

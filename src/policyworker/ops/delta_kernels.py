@@ -6,7 +6,8 @@ and says what each pass does; its docstring has the checksum's formula).
 * ``_plan_kernel``: one program over the tiles' counts and shares: each tile's start, the
   total and the checksum's word sum;
 * gathers: ``_gather_bits_kernel`` / ``_gather_kernel`` write the changed units (and
-  offsets) at their places, and with ``_glue`` the blob's header and padding;
+  offsets) at their places, and with ``_glue`` the blob's header and padding
+  (``_gather_bits_tile``: one tile's, also the tiles finish's for a tile over its scratch);
 * the fused scan: ``_fused_kernel`` places a tile's changed units itself, its start from a
   decoupled look-back (``_lookback``) over tiles taken in start order; ``_assemble_kernel``
   copies its scratch into a sparse blob;
@@ -220,29 +221,37 @@ def _gather_bits_kernel(cur_ptr, old_ptr, counts_ptr, starts_ptr, bits_ptr, val_
     t = tl.program_id(0).to(tl.int64)
     _glue(t, starts_ptr, bits_ptr, blob_ptr, tiles, k, at_offs, at_vals, size, T, GLUE, TPB, UNIT)
     if tl.load(counts_ptr + t) > 0:
-        q = tl.arange(0, T // 32)
-        v = tl.load(bits_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + t * (T // 32) + q)
-        # packbits order to unit i at bit i of its 32-bit word: reverse the bits of each byte
-        v = ((v >> 1) & 0x55555555) | ((v & 0x55555555) << 1)
-        v = ((v >> 2) & 0x33333333) | ((v & 0x33333333) << 2)
-        v = ((v >> 4) & 0x0F0F0F0F) | ((v & 0x0F0F0F0F) << 4)
-        cnt = v - ((v >> 1) & 0x55555555)  # popcount
-        cnt = (cnt & 0x33333333) + ((cnt >> 2) & 0x33333333)
-        cnt = ((((cnt + (cnt >> 4)) & 0x0F0F0F0F) * 0x01010101) >> 24).to(tl.int32)
-        at = tl.load(starts_ptr + t) + (tl.cumsum(cnt, axis=0) - cnt).to(tl.int64)
-        first = t * T + q * 32
-        for _ in range(0, tl.max(cnt, axis=0)):  # one changed unit per word per round, lowest first
-            hit = v != 0
-            low = v & (0 - v)
-            offs = first + ((low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127)  # log2 of a power of 2
-            x = tl.load(cur_ptr + offs, mask=hit)
-            tl.store(val_ptr + at, x, mask=hit)
-            if OFFSETS:
-                tl.store(off_ptr + at, (offs & 65535).to(tl.int16), mask=hit)
-            if UPDATE:
-                tl.store(old_ptr + offs, x, mask=hit)
-            at += 1
-            v = v & (v - 1)
+        _gather_bits_tile(cur_ptr, old_ptr, bits_ptr, val_ptr, off_ptr, t, tl.load(starts_ptr + t), T, OFFSETS, UPDATE)
+
+
+@triton.jit
+def _gather_bits_tile(cur_ptr, old_ptr, bits_ptr, val_ptr, off_ptr, t, start, T: tl.constexpr, OFFSETS: tl.constexpr,
+                      UPDATE: tl.constexpr):
+    """Tile ``t``'s changed units (its bitmap says which) from ``cur`` to ``val[start:]`` in order,
+    with their offsets in their blocks to ``off[start:]`` (OFFSETS) and into ``old`` (UPDATE)."""
+    q = tl.arange(0, T // 32)
+    v = tl.load(bits_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + t * (T // 32) + q)
+    # packbits order to unit i at bit i of its 32-bit word: reverse the bits of each byte
+    v = ((v >> 1) & 0x55555555) | ((v & 0x55555555) << 1)
+    v = ((v >> 2) & 0x33333333) | ((v & 0x33333333) << 2)
+    v = ((v >> 4) & 0x0F0F0F0F) | ((v & 0x0F0F0F0F) << 4)
+    cnt = v - ((v >> 1) & 0x55555555)  # popcount
+    cnt = (cnt & 0x33333333) + ((cnt >> 2) & 0x33333333)
+    cnt = ((((cnt + (cnt >> 4)) & 0x0F0F0F0F) * 0x01010101) >> 24).to(tl.int32)
+    at = start + (tl.cumsum(cnt, axis=0) - cnt).to(tl.int64)
+    first = t * T + q * 32
+    for _ in range(0, tl.max(cnt, axis=0)):  # one changed unit per word per round, lowest first
+        hit = v != 0
+        low = v & (0 - v)
+        offs = first + ((low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127)  # log2 of a power of 2
+        x = tl.load(cur_ptr + offs, mask=hit)
+        tl.store(val_ptr + at, x, mask=hit)
+        if OFFSETS:
+            tl.store(off_ptr + at, (offs & 65535).to(tl.int16), mask=hit)
+        if UPDATE:
+            tl.store(old_ptr + offs, x, mask=hit)
+        at += 1
+        v = v & (v - 1)
 
 
 @triton.jit

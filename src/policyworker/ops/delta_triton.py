@@ -29,6 +29,15 @@ from the cache rather than from memory, with their offsets into a scratch of at 
 ``cap`` units (the most a sparse blob can hold: 1/8 of a bf16 stream's bytes, plus its
 offsets); a sparse blob is then a copy of the scratch, a bitmap blob the gather.
 
+``FINISH = "tiles"`` keeps the stream's one read without any wait between tiles: the scan
+writes each tile's changed units (and their offsets) compactly into the tile's own slot
+of a scratch (``tile_cap`` units a tile, 1/``TILE_SHARE`` of them: 1/8 of a bf16 stream's
+bytes more memory while it runs), places from an in-tile prefix sum, and refreshes
+``old`` with masked stores of the changed units; torch's cumsum gives the tiles' starts
+(as the torch finish); a compaction copies each tile's run to its start and writes the
+blob's header and padding, and a tile over its slot takes the bits gather.
+:mod:`policyworker.ops.delta_tiles` has those kernels and their memory traffic.
+
 The old tensor can be refreshed (made equal to the current one) on the way: by the
 gather, which writes the changed units only (``REFRESH = "gather"``, the default), or
 by the scan, which writes every tile it read whole (``"scan"``: one more write of the
@@ -66,10 +75,11 @@ import triton.language as tl
 from policyworker.errors import ConfigError, ProtocolError
 from policyworker.ops.delta_kernels import (_assemble_kernel, _fused_kernel, _gather_bits_kernel, _gather_kernel,
                                             _plan_kernel, _scan_kernel, _scan_words_kernel, _sum_kernel)
+from policyworker.ops.delta_tiles import _compact_kernel, _scan_tiles_kernel
 
 __all__ = ["FINISH", "GATHER", "LOOKBACK", "NUM_WARPS", "PLAN_CHUNK", "PLAN_WARPS", "PROFILE", "REFRESH", "SCAN",
-           "Scanned", "TILE_BYTES",
-           "checksums", "configure", "gather_into", "mark", "plan", "scan", "tile_units"]
+           "Scanned", "TILE_AHEAD", "TILE_BYTES", "TILE_SHARE", "TILE_STEP",
+           "checksums", "configure", "gather_into", "mark", "plan", "scan", "tile_cap", "tile_units"]
 
 #: Bytes of one stream a program covers (a power of two, 1 KiB .. 64 KiB), and warps per program.
 TILE_BYTES = 16384
@@ -81,9 +91,17 @@ SCAN = "units"
 GATHER = "bits"
 #: What happens between the scan and the gather: "device" (one kernel sums the tiles' counts and
 #: checksum shares and lays out their starts; the gather writes the blob's header and padding),
-#: "torch" (torch reductions, a cumsum and copies; the default: measured fastest on an H200) or
-#: "fused" (the scan, in its units form whatever SCAN says, places the changed units itself).
+#: "torch" (torch reductions, a cumsum and copies; the default: measured fastest on an H200),
+#: "fused" (the scan, in its units form whatever SCAN says, places the changed units itself) or
+#: "tiles" (the scan, in its units form, keeps each tile's changed units in a slot of its own;
+#: torch's cumsum, then a compaction of the slots into the blob).
 FINISH = "torch"
+#: The tiles finish's slot: 1/TILE_SHARE of a tile's units (a power of two, 2 .. 64), the bytes
+#: its scan takes a step (a power of two, 1 KiB .. 64 KiB; at most a tile), and whether the scan
+#: loads the next step before working on this one (TILE_AHEAD).
+TILE_SHARE = 16
+TILE_STEP = 4096
+TILE_AHEAD = False
 #: Tile counts per step of the device finish's one-program prefix sum, and its warps.
 PLAN_CHUNK = 4096
 PLAN_WARPS = 8
@@ -97,13 +115,26 @@ _UNSIGNED = {1: tl.uint8, 2: tl.uint16, 4: tl.uint32, 8: tl.uint64}
 
 def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, refresh: str | None = None,
               scan: str | None = None, gather: str | None = None, finish: str | None = None,
-              plan_chunk: int | None = None) -> None:
+              plan_chunk: int | None = None, tile_share: int | None = None, tile_step: int | None = None,
+              tile_ahead: bool | None = None) -> None:
     """Set the tile size, warps, refreshing pass, the passes' forms and the finish (the benchmark's sweep)."""
-    global TILE_BYTES, NUM_WARPS, REFRESH, SCAN, GATHER, FINISH, PLAN_CHUNK
+    global TILE_BYTES, NUM_WARPS, REFRESH, SCAN, GATHER, FINISH, PLAN_CHUNK, TILE_SHARE, TILE_STEP, TILE_AHEAD
     if finish is not None:
-        if finish not in ("device", "torch", "fused"):
-            raise ConfigError(f"delta kernels: finish {finish!r} is not 'device', 'torch' or 'fused'")
+        if finish not in ("device", "torch", "fused", "tiles"):
+            raise ConfigError(f"delta kernels: finish {finish!r} is not 'device', 'torch', 'fused' or 'tiles'")
         FINISH = finish
+    if tile_share is not None:
+        if tile_share < 2 or tile_share > 64 or tile_share & (tile_share - 1):
+            raise ConfigError(f"delta kernels: tile_share {tile_share} is not a power of two in 2 .. 64")
+        TILE_SHARE = tile_share
+    if tile_step is not None:
+        if tile_step < 1024 or tile_step > 65536 or tile_step & (tile_step - 1):
+            raise ConfigError(f"delta kernels: tile_step {tile_step} is not a power of two in 1 KiB .. 64 KiB")
+        TILE_STEP = tile_step
+    if tile_ahead is not None:
+        if not isinstance(tile_ahead, bool):
+            raise ConfigError(f"delta kernels: tile_ahead {tile_ahead!r} is not a bool")
+        TILE_AHEAD = tile_ahead
     if plan_chunk is not None:
         if plan_chunk < 16 or plan_chunk > 65536 or plan_chunk & (plan_chunk - 1):
             raise ConfigError(f"delta kernels: plan_chunk {plan_chunk} is not a power of two in 16 .. 65,536")
@@ -143,6 +174,11 @@ def tile_units(unit: int) -> int:
     return min(TILE_BYTES // unit, _GROUP)
 
 
+def tile_cap(unit: int) -> int:
+    """Changed units a tile's scratch slot holds under the tiles finish (a power of two)."""
+    return tile_units(unit) // TILE_SHARE
+
+
 def _consts(units: torch.Tensor) -> dict:
     unit = units.element_size()
     if unit not in _UNSIGNED:
@@ -156,10 +192,12 @@ class Scanned(NamedTuple):
     counts: torch.Tensor  # int32, one per tile, zero-padded to whole groups of units
     bitmap: torch.Tensor  # uint8, 1 bit per unit, packbits order, zero past the end; whole tiles
     parts: torch.Tensor  # int64, one per tile: their wrapping sum is the checksum's word sum
-    offsets: torch.Tensor | None  # the fused scan's: the first ``cap`` changed units' offsets in their groups
+    offsets: torch.Tensor | None  # the fused (tiles) scan's: the first ``cap`` changed units' (of each tile)
+    # offsets in their groups
     values: torch.Tensor | None  # ... and their values
-    updated: bool  # the fused scan refreshed ``old``'s changed units
+    updated: bool  # the fused or tiles scan refreshed ``old``'s changed units
     state: torch.Tensor | None = None  # the fused scan's ticket, tile statuses and error word
+    cap: int = 0  # the tiles scan's slot: ``offsets`` / ``values`` hold tile t's first ``cap`` from t * cap
 
 
 def scan(cur: torch.Tensor, old: torch.Tensor, group: int, refresh: bool = False, update: bool = False,
@@ -168,6 +206,8 @@ def scan(cur: torch.Tensor, old: torch.Tensor, group: int, refresh: bool = False
     ``refresh``, ``old`` is overwritten with ``cur`` tile by tile as it is read. FINISH "fused":
     the same kernel also writes the first ``cap`` changed units' offsets and values (a sparse
     blob's, in order) to scratch tensors and, with ``update``, ``cur``'s changed units into ``old``.
+    FINISH "tiles": each tile's first :func:`tile_cap` changed units' offsets and values to the
+    tile's slot of scratch tensors and, with ``update``, ``cur``'s changed units into ``old``.
     """
     n, t = cur.numel(), tile_units(cur.element_size())
     tiles = -(-n // t)
@@ -180,6 +220,15 @@ def scan(cur: torch.Tensor, old: torch.Tensor, group: int, refresh: bool = False
     if not tiles:
         return Scanned(counts, bitmap, parts, None, None, False)
     consts = _consts(cur)
+    if FINISH == "tiles":
+        c = tile_cap(cur.element_size())
+        offsets = torch.empty(tiles * c, dtype=torch.int16, device=cur.device)
+        values = torch.empty(tiles * c, dtype=cur.dtype, device=cur.device)
+        step = min(t, TILE_STEP // cur.element_size())
+        _scan_tiles_kernel[(tiles,)](cur, old, n, counts, bitmap, parts, values, offsets, T=t, S=step, CAP=c,
+                                     REFRESH=refresh, UPDATE=update, AHEAD=TILE_AHEAD and step < t, num_warps=NUM_WARPS,
+                                     **consts)
+        return Scanned(counts, bitmap, parts, offsets, values, update, None, c)
     if FINISH == "fused":
         state = torch.zeros(tiles + 2, dtype=torch.int64, device=cur.device)  # ticket, each tile's status, error
         offsets = torch.empty(max(cap, 1), dtype=torch.int16, device=cur.device)
@@ -212,8 +261,16 @@ def plan(scanned: Scanned, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     ``starts`` (int64, tiles + 1) each tile's first changed unit's place among all, then the
     total; ``head`` (int64, 2) the changed units (-1: the fused scan failed, see ``_lookback``)
     and the checksum's word sum (wrapping), the encoding's one read back to the host. One
-    launch of one program (FINISH "torch": torch reductions and a cumsum)."""
+    launch of one program (FINISH "torch": torch reductions and a cumsum, ``starts`` without
+    the total; "tiles": a cumsum, with it)."""
     counts, parts = scanned.counts, scanned.parts
+    if scanned.cap:
+        starts = torch.empty(tiles + 1, dtype=torch.int64, device=counts.device)
+        starts.narrow(0, 0, 1).zero_()
+        torch.cumsum(counts.narrow(0, 0, tiles), 0, dtype=torch.int64, out=starts.narrow(0, 1, tiles))
+        head = torch.stack([starts[tiles], parts.sum()])
+        mark("prefix")
+        return starts, head
     if FINISH == "torch":
         head = torch.stack([counts.sum(dtype=torch.int64), parts.sum()])
         mark("prefix")
@@ -233,13 +290,21 @@ def gather_into(cur: torch.Tensor, old: torch.Tensor, scanned: Scanned, starts: 
     their offsets in their blocks from byte ``at_offs``, or the bitmap from byte 0; the padding
     between sections zeroed. ``starts``: :func:`plan`'s. ``old`` refreshed when ``update_old``.
     One launch: the gather, or for a sparse blob whose units the fused scan kept, a copy of
-    those (FINISH "torch": torch operations for the header and padding, then the gather)."""
+    those, or the tiles scan's slots compacted (FINISH "torch": torch operations for the
+    header and padding, then the gather)."""
     unit, n, size = cur.element_size(), cur.numel(), blob.numel()
     counts, bitmap = scanned.counts, scanned.bitmap
     values = blob.narrow(0, at_vals, k * unit).view(cur.dtype)
     offsets = blob.narrow(0, at_offs, 2 * k).view(torch.int16) if sparse else None
     update_old = update_old and not scanned.updated
     tpb = block // tile_units(unit)
+    if scanned.cap:
+        t = tile_units(unit)
+        _compact_kernel[(-(-n // t),)](cur, counts, starts, bitmap, scanned.values, scanned.offsets, values,
+                                       values if offsets is None else offsets, blob, -(-n // t), k, at_offs, at_vals,
+                                       size, T=t, CAP=scanned.cap, OFFSETS=sparse, GLUE=1 if sparse else 2, TPB=tpb,
+                                       UNIT=unit, num_warps=NUM_WARPS)
+        return
     if sparse and scanned.values is not None and k <= scanned.values.numel():
         tiles = bitmap.numel() * 8 // tile_units(unit)
         grid = max(-(-k // _ASSEMBLE_CH), -(-counts.numel() // tpb // _ASSEMBLE_BPP), 1)

@@ -13,14 +13,18 @@ process) or ``--device cuda`` prints one JSON object, per case whether:
   the new ones. The finish is, case by case, the device's (one program for the tiles'
   starts and totals, the blob's header and padding written by the gather), the fused
   scan's (changed units placed by a look-back in the scan, a sparse blob copied from its
-  scratch) or torch's; every tensor the encoding allocates starts as 0xA5 bytes, so a
-  byte left unwritten shows;
+  scratch), torch's, or the tiles scan's (each tile's changed units kept in a slot of its
+  own, then compacted; a tile over its slot gathered again: its cases change whole tiles
+  among sparse ones, so tiles over and under their slot meet in one blob, of each kind and
+  unit width); every tensor the encoding allocates starts as 0xA5 bytes, so a byte left
+  unwritten shows;
 * checksums: the kernel's checksum of each byte segment equals the torch path's.
 
 Cases: 1-, 2-, 4- and 8-byte units; lengths that end inside a tile and inside a
 65,536-unit block; nothing, one unit (the first, the last, a block's last), a few,
 many and all units changed; bf16 and float32 ``-0.0`` vs ``0.0`` and NaN payloads;
-1 KiB tiles with a 16-tile step of the prefix sum (its carry over many steps);
+1 KiB tiles with a 16-tile step of the prefix sum (its carry over many steps); the tiles
+finish with tiles over their slot, several scan steps a tile, with and without a step ahead;
 segments at odd addresses, of odd lengths, empty. ``--scale`` multiplies the lengths
 (the GPU test uses it for many tiles and blocks). Exit status 1 if any case fails.
 """
@@ -53,13 +57,33 @@ ENCODE_CASES = [
     (8, 1, 1.0, "random"),
 ]
 
+#: The tiles finish's cases: (unit bytes, units, changed fraction, where, tile bytes, scan step bytes);
+#: "runs": random changes plus two runs of changed units, each more than a tile's slot holds
+TILES_CASES = [
+    (2, 200_003, 0.002, "random", 16384, 4096),  # sparse, a ragged last tile, 4 steps a tile
+    (2, 30_001, 0.01, "runs", 1024, 1024),  # sparse, tiles over and under their slot
+    (2, 20_001, 0.08, "random", 1024, 1024),  # bitmap, tiles over and under
+    (2, 8_192, 0.0, "random", 1024, 1024),  # nothing changed
+    (1, 60_001, 0.005, "runs", 4096, 1024),
+    (1, 30_001, 0.07, "random", 1024, 1024),
+    (4, 20_003, 0.001, "runs", 1024, 1024),
+    (4, 9_001, 0.07, "random", 4096, 1024),
+    (8, 16_003, 0.002, "runs", 2048, 1024),
+    (8, 6_001, 0.08, "random", 1024, 1024),
+    (8, 3_001, 1.0, "random", 16384, 4096),  # every unit changed: raw
+    (2, 4_097, 1.0, "random", 1024, 1024),
+]
+
 
 def _case(n: int, unit: int, fraction: float, seed: int, where: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     old = torch.randint(0, 256, (n * unit,), dtype=torch.uint8, generator=g).view(D.unit_dtype(unit))
     new = old.clone()
-    if where == "random":
+    if where in ("random", "runs"):
         mask = torch.rand(n, generator=g) < fraction
+        if where == "runs":  # the first covers a whole tile of 1 KiB of units of 2 bytes or more
+            mask[1000:1600] = True
+            mask[n // 2:n // 2 + 300] = True
     else:  # one unit: the first, the last (a ragged tile's end), the last of the first block
         mask = torch.zeros(n, dtype=torch.bool)
         mask[{"first": 0, "last": n - 1, "block_end": min(n, 1 << 16) - 1}[where]] = True
@@ -104,7 +128,8 @@ def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device
                  settings: dict | None = None) -> dict:
     """One case; ``refresh``: which kernel pass refreshes the old tensor (both must); ``forms``:
     the scan's and the gather's; ``offset``: units the tensors start into their allocations;
-    ``finish``: the kernels' finish ("device" or "torch"); ``settings``: more ``configure`` keywords.
+    ``finish``: the kernels' finish ("device", "fused", "torch" or "tiles"); ``settings``: more
+    ``configure`` keywords.
     Every tensor the encoding allocates starts as 0xA5 bytes."""
     n, unit = new.numel(), new.element_size()
     want = D._encode_np(new, old, n, unit)
@@ -112,11 +137,13 @@ def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device
     by_torch = D._encode_torch(cur, base)
     shadow = _placed(old, device, offset)
     default = dict(refresh=ops.REFRESH, scan=ops.SCAN, gather=ops.GATHER, finish=ops.FINISH,
-                   tile_bytes=ops.TILE_BYTES, plan_chunk=ops.PLAN_CHUNK)
+                   tile_bytes=ops.TILE_BYTES, plan_chunk=ops.PLAN_CHUNK, tile_share=ops.TILE_SHARE,
+                   tile_step=ops.TILE_STEP, tile_ahead=ops.TILE_AHEAD)
     ops.configure(refresh=refresh, scan=forms[0], gather=forms[1], finish=finish, **(settings or {}))
     try:
         with mock.patch.object(torch, "empty", _poisoned_empty):
             got = D._encode_fused(ops, cur, shadow, True, True)
+        tiles = _slots(ops, new, old) if finish == "tiles" else {}
     finally:
         ops.configure(**default)
     applied = base.clone()
@@ -126,7 +153,16 @@ def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device
           and got.checksum == D._checksum_torch(new.view(torch.uint8))
           and torch.equal(shadow, cur) and torch.equal(applied, cur))
     return {"ok": bool(ok), "kind": got.kind, "count": got.count, "refresh": refresh, "forms": list(forms),
-            "offset": offset, "finish": finish}
+            "offset": offset, "finish": finish, "unit": unit, **tiles}
+
+
+def _slots(ops, new: torch.Tensor, old: torch.Tensor) -> dict:
+    """How many tiles have more changed units than the tiles finish's slot holds, and how many fewer (not 0)."""
+    t, cap = ops.tile_units(new.element_size()), ops.tile_cap(new.element_size())
+    hit = torch.zeros(-(-new.numel() // t) * t, dtype=torch.int32)
+    hit[:new.numel()] = (new != old).to(torch.int32)
+    counts = hit.view(-1, t).sum(1)
+    return {"over_cap": int((counts > cap).sum()), "under_cap": int(((counts > 0) & (counts <= cap)).sum())}
 
 
 def check_checksums(ops, raw: torch.Tensor, segments: list[tuple[int, int]]) -> bool:
@@ -143,6 +179,13 @@ def run(device: torch.device, scale: int = 1) -> dict:
         out[f"encode unit={unit} n={n * scale} changed={fraction} {where}"] = check_encode(
             ops, new, old, device, ("gather", "scan")[i % 2], FORMS[(i // 2) % len(FORMS)],
             finish=("device", "fused", "torch")[i % 3])
+    for i, (unit, n, fraction, where, tile, step) in enumerate(TILES_CASES):
+        new, old = _case(n * scale, unit, fraction, seed=n + unit + 1, where=where)
+        ahead = i % 4 < 2  # the scan's next step loaded before this one's work, or not
+        out[f"encode tiles unit={unit} n={n * scale} changed={fraction} {where} tile={tile} B step={step} B"
+            f"{' ahead' if ahead else ''}"] = check_encode(
+            ops, new, old, device, ("gather", "scan")[i % 2], FORMS[i % len(FORMS)], finish="tiles",
+            settings=dict(tile_bytes=tile, tile_step=step, tile_ahead=ahead))
     new, old = _case(70_001 * scale, 2, 0.01, seed=11, where="random")  # not 8-byte aligned: the units scan
     out["encode unit=2 at a 2-byte offset"] = check_encode(ops, new, old, device, "scan", FORMS[0], offset=1)
     for fraction, forms, finish in ((0.003, FORMS[0], "device"), (0.1, FORMS[1], "device"), (0.01, FORMS[0], "fused")):
