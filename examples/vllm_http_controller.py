@@ -112,7 +112,7 @@ def _overlapped_refit(base: str, pool: TrainerPool, load: Load, version: int, ki
     3rd wait of it). Returns its times and the error ``finish_weight_update`` raised (or None)."""
     t: dict[str, Any] = {"update": time.monotonic(), "error": None}
     post(base + "/start_weight_update")
-    post(base + "/update_weights", {"update_info": {"version": version}})  # returns: the receive is in flight
+    post(base + "/update_weights", {"update_info": {"version": version}})  # returns: the receive is under way
     t["receiving"] = time.monotonic()
     load.wait_for(lambda s, f, p, tokens: f > t["receiving"])  # served (the old version) while receiving
     for rank in range(pool.spec.n_train):
