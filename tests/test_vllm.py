@@ -198,9 +198,10 @@ def test_generation_runs_on_v_during_the_transfer_then_v_plus_1(world):
 
 @pytest.mark.timeout(240)
 def test_a_trainer_killed_mid_overlapped_transfer_leaves_v_served(world):
+    # Connected here, whatever an earlier test left (staging, deadline, overlap off).
+    assert all(r["ok"] for r in world.connect(version=world.version, overlap=True))
     if world.version == 0:
         world.history[0] = world.tokens()
-        assert all(r["ok"] for r in world.connect(version=0, overlap=True))
         _, error, _ = _overlapped_refit(world, 1)
         assert error is None
         world.version, world.history[1] = 1, world.tokens()
@@ -241,9 +242,9 @@ def _mend_prepare(worker):
 
 @pytest.mark.timeout(240)
 def test_a_failed_background_post_processing_commits_nothing(world):
+    assert all(r["ok"] for r in world.connect(version=world.version, overlap=True))
     if world.version == 0:
         world.history[0] = world.tokens()
-        assert all(r["ok"] for r in world.connect(version=0, overlap=True))
     v = world.version
     commits = _state(world)["commits"]
     world.llm.collective_rpc(_break_prepare)
