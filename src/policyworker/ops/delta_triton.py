@@ -67,7 +67,7 @@ bit for bit the CPU path's (tests check it in Triton's interpreter and on the GP
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton.language as tl
@@ -120,45 +120,38 @@ def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, re
     """Set the tile size, warps, refreshing pass, the passes' forms and the finish (the benchmark's sweep)."""
     global TILE_BYTES, NUM_WARPS, REFRESH, SCAN, GATHER, FINISH, PLAN_CHUNK, TILE_SHARE, TILE_STEP, TILE_AHEAD
     if finish is not None:
-        if finish not in ("device", "torch", "fused", "tiles"):
-            raise ConfigError(f"delta kernels: finish {finish!r} is not 'device', 'torch', 'fused' or 'tiles'")
-        FINISH = finish
+        FINISH = _one_of("finish", finish, ("device", "torch", "fused", "tiles"))
     if tile_share is not None:
-        if tile_share < 2 or tile_share > 64 or tile_share & (tile_share - 1):
-            raise ConfigError(f"delta kernels: tile_share {tile_share} is not a power of two in 2 .. 64")
-        TILE_SHARE = tile_share
+        TILE_SHARE = _power_of_two("tile_share", tile_share, 2, 64)
     if tile_step is not None:
-        if tile_step < 1024 or tile_step > 65536 or tile_step & (tile_step - 1):
-            raise ConfigError(f"delta kernels: tile_step {tile_step} is not a power of two in 1 KiB .. 64 KiB")
-        TILE_STEP = tile_step
+        TILE_STEP = _power_of_two("tile_step", tile_step, 1024, 65536)
     if tile_ahead is not None:
-        if not isinstance(tile_ahead, bool):
-            raise ConfigError(f"delta kernels: tile_ahead {tile_ahead!r} is not a bool")
-        TILE_AHEAD = tile_ahead
+        TILE_AHEAD = _one_of("tile_ahead", tile_ahead, (False, True))
     if plan_chunk is not None:
-        if plan_chunk < 16 or plan_chunk > 65536 or plan_chunk & (plan_chunk - 1):
-            raise ConfigError(f"delta kernels: plan_chunk {plan_chunk} is not a power of two in 16 .. 65,536")
-        PLAN_CHUNK = plan_chunk
+        PLAN_CHUNK = _power_of_two("plan_chunk", plan_chunk, 16, 65536)
     if scan is not None:
-        if scan not in ("words", "units"):
-            raise ConfigError(f"delta kernels: scan {scan!r} is not 'words' or 'units'")
-        SCAN = scan
+        SCAN = _one_of("scan", scan, ("words", "units"))
     if gather is not None:
-        if gather not in ("bits", "units"):
-            raise ConfigError(f"delta kernels: gather {gather!r} is not 'bits' or 'units'")
-        GATHER = gather
+        GATHER = _one_of("gather", gather, ("bits", "units"))
     if refresh is not None:
-        if refresh not in ("gather", "scan"):
-            raise ConfigError(f"delta kernels: refresh {refresh!r} is not 'gather' or 'scan'")
-        REFRESH = refresh
+        REFRESH = _one_of("refresh", refresh, ("gather", "scan"))
     if tile_bytes is not None:
-        if tile_bytes < 1024 or tile_bytes > 65536 or tile_bytes & (tile_bytes - 1):
-            raise ConfigError(f"delta kernels: tile_bytes {tile_bytes} is not a power of two in 1 KiB .. 64 KiB")
-        TILE_BYTES = tile_bytes
+        TILE_BYTES = _power_of_two("tile_bytes", tile_bytes, 1024, 65536)
     if num_warps is not None:
-        if num_warps not in (1, 2, 4, 8, 16):
-            raise ConfigError(f"delta kernels: num_warps {num_warps} is not 1, 2, 4, 8 or 16")
-        NUM_WARPS = num_warps
+        NUM_WARPS = _one_of("num_warps", num_warps, (1, 2, 4, 8, 16))
+
+
+def _one_of(name: str, value: Any, allowed: tuple) -> Any:
+    # Exact type too: True is not 1, and 1 is not True.
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise ConfigError(f"delta kernels: {name} {value!r} is not one of {', '.join(map(repr, allowed))}")
+    return value
+
+
+def _power_of_two(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi or value & (value - 1):
+        raise ConfigError(f"delta kernels: {name} {value!r} is not a power of two in {lo:,} .. {hi:,}")
+    return value
 
 
 def mark(step: str) -> None:
