@@ -119,18 +119,24 @@ class Trainers:
                 p.kill()
 
 
-def free_port():
-    """A port free on the trainers' host now (this example runs on one host)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+def free_ports(count):
+    """``count`` distinct ports free on the trainers' host now (this example runs on one
+    host): all bound at once, so the kernel cannot hand out one port twice."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind((HOST, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def connect(llm, trainers, version):
     """Every trainer and the engine join fresh groups: the first init and every recovery."""
     from policyworker.integrations.vllm.backend import typed_errors
 
-    ports = {"update_port": free_port(), "stage_port": free_port()}
+    ports = dict(zip(("update_port", "stage_port"), free_ports(2)))
     trainers.tell({"cmd": "connect", "version": version, "host": HOST, **ports})
     init_info = {"host": HOST, "update_port": ports["update_port"], "stage_ports": [ports["stage_port"]],
                  "trainers_per_stage": [N_TRAIN], "timeout_s": 60, "refit_timeout_s": 60,
