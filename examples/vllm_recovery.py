@@ -19,7 +19,6 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import socket
 import sys
 import tempfile
 
@@ -121,15 +120,16 @@ class Trainers:
 
 def free_ports(count):
     """``count`` distinct ports free on the trainers' host now (this example runs on one
-    host): all bound at once, so the kernel cannot hand out one port twice."""
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    host), drawn below the kernel's ephemeral range by policyworker's ``free_port``: a port
+    the kernel picks (``bind(0)``) can be taken by any client socket before a trainer binds it."""
+    from policyworker.runtime.procs import free_port
+
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port(HOST)
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def connect(llm, trainers, version):
