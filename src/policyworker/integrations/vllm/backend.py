@@ -144,6 +144,9 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         self._info: PolicyworkerInitInfo | None = None
         self._received: int | None = None
         self._gil_switch: float | None = None  # the switch interval before the first overlapped refit
+        # Started with the loop at the first init: the post-processing; the settle and release after a swap.
+        self._prepare_side: SideThread | None = None
+        self._tidy_side: SideThread | None = None
         #: The last refit's report on this rank (its notes say whether it was a delta).
         self.last_report: Any = None
         #: The FP8 kv-cache scales the trainers sent with the last refit received (None: none).

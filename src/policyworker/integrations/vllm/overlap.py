@@ -76,9 +76,10 @@ def hurry_gil(switch_s: float = GIL_SWITCH_S) -> float:
     A thread that wants the GIL asks the holder to drop it and waits up to the switch
     interval (5 ms by default) before the holder must: each time the engine's thread
     comes back between two steps while the receive or the post-processing holds the GIL,
-    the engine stands still that long. Measured on the CPU bench: the engine's longest
-    idle gap during an overlapped refit 6-9 ms with 0.5 ms, 6-14 ms with 5 ms
-    (benchmarks/RESULTS.md).
+    the engine stands still that long. Measured on the CPU bench, the backend's threads
+    off the engine's core at niceness 10: the engine's longest idle gaps during four
+    overlapped refits 6.0-8.9 ms with 0.5 ms; with 5 ms (at niceness 0) 8.0-13.1 ms
+    (benchmarks/RESULTS.md, "The overlapped stall under 10 ms").
     """
     old = sys.getswitchinterval()
     sys.setswitchinterval(min(old, switch_s))
