@@ -23,10 +23,11 @@ def minimum_bytes(world: Any, gen_tp: int) -> int:
     return total
 
 
-def refits_generate_like_hf(world: Any, train: str, gen_tp: int, refits: int = 2) -> None:
+def refits_generate_like_hf(world: Any, train: str, gen_tp: int, refits: int = 2, **init: Any) -> None:
     """Trainers of layout ``train`` connect and refit ``refits`` new versions (router
     included); after each, vLLM's greedy tokens are Hugging Face's and not the previous
-    version's; the plan moves exactly the bytes vLLM's ranks need."""
+    version's; the plan moves exactly the bytes vLLM's ranks need. ``init``: more
+    ``init_info`` keys (``staging``)."""
     if world.version == 0:
         before = world.tokens()
         assert before == world.oracle(0)
@@ -34,7 +35,7 @@ def refits_generate_like_hf(world: Any, train: str, gen_tp: int, refits: int = 2
     if world.spec.train != train:
         world.use_trainers(train)
     v = world.version
-    replies = world.connect(version=v)
+    replies = world.connect(version=v, **init)
     assert all(r["ok"] for r in replies), replies
     assert len({r["hash"] for r in replies}) == 1
     assert {r["total_bytes"] for r in replies} == {minimum_bytes(world, gen_tp)}

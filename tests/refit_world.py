@@ -7,6 +7,10 @@ and each rollout checks its tensors bit for bit after each commit.
 
 Faults (``spec.fault``), injected on train rank 0 for one version:
 ``drop_last_bucket`` (a bucket never sent) and ``flip_byte`` (a byte flipped in flight).
+
+``spec.landing`` (a dict): the rollouts land every other destination on demand
+(``TransportContext.landing``) through :class:`OnDemandLanding`, which records the
+calls, copies each landed tensor into the rollout's real set and can fail one call.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class RefitSpec:
     go_on_after_failure: bool = False  # both sides keep refitting after a failed one
     nodes: list[str] | None = None  # node of each process (trainers, then rollouts): POLICYWORKER_NODE
     die_in_fanout: tuple[int, int] | None = None  # (generation rank, version): exits inside the relay phase
+    landing: dict[str, Any] | None = None  # on-demand destinations: {"fail": "open"/"landed", "version": v}
 
     @property
     def train_par(self) -> Parallelism:
@@ -161,6 +166,60 @@ def kv_scales(spec: RefitSpec, version: int) -> dict[str, float]:
     return {f"model.layers.{i}.self_attn.k_scale": 0.5 * version + i for i in range(spec.kv_scales_entries)}
 
 
+class OnDemandLanding:
+    """A consumer of on-demand destinations: every other destination of the worker becomes a
+    ``meta`` placeholder; ``open`` makes a fresh tensor, ``landed`` copies it into the real
+    set (``real``, what the test checks) and drops it. Records the order of the calls, the
+    most bytes open at once, and fails the ``fail`` call ("open" / "landed") of ``version``."""
+
+    def __init__(self, w: RolloutWorker, fail: str | None = None, version: int | None = None) -> None:
+        self.real = dict(w.params)
+        self.placeholders = {n: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                             for i, (n, t) in enumerate(self.real.items()) if i % 2 == 0}
+        w.params = {**self.real, **self.placeholders}
+        w.landing = self
+        self.fail, self.fail_version, self.version = fail, version, 0
+        self.opened: dict[str, torch.Tensor] = {}
+        self.calls: list[tuple[int, str, str]] = []
+        self.bytes_open = self.peak = 0
+
+    def open(self, name: str) -> torch.Tensor:
+        self.calls.append((self.version, "open", name))
+        if self.fail == "open" and self.version == self.fail_version \
+                and sum(1 for v, kind, _ in self.calls if v == self.version and kind == "open") == 3:
+            raise MemoryError("test: no memory for the third landing tensor")
+        like = self.placeholders[name]
+        t = self.opened[name] = torch.full(like.shape, 7, dtype=like.dtype)
+        self.bytes_open += t.numel() * t.element_size()
+        self.peak = max(self.peak, self.bytes_open)
+        return t
+
+    def landed(self, name: str) -> None:
+        self.calls.append((self.version, "landed", name))
+        if self.fail == "landed" and self.version == self.fail_version:
+            raise RuntimeError("test: post-processing failed")
+        t = self.opened.pop(name, None)
+        if t is not None:
+            self.real[name].copy_(t)
+            self.bytes_open -= t.numel() * t.element_size()
+
+    def start(self, version: int) -> None:
+        self.version = version
+        self.opened.clear()
+        self.bytes_open = 0
+
+    def summary(self) -> dict[str, Any]:
+        return {"calls": self.calls, "peak": self.peak, "names": sorted(self.real),
+                "placeholders": sorted(self.placeholders),
+                "placeholder_bytes": sum(t.numel() * t.element_size() for t in self.placeholders.values()),
+                "largest": max(t.numel() * t.element_size() for t in self.placeholders.values())}
+
+
+def _served(w: RolloutWorker, landing: OnDemandLanding | None) -> dict[str, torch.Tensor]:
+    have = w.weights()  # raises while torn or mid-refit
+    return landing.real if landing is not None else have
+
+
 def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
     train, gen = spec.train_par, spec.gen_par
     n_train, n_gen = train.world_size, gen.world_size
@@ -174,12 +233,15 @@ def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
                                               [len(train.stage_ranks(s)) for s in range(train.pp)])
         w.load_refit_plan(plan.refit_info())
         await w.attach_transport("nccl_reshard", connect=False, plan=plan, groups=w.stage_groups, **spec.options)
+        landing = OnDemandLanding(w, **spec.landing) if spec.landing is not None else None
         served = 0  # the last committed version
         version_box = [0]
         if spec.die_in_fanout is not None and spec.die_in_fanout[0] == g:
             _die_in_fanout(version_box, spec.die_in_fanout[1])
         for version in range(1, spec.refits + 1):
             version_box[0] = version
+            if landing is not None:
+                landing.start(version)
             t0 = time.perf_counter()
             refit = asyncio.ensure_future(w.receive_nccl_reshard_refit(refit_timeout_s=spec.refit_timeout_s))
             mid = await read_while(refit, w, dest_shards(plan, g, weights_of(spec.config, served, dtype))) \
@@ -188,9 +250,9 @@ def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
                 rep = await refit
             except PolicyWorkerError as exc:
                 out["outcomes"].append({"ok": False, "error": type(exc).__name__, "torn": w.torn,
-                                        "weight_version": w.weight_version, "mid": mid})
+                                        "weight_version": w.weight_version, "mid": mid, "message": str(exc)[:300]})
                 try:
-                    have = w.weights()
+                    have = _served(w, landing)
                     want = dest_shards(plan, g, weights_of(spec.config, served, dtype))
                     out["serves_after_failure"] = True
                     out["serves_exact"] = all(same_bits(have[k], want[k]) for k in want)
@@ -201,13 +263,14 @@ def _rollout(g: int, spec: RefitSpec, plan, dtype) -> dict[str, Any]:
                 break
             served = version
             want = dest_shards(plan, g, seeded_state_dict(spec.config, seed=version, dtype=dtype))
-            have = w.weights()
+            have = _served(w, landing)
             exact = set(want) == set(have) and all(same_bits(have[k], want[k]) for k in want)
             out["outcomes"].append({"ok": True, "exact": exact, "version": rep.version, "bytes": rep.bytes,
                                     "seconds": time.perf_counter() - t0, "kv_scales": w.kv_scales,
                                     "report_kv_scales": rep.kv_scales, "peak_extra_bytes": rep.peak_extra_bytes, "mid": mid})
         out["weight_version"] = w.weight_version
         out["staging_bytes"] = w.staging_bytes
+        out["landing"] = landing.summary() if landing is not None else None
         out["recv_expected"] = plan.recv_bytes_per_dst_rank()[g]
         await w.shutdown()
         return out

@@ -99,3 +99,45 @@ def test_a_corrupted_bucket_is_caught_and_not_committed():
     failed = results[2]["outcomes"][1]
     assert failed["error"] == "ProtocolError" and failed["weight_version"] == 1
     assert results[2]["serves_after_failure"] in (True, "TornWeights")
+
+
+# -- destinations made on demand (TransportContext.landing) ----------------------------------
+_SMALL_WINDOW = {"bucket_bytes": 4096, "in_flight": 2}
+
+
+def test_destinations_made_on_demand_land_bit_exact_and_are_handed_over_once_each():
+    # Every other destination is a meta placeholder: opened just before its first message,
+    # handed over after its last; so with a small window few are open at once.
+    results = _run_ok("tiny", "tp=2", "tp=1", options=_SMALL_WINDOW, landing={})
+    landing = results[-1]["landing"]
+    for v in (1, 2):
+        calls = [(kind, name) for ver, kind, name in landing["calls"] if ver == v]
+        assert sorted(n for k, n in calls if k == "landed") == landing["names"]  # every destination, once
+        opened = [n for k, n in calls if k == "open"]
+        assert sorted(opened) == landing["placeholders"]  # every placeholder, once
+        assert all(calls.index(("open", n)) < calls.index(("landed", n)) for n in opened)
+    # within the ring's bytes (2 x 4 KiB), plus the tensors a message opens beyond it
+    assert 0 < landing["peak"] <= 2 * 4096 + 2 * landing["largest"] < landing["placeholder_bytes"], landing
+
+
+@pytest.mark.parametrize("fail", ["open", "landed"])
+def test_a_landing_that_fails_fails_the_refit_typed_on_every_rank_and_the_next_commits(fail):
+    spec = RefitSpec(preset="tiny", train="tp=2", gen="tp=1", refits=3, go_on_after_failure=True,
+                     options=_SMALL_WINDOW, landing={"fail": fail, "version": 2})
+    results = _world(spec)
+    for r in results[:2]:  # the trainers learn it in the verdict round
+        assert [o["ok"] for o in r["outcomes"]] == [True, False, True], r["outcomes"]
+        assert r["outcomes"][1]["error"] == "TransportError", r["outcomes"]
+    (rollout,) = results[2:]
+    outs = rollout["outcomes"]
+    assert outs[1]["ok"] is False and outs[1]["error"] == "TransportError", outs[1]
+    assert ("could not open a destination for" if fail == "open" else "could not take over the landed") \
+        in outs[1]["message"], outs[1]
+    assert outs[1]["weight_version"] == 1  # nothing committed
+    if fail == "landed":
+        assert outs[1]["torn"] is True  # a consumer may have installed it live: torn until a full refit
+    calls = [(kind, name) for ver, kind, name in rollout["landing"]["calls"] if ver == 2]
+    failing = [i for i, c in enumerate(calls) if c[0] == fail][-1 if fail == "open" else 0]  # no call after it
+    assert not [c for c in calls[failing + 1:] if c[0] == "landed"]  # nothing handed over after it
+    assert outs[2]["ok"] and outs[2]["exact"] and outs[2]["version"] == 2, outs[2]  # the failed version, again
+    assert rollout["weight_version"] == 2

@@ -132,6 +132,14 @@ def test_staging_modes_commit_like_hf_and_fail_as_documented(world):
     cases.refit_commits(world, world.version + 1)
 
 
+@pytest.mark.timeout(150)
+def test_staging_none_a_layer_failing_mid_landing_is_torn_until_a_full_refit(world):
+    # "none" lands layer by layer: the post-processing of one layer fails mid-receive.
+    cases.landing_fails_on_one_rank(world)
+    replies = world.connect(version=world.version)  # back to "auto"
+    assert all(r["ok"] for r in replies), replies
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["host", "none"])
 def test_staging_mode_a_trainer_stalled_past_the_deadline_fails_as_documented(world, mode):

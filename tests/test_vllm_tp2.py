@@ -85,3 +85,10 @@ def test_tp2_staging_none_torn_on_every_rank_until_a_full_refit(world):
     cases.staging_modes(world, modes=("none",))
     replies = world.connect(version=world.version)  # back to "auto"
     assert all(r["ok"] for r in replies), replies
+
+
+@pytest.mark.timeout(150)
+def test_tp2_staging_none_a_layer_failing_mid_landing_is_torn_on_every_rank_until_a_full_refit(world):
+    cases.landing_fails_on_one_rank(world)
+    replies = world.connect(version=world.version)  # back to "auto"
+    assert all(r["ok"] for r in replies), replies

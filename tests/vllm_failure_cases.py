@@ -216,6 +216,26 @@ def swap_fails_on_one_rank(world) -> None:
     refit_commits(world, v + 3)
 
 
+def landing_fails_on_one_rank(world) -> None:
+    """``staging="none"``: a layer's post-processing fails on rank 0 while the refit lands
+    layer by layer (.landing): ``update_weights`` raises a typed error, the trainers learn
+    it in the verdict, the engine is torn on every rank (layers before it are live), and a
+    full refit heals it (HF's tokens)."""
+    served_at_least_v1(world)
+    v = world.version
+    assert all(r["ok"] for r in world.connect(version=v, staging="none"))
+    before = live_digests(world)
+    fail_once_on(world, 0, "_post_process")
+    error, replies = world.refit(v + 1)
+    assert isinstance(error, TransportError), error
+    if world.tp == 1:  # at tp=2 vLLM reads another rank's reply: "1 rank(s) failed to receive it"
+        assert "could not take over the landed" in str(error) and "injected _post_process failure" in str(error)
+    assert [r["ok"] for r in replies] == [False] * world.spec.n_train, replies
+    assert _engine_torn(world) == [True] * world.tp
+    assert live_digests(world) != before  # the layers before the failing one are live
+    _recovers(world, "none", v)
+
+
 def staging_report(world) -> list[dict]:
     """Each vLLM rank's ``engine.staging_report`` (read inside the workers)."""
     return world.llm.collective_rpc(lambda worker: worker.weight_transfer_engine.staging_report)

@@ -20,7 +20,7 @@ __all__ = ["main"]
 
 def _staging_arg(text: str) -> int | str:
     """``--staging``: a count of buffers (nccl_reshard) or a vLLM staging mode (``--engine vllm``)."""
-    if text in ("device", "host", "none", "all"):
+    if text in ("device", "host", "none", "none-torch", "all"):
         return text
     return int_at_least(1)(text)
 
@@ -307,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-mb", type=positive_float, default=16.0)
     p.add_argument("--in-flight", type=int_at_least(1), default=16, help="messages outstanding per rank")
     p.add_argument("--staging", type=_staging_arg, default=2, help="nccl_reshard: staging buffers of --bucket-mb per "
-                   "rank; --engine vllm: a staging mode (device, host, none) or all, measured per mode")
+                   "rank; --engine vllm: a staging mode (device, host, none, none-torch: none with cpu_linear=torch) "
+                   "or all, measured per mode")
     p.add_argument("--checksum", action="store_true")
     p.add_argument("--trainer-params", choices=["flat", "views"], default="flat",
                    help="nccl_reshard: trainers hold their shards in one buffer, or send views of a full model")

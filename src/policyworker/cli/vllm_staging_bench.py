@@ -29,7 +29,9 @@ from policyworker.testing.vllm_world import WorldSpec, greedy_tokens, hf_model
 
 __all__ = ["MODES", "run_vllm_staging_bench"]
 
-MODES = ("device", "host", "none")
+#: "none-torch": staging "none" with ``cpu_linear="torch"`` (the linear layers read the received
+#: tensors as they are, so every box lands in place; plain "none" prepacks them layer by layer).
+MODES = ("device", "host", "none", "none-torch")
 
 
 def _memory(worker: Any, reset: bool = False) -> dict[str, Any]:
@@ -53,14 +55,15 @@ def _one_mode(mode: str, spec: WorldSpec, *, tp: int, refits: int, executor: str
     engine = _Engine(spec, tp=tp, log=log, executor=executor)
     try:
         base = engine.llm.collective_rpc(_memory, kwargs={"reset": True})
-        engine.connect(version=0, staging=mode)
+        staging, _, cpu_linear = mode.partition("-")
+        engine.connect(version=0, staging=staging, **({"cpu_linear": cpu_linear} if cpu_linear else {}))
         rows = [engine.refit(v) for v in range(1, refits + 1)]
         after = engine.llm.collective_rpc(_memory)
         match = engine.tokens() == greedy_tokens(hf_model(spec, refits), PROMPTS, 8)
     finally:
         engine.close()
     report = after[0]["report"]
-    if report is None or report["mode"] != mode:
+    if report is None or report["mode"] != mode.partition("-")[0]:
         raise ConfigError(f"the engine staged with {report and report['mode']!r}, the bench asked for {mode!r}")
     steady = [r["seconds"] for r in rows[1:]]
     out = {

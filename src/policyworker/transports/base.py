@@ -62,6 +62,16 @@ Contract of the four calls:
 * Deadlock hazard: both sides must issue matching operations in the same order; a
   transport documents its order in its module docstring.
 * No pickle on sockets; only ``policyworker.wire``-style typed messages and raw bytes.
+* On-demand destinations (``lands_on_demand = True``; only ``nccl_reshard`` today): when
+  ``ctx.landing`` is set, a destination on the ``meta`` device is a placeholder (its
+  shape and dtype only). The transport calls ``ctx.landing.open(name)`` for the real
+  tensor just before it posts the first message that writes ``name``, and
+  ``ctx.landing.landed(name)`` for *every* destination once all its bytes are in place
+  (setting ``ctx.touched = True`` first: the consumer may install it live). After a
+  failure it stops calling ``landed``. A consumer (the vLLM backend's ``staging="none"``)
+  post-processes a layer as soon as its last tensor landed and drops its landing
+  memory, so no full set is ever held. A transport that cannot do this leaves the flag
+  False and the worker refuses a landing before a byte moves.
 """
 
 from __future__ import annotations
@@ -69,7 +79,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
@@ -81,9 +91,22 @@ if TYPE_CHECKING:
     from policyworker.runtime.device import DeviceFacts
     from policyworker.runtime.watchdog import Deadline
 
-__all__ = ["RefitReport", "Transport", "TransportContext"]
+__all__ = ["Landing", "RefitReport", "Transport", "TransportContext"]
 
 T = TypeVar("T")
+
+
+@runtime_checkable
+class Landing(Protocol):
+    """Receive destinations made on demand and handed back when complete (``ctx.landing``)."""
+
+    def open(self, name: str) -> torch.Tensor:
+        """The tensor to write ``name``'s bytes into (its placeholder's shape and dtype)."""
+        ...
+
+    def landed(self, name: str) -> None:
+        """Every byte of destination ``name`` is in place (called for every destination)."""
+        ...
 
 
 @dataclass(kw_only=True, slots=True)
@@ -120,6 +143,9 @@ class TransportContext:
     #: makes the stream that reads the weights wait on it (never a device synchronize).
     #: None: the bytes were in place when the transport returned.
     ready: Any = None
+    #: Receiver: destinations made on demand (:class:`Landing`; see the module docstring),
+    #: for the ``meta``-device placeholders in ``params``. None: every destination is real.
+    landing: Landing | None = None
 
     async def blocking(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """Run ``fn`` on the refit executor thread (or a fresh thread when none is set)."""
@@ -174,6 +200,8 @@ class Transport:
     Setup: ClassVar[type] = EmptySetup
     Options: ClassVar[type] = EmptyOptions
     needs_plan: ClassVar[bool] = False
+    #: Whether the transport honours ``ctx.landing`` (on-demand destinations).
+    lands_on_demand: ClassVar[bool] = False
 
     @classmethod
     def from_setup(cls, setup: Any) -> Transport:

@@ -213,11 +213,15 @@ class WorkerCore(WorkerLifecycle, DeviceQueries):
         raise NotImplementedError
 
     def _context(self, att: Attachment, *, options: Any = None, deadline: Any = None) -> TransportContext:
+        landing = getattr(self, "landing", None) if self.transport_role == "receive" else None
+        if landing is not None and not type(att.transport).lands_on_demand:
+            raise ConfigError(f"transport {att.name!r} cannot land destinations on demand (worker.landing is "
+                              f"set); nothing received", rank=self.rank, transport=att.name)
         return TransportContext(
             worker=self, role=self.transport_role, rank=self.rank, device=self.device_facts,
             state=self._refit_transport_state(att.name), params=self._transport_params(att), plan=att.plan,
             setup=att.setup, options=options, deadline=deadline, executor=self._executor,
-            update_group=self.model_update_group, world_size=getattr(self, "world_size", 1),
+            update_group=self.model_update_group, world_size=getattr(self, "world_size", 1), landing=landing,
         )
 
     async def attach_transport(self, name: str | Transport, /, *, connect: bool = True, **setup: Any) -> None:

@@ -86,6 +86,9 @@ class RolloutWorker(RolloutCompat, WorkerCore):
         self._ready = None  # the last refit's ready event (CUDA), see weights()
         self.double_buffer = double_buffer
         self._back: dict[str, torch.Tensor] | None = None  # the landing set (double_buffer)
+        #: Destinations made on demand (``TransportContext.landing``): set by a consumer whose
+        #: ``params`` hold ``meta`` placeholders (the vLLM backend's ``staging="none"``).
+        self.landing: Any = None
         self.ledger = WeightLedger(rank=rank, what="rollout", staged=double_buffer,
                                    on_commit=self._swap if double_buffer else None)
 

@@ -367,7 +367,7 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             self._stage.catch_up()
         # Into the staging set that nothing live references ("none": vLLM's live tensors); a
         # staging tensor that moved at a commit has the geometry of the one checked at attach.
-        joined.land_in(self._stage.receive_views())
+        joined.land_in(self._stage.receive_views(), self._stage.landing())
         bound = timeout if timeout is not None else self._info.timeout_s
         if self._info.overlap if update_info.overlap is None else update_info.overlap:
             if self.device.type == "cpu" and self._gil_switch is None:

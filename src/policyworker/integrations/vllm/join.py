@@ -84,10 +84,12 @@ class Joined:
                                            **self.options)
         self.plan = plan
 
-    def land_in(self, params: Mapping[str, torch.Tensor]) -> None:
+    def land_in(self, params: Mapping[str, torch.Tensor], landing: Any = None) -> None:
         """Land the next refit in ``params``: tensors of the same names, shapes and dtypes as
-        those checked at :meth:`attach` (the staging set that nothing live references)."""
+        those checked at :meth:`attach` (the staging set that nothing live references).
+        ``landing``: what makes the ``meta`` ones on demand (``TransportContext.landing``)."""
         self.worker.params = dict(params)
+        self.worker.landing = landing
 
     async def refit(self, refit_timeout_s: float | None) -> Any:
         """One refit over the attachment; its ``RefitReport``."""

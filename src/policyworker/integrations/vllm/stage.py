@@ -12,7 +12,9 @@ measured on CPU, ~45% of its time was copies and bookkeeping, the rest the prepa
 :class:`VllmStage` keeps, per vLLM parameter, **one** staging tensor of the shape vLLM
 loads (its restore metadata: the parameter before post-processing, e.g. the fused
 ``qkv_proj`` of this tp rank, the padded vocabulary shard), placed as ``staging`` says
-(:mod:`.staging`: on the device, in host memory, or none: the live tensor itself):
+(:mod:`.staging`: on the device, in host memory, or none: the live tensor itself, and a
+landing tensor made on demand and installed layer by layer where there is none,
+:mod:`.landing`):
 
 * receive: the refit's boxes land straight in views of the staging set (each box is a
   run of rows of its fused parameter: `receive_views`), so no byte is copied after the wire;
@@ -38,10 +40,8 @@ rank received. A staging tensor that moved after a commit holds an older one, so
 refit (only in delta mode), and the receiver's per-copy checksums prove the base right.
 
 Where each box lands is checked once against vLLM's own weight loaders
-(:meth:`VllmStage.check_with_vllm_loaders`): random boxes go through the layer's
-``weight_loader`` (as vLLM's model loader calls it, with its shard id) into a scratch
-tensor and must equal what the views put in place, bit for bit — a layer whose loader
-places a box elsewhere is refused before any refit.
+(:mod:`.loader_check`): a layer whose loader places a box elsewhere is refused before
+any refit.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from policyworker.errors import ConfigError, PlanMismatch
+from policyworker.errors import ConfigError
 from policyworker.integrations.vllm.moe import kernel_built, loaded_form as _loaded_form, repack_experts
 from policyworker.integrations.vllm.prepack import MODULE_SLOTS, SKIP_FLAG, BackgroundPrepack, set_skip_flag, shallow_layer
 from policyworker.integrations.vllm.live import live_storages, storage_key
@@ -67,7 +67,8 @@ class _Slot:
 
     owners: list[tuple[torch.nn.Module, str]]
     meta: torch.Tensor            # the parameter as vLLM loads it (meta device or live)
-    stage: torch.Tensor           # "none": the live tensor itself where vLLM reads it as loaded
+    stage: torch.Tensor           # "none": the live tensor itself where vLLM reads it as loaded, else
+                                  # a meta placeholder (its landing tensor is made on demand)
     targets: list[Any] = field(default_factory=list)
     covered: int = 0              # rows [0, covered) of the (flattened) stage receive boxes
 
@@ -161,14 +162,7 @@ class VllmStage:
                     continue
                 slot = slots.get(id(param))
                 if slot is None:
-                    meta = _loaded_form(module, pname, param)
-                    if staging == "none" and _loaded_as_is(param, meta):
-                        stage = param
-                    else:
-                        stage = _materialize(meta, module, home)
-                        if pin:
-                            stage = _wrap(stage.pin_memory(), stage)
-                    slot = slots[id(param)] = _Slot([], meta, stage)
+                    slot = slots[id(param)] = _Slot([], _loaded_form(module, pname, param), param)
                 if (module, pname) not in slot.owners:
                     slot.owners.append((module, pname))
         self._slots = list(slots.values())
@@ -178,6 +172,18 @@ class VllmStage:
             if slot is None:
                 raise ConfigError(f"vLLM has no parameter {t.module}.{t.pname}", param=t.need.name)
             slot.targets.append(t)
+        for slot in self._slots:  # slot.stage holds the live parameter until here
+            if staging == "none" and _loaded_as_is(slot.stage, slot.meta):
+                continue  # boxes land in the live tensor
+            if staging == "none" and slot.targets:
+                slot.stage = _placeholder(slot.meta)  # landed layer by layer (.landing)
+                continue
+            slot.stage = _materialize(slot.meta, slot.owners[0][0], home)
+            if pin:
+                slot.stage = _wrap(slot.stage.pin_memory(), slot.stage)
+        self._slot_of = {t.need.name: s for s in self._slots for t in s.targets}
+        #: ``staging="none"``: the refit in progress's on-demand landing (:meth:`landing`).
+        self._landing: Any = None
         self._layers = list({id(m): m for s in self._slots for m, _ in s.owners}.values())
         # vLLM sets this flag itself on some layers (MLA's kv_b_proj): "prepack" restores it.
         self._skip_flag = {id(m): m.__dict__.get(SKIP_FLAG) for m in self._layers}
@@ -220,8 +226,10 @@ class VllmStage:
         """Staging bytes held that no live layer reads (host memory for "host")."""
         self.settle()
         live = live_storages(self._layers)
-        held = {storage_key(s.stage): _nbytes(s.stage) for s in self._slots if storage_key(s.stage) not in live}
-        held.update({storage_key(r): _nbytes(r) for name, r in self._recv.items() if r is not self._views[name]})
+        held = {storage_key(s.stage): _nbytes(s.stage) for s in self._slots
+                if not s.stage.is_meta and storage_key(s.stage) not in live}
+        held.update({storage_key(r): _nbytes(r) for name, r in self._recv.items()
+                     if r is not self._views[name] and not r.is_meta})
         return sum(held.values())
 
     def set_wire_dtypes(self, wire_dtypes: Mapping[str, str]) -> None:
@@ -233,19 +241,34 @@ class VllmStage:
         for name, view in self._views.items():
             wire = self.wire_dtypes.get(name, str(view.dtype).removeprefix("torch."))
             same = wire == str(view.dtype).removeprefix("torch.")
-            self._recv[name] = view if same else torch.zeros(view.shape, dtype=getattr(torch, wire),
-                                                             device=view.device)
+            self._recv[name] = view if same else self._cast_buffer(view, getattr(torch, wire))
         self._note_peak()
 
+    def _cast_buffer(self, view: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+        """Where a box of another wire dtype lands: its own buffer, cast in at prepare ("none":
+        a placeholder; the landing makes a temporary and casts it in once complete)."""
+        return torch.zeros(view.shape, dtype=wire, device="meta" if self.staging == "none" else view.device)
+
     def receive_views(self) -> dict[str, torch.Tensor]:
-        """The receive destinations of the next refit (nothing live reads them, but in "none")."""
+        """The receive destinations of the next refit (nothing live reads them, but in "none",
+        where the ``meta`` ones are placeholders for :meth:`landing`)."""
         self.settle()
         return dict(self._recv)
+
+    def landing(self) -> Any:
+        """The next refit's on-demand landing (:class:`~.landing.LayerLanding`); None but in "none"."""
+        from policyworker.integrations.vllm.landing import LayerLanding
+
+        self._landing = LayerLanding(self) if self.staging == "none" else None
+        return self._landing
 
     def received(self, ok: bool) -> None:
         """Record the end of a refit into the staging set: complete (``ok``) or not."""
         self.fresh = ok
         self._behind.clear()
+        if self._landing is not None:
+            self._landing.close()
+            self.peak_extra = max(self.peak_extra, self.extra_bytes() + self._landing.peak)
 
     def catch_up(self) -> bool:
         """Make the receive buffers hold the newest received bytes (the base a delta refit
@@ -262,37 +285,11 @@ class VllmStage:
         return True
 
     def check_with_vllm_loaders(self, seed: int = 0) -> None:
-        """Random boxes through vLLM's weight loaders must land where the views put them.
+        """Random boxes through vLLM's weight loaders must land where the views put them
+        (:func:`~.loader_check.check_with_vllm_loaders`)."""
+        from policyworker.integrations.vllm.loader_check import check_with_vllm_loaders
 
-        Runs on scratch tensors, one parameter at a time (neither the staging set nor the
-        live model is touched). ``PlanMismatch`` names the first parameter that differs.
-        """
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-        gen = torch.Generator().manual_seed(seed)
-        for slot in self._slots:
-            if not slot.targets:
-                continue
-            module = slot.owners[0][0]
-            scratch = _materialize(slot.meta, module, self.device)
-            mirror = _materialize(slot.meta, module, self.device)
-            views = self._slot_views(slot, mirror)
-            loader = getattr(scratch, "weight_loader", default_weight_loader)
-            for t in slot.targets:
-                shape = tuple(b - a for a, b in zip(t.need.start, t.need.stop))
-                box = torch.randn(shape, generator=gen).to(scratch.dtype)
-                carrier = torch.zeros(t.need.shape, dtype=scratch.dtype, device=scratch.device)
-                carrier[tuple(slice(a, b) for a, b in zip(t.need.start, t.need.stop))] = box
-                with torch.no_grad():
-                    if isinstance(t.shard, dict):  # keyword arguments (vLLM's MoE loader)
-                        loader(scratch, carrier, **t.shard)
-                    else:
-                        loader(scratch, carrier) if t.shard is None else loader(scratch, carrier, t.shard)
-                    views[t.need.name].copy_(box)
-            # bit for bit (float8 has no torch.equal on CPU)
-            if not (mirror.dtype == scratch.dtype and torch.equal(mirror.view(torch.uint8), scratch.view(torch.uint8))):
-                raise PlanMismatch(f"vLLM's loader places {slot.targets[0].need.name} (and its fused members) "
-                                   "elsewhere than the policyworker backend receives it; this layer is not supported")
+        check_with_vllm_loaders(self, seed)
 
     # -- prepare and commit --------------------------------------------------------------
     def prepare(self) -> Prepared:
@@ -301,15 +298,19 @@ class VllmStage:
         with torch.no_grad():
             for name, view in self._views.items():
                 recv = self._recv[name]
-                if recv is not view:
+                if recv is not view and not recv.is_meta:  # meta: the landing cast it in
                     view.copy_(recv)  # vLLM's loaders cast the wire dtype the same way (copy_)
         if self.staging == "host":
             return Prepared(layers=[])
         # A fresh wrapper per refit (one per parameter, so tied layers still share it):
         # post-processing may rebind its .data (sgl: bias -> float32), never the staging.
         fresh = {id(s): _wrap(s.stage, s.stage) for s in self._slots}
+        installed = self._landing.installed if self._landing is not None else set()
+        self._landing = None
         layers, background = [], []
         for module in self._layers:
+            if id(module) in installed:
+                continue  # "none": swapped in as its bytes landed (.landing)
             shadow, queued = self._post_process(module, fresh)
             if queued is not None:
                 background.append(queued)
@@ -511,3 +512,9 @@ def _own_cpu_kernel(weight: torch.Tensor) -> bool:
 def _same_kind(old: torch.Tensor | None, new: torch.Tensor | None) -> bool:
     return old is not None and new is not None and old.numel() > 0 and old.shape == new.shape \
         and old.dtype == new.dtype and old.device == new.device
+
+
+def _placeholder(meta: torch.Tensor) -> torch.Tensor:
+    """A ``meta`` tensor of ``meta``'s shape and dtype: a destination the landing makes on demand."""
+    return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+

@@ -16,10 +16,13 @@ than one extra set of this rank's weights:
     failure *during that commit* leaves the engine torn (a full refit heals it).
 ``"none"``
     No staging: each box lands straight in the live tensor that vLLM reads as is (on CPU
-    the linear layers take vLLM's plain ``torch.nn.functional.linear`` path for that); a
-    parameter with no such live tensor (one that post-processing repacks) gets one
-    landing tensor, which the commit installs. A refit that fails after its first byte
-    leaves the engine torn until a full refit commits. Neither overlap nor delta refits.
+    with ``cpu_linear="torch"`` every linear layer, through vLLM's plain
+    ``torch.nn.functional.linear`` path). A parameter with no such live tensor (packed by
+    vLLM's CPU kernels, repacked MoE experts, quantized) lands **layer by layer**
+    (:mod:`.landing`): its landing tensor is made when its first bytes come, and the layer
+    is post-processed and swapped in as soon as all its tensors are in place, so only the
+    layers in flight are ever held. A refit that fails after its first byte leaves the
+    engine torn until a full refit commits. Neither overlap nor delta refits.
 
 ``"auto"`` (:func:`choose`) picks from free memory: device memory (NVML / CUDA) on a GPU,
 ``MemAvailable`` on CPU, and says which and why (:class:`StagingReport`).
@@ -129,17 +132,12 @@ def choose(requested: str, *, set_bytes: int, device: torch.device, overlap: boo
 
 
 def decide(init_info: Any, *, set_bytes: int, device: torch.device) -> tuple[str, str, str]:
-    """(mode, reason, the ``cpu_linear`` the stage uses) for ``init_info`` (:func:`choose`).
-
-    "none" on CPU reads the linear layers as received: vLLM's prepack would be a copy."""
+    """(mode, reason, the ``cpu_linear`` the stage uses) for ``init_info`` (:func:`choose`)."""
     mode, reason = choose(init_info.staging, set_bytes=set_bytes, device=device, overlap=init_info.overlap,
                           delta=bool(init_info.reshard_options.get("delta")))
-    cpu_linear = init_info.cpu_linear
-    if mode == "none" and device.type == "cpu" and cpu_linear == "prepack":
-        cpu_linear = "torch"
-        reason += ("; the linear layers read the received tensors as they are (cpu_linear='torch'): "
-                   "vLLM's prepack would need a second copy")
-    return mode, reason, cpu_linear
+    if mode == "none":
+        reason += "; parameters vLLM post-processes land layer by layer"
+    return mode, reason, init_info.cpu_linear
 
 
 def build(model: torch.nn.Module, targets: Any, *, device: torch.device, staging: str) -> VllmStage:

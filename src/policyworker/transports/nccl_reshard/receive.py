@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
-from policyworker.errors import PeerLost, PlanMismatch, ProtocolError
+from policyworker.errors import PeerLost, PlanMismatch, PolicyWorkerError, ProtocolError, TransportError
 from policyworker.layout.apply import unpack
 from policyworker.transports.base import TransportContext
-from policyworker.transports.nccl_reshard.schedule import _HEADER_MAGIC, _DirectSpans, _Msg, _header_inbox, plan_hash63
+from policyworker.transports.nccl_reshard.schedule import (
+    _HEADER_MAGIC, _DirectSpans, _direct_view, _Msg, _header_inbox, plan_hash63,
+)
 
 __all__ = ["bucket_crc", "recv_bulk"]
 
@@ -38,6 +40,73 @@ def _completed(work: Any) -> bool:
         return False
 
 
+class _OnDemand:
+    """``ctx.landing``'s bookkeeping for one refit: which messages write which destinations,
+    when a placeholder must be opened (before its first message is posted) and when a
+    destination has landed (its last message done). ``params`` becomes a copy that the
+    opened tensors join, so the caller's mapping keeps its placeholders."""
+
+    def __init__(self, landing: Any, plan: Any, schedule: list[_Msg], params: Any, rank: int) -> None:
+        self.landing, self.rank = landing, rank
+        self.params = dict(params)
+        names = plan.body.tensor_names
+        self.writes: dict[int, tuple[str, ...]] = {}
+        self.left: dict[str, int] = {}
+        for i, m in enumerate(schedule):
+            if m.copies is None:
+                continue
+            side = (lambda c: c.src_tensor) if m.relay == "send" else (lambda c: c.dst_tensor)
+            touched = tuple(n for n in dict.fromkeys(names[side(c)] for c in m.copies) if n in self.params)
+            self.writes[i] = touched
+            for name in touched:
+                self.left[name] = self.left.get(name, 0) + 1
+        self.placeholders = {n for n, t in self.params.items() if t.is_meta}
+        self.bytes_open = 0  # opened, not landed yet
+
+    def bytes_to_open(self, i: int) -> int:
+        """What opening message ``i``'s placeholders would add to :attr:`bytes_open`."""
+        return sum(_nbytes(self.params[n]) for n in self.writes.get(i, ())
+                   if n in self.placeholders and self.params[n].is_meta)
+
+    def on_demand(self, i: int) -> bool:
+        """Whether message ``i`` reads or writes a destination made on demand."""
+        return any(n in self.placeholders for n in self.writes.get(i, ()))
+
+    def open(self, i: int) -> None:
+        """Open the placeholders message ``i`` writes (before it is posted)."""
+        for name in self.writes.get(i, ()):
+            if name in self.placeholders and self.params[name].is_meta:
+                self.params[name] = self._call("open", name)
+                self.bytes_open += _nbytes(self.params[name])
+
+    def opened(self, i: int) -> bool:
+        return not any(self.params[n].is_meta for n in self.writes.get(i, ()) if n in self.params)
+
+    def done(self, i: int, ctx: TransportContext) -> None:
+        """Message ``i`` is in place: hand over each destination it completed."""
+        for name in self.writes.get(i, ()):
+            self.left[name] -= 1
+            if self.left[name] == 0:
+                ctx.touched = True  # the consumer may install it live
+                if name in self.placeholders:
+                    self.bytes_open -= _nbytes(self.params[name])
+                self._call("landed", name)
+
+    def _call(self, what: str, name: str) -> Any:
+        try:
+            return getattr(self.landing, what)(name)
+        except PolicyWorkerError:
+            raise
+        except Exception as exc:  # the consumer's own code (allocation, post-processing)
+            step = "open a destination for" if what == "open" else "take over the landed"
+            raise TransportError(f"rollout rank {self.rank}: the landing could not {step} {name!r}: "
+                                 f"{type(exc).__name__}: {exc}", rank=self.rank, param=name) from exc
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def recv_bulk(t: Any, ctx: TransportContext):
     """Receive every scheduled message; returns (bytes, buckets, version, failure).
 
@@ -48,6 +117,15 @@ def recv_bulk(t: Any, ctx: TransportContext):
 
     A relayed refit's fan-out messages (:mod:`.relay`) are in the same schedule, in
     the same order; the bytes returned count them (the bulk check does not).
+
+    With ``ctx.landing`` (:class:`_OnDemand`), a placeholder destination is opened just
+    before the first message that writes it is posted, and every destination is handed
+    over once its last message is done; a failure there (the consumer's allocation or
+    post-processing) is this rank's failure, drained like the others. Messages that
+    touch an on-demand destination never use the kept spans (their tensors are new).
+    What is open at once stays within the ring's bytes (``staging`` × ``bucket_bytes``):
+    before opening more, the oldest messages are completed (so earlier destinations are
+    handed over); a message whose own destinations exceed that opens alone.
     """
     from policyworker.transports.nccl_reshard.relay import land_fanout, post_fanout
 
@@ -57,6 +135,9 @@ def recv_bulk(t: Any, ctx: TransportContext):
     schedule = ctx.state["schedule"]
     inbox = _header_inbox(ctx, schedule)
     spans = ctx.state.setdefault("direct_spans", _DirectSpans()).check(plan, params, ring)
+    demand = _OnDemand(ctx.landing, plan, schedule, params, ctx.rank) if ctx.landing is not None else None
+    if demand is not None:
+        params = demand.params
     pending: deque = deque()  # (work, msg, tensor, slot or None), key order
     batch: list = []
     free = list(range(len(ring)))
@@ -96,9 +177,21 @@ def recv_bulk(t: Any, ctx: TransportContext):
             raise ProtocolError(f"train ranks disagree on the version ({version} vs {v})",
                                 rank=ctx.rank, transport=t.name)
 
+    def open_for(i: int) -> bool:
+        """Open message ``i``'s on-demand destinations; False (and the failure kept) if it cannot."""
+        nonlocal failure
+        if demand is None or failure is not None:
+            return demand is None or demand.opened(i)
+        try:
+            demand.open(i)
+        except (TransportError, PolicyWorkerError) as exc:
+            failure = exc
+        return demand.opened(i)
+
     def finish() -> None:
         nonlocal total, buckets, failure, relayed
         work, m, tensor, slot = pending.popleft()
+        index = positions[id(m)] if demand is not None else -1
         try:
             m.group.wait(work, deadline=deadline, what="relay fan-out" if m.relay else "reshard receive")
         except PeerLost as exc:
@@ -117,6 +210,7 @@ def recv_bulk(t: Any, ctx: TransportContext):
                 ctx.touched = True  # live bytes from here on
                 land_fanout(m, tensor, params, plan)
                 relayed += m.nbytes
+            hand_over(index)
             return
         try:
             if m.copies is None:
@@ -134,14 +228,27 @@ def recv_bulk(t: Any, ctx: TransportContext):
                             rank=ctx.rank, transport=t.name,
                         )
                 ctx.touched = True
-                if not spans.moves(plan, m.key, slot, m.copies, params, tensor, "dst"):
+                if (demand is not None and demand.on_demand(index)) \
+                        or not spans.moves(plan, m.key, slot, m.copies, params, tensor, "dst"):
                     unpack(plan, m.copies, tensor, params)
         except (ProtocolError, PlanMismatch) as exc:
             failure = exc
             return
         total += m.nbytes
         buckets += 1
+        hand_over(index)
 
+    def hand_over(index: int) -> None:
+        nonlocal failure
+        if demand is None or failure is not None:
+            return
+        try:
+            demand.done(index, ctx)
+        except (TransportError, PolicyWorkerError) as exc:
+            failure = exc
+
+    positions = {id(m): i for i, m in enumerate(schedule)} if demand is not None else {}
+    budget = max(1, len(ring)) * t.bucket_bytes
     try:
         for i, m in enumerate(schedule):
             if m.relay is not None:
@@ -155,7 +262,11 @@ def recv_bulk(t: Any, ctx: TransportContext):
                 while m.dep is not None and m.dep not in done and pending:
                     finish()  # a send forwards bytes that must have landed
                 try:
-                    work, buf = post_fanout(m, params, plan)
+                    if open_for(i):
+                        work, buf = post_fanout(m, params, plan)
+                    else:  # a destination that could not open: the peer still gets its bytes' worth
+                        buf = torch.zeros(m.nbytes, dtype=torch.uint8, device=m.group.device)
+                        work = (m.group.isend if m.relay == "send" else m.group.irecv)(buf, m.peer, tag=m.tag)
                 except PeerLost as exc:  # gloo refuses a send to a peer already gone
                     (lost_dst if m.relay == "send" else lost).add(m.key[2] if m.relay == "send" else m.key[1])
                     failure = failure if isinstance(failure, PeerLost) else exc
@@ -171,7 +282,19 @@ def recv_bulk(t: Any, ctx: TransportContext):
             if not kind:
                 batch.append((m, inbox[i], None))
                 continue
-            direct = None if (t.checksum or failure is not None) else spans.get(plan, i, m.copies, params, "dst")
+            fresh = demand is not None and demand.on_demand(i)
+            if fresh and failure is None:
+                need = demand.bytes_to_open(i)
+                while need and failure is None and demand.bytes_open + need > budget and (pending or batch):
+                    if batch:
+                        t._post(batch, "recv", pending)
+                    finish()  # hands earlier destinations over
+            if not open_for(i) or t.checksum or failure is not None:
+                direct = None
+            elif fresh:  # new tensors each refit: worked out now, never kept
+                direct = _direct_view(plan, m.copies, params, "dst")
+            else:
+                direct = spans.get(plan, i, m.copies, params, "dst")
             if direct is not None and ring and direct.device != ring[0].device:
                 direct = None  # a destination off the comm device (host staging): through a bucket
             if direct is not None:

@@ -152,6 +152,7 @@ class NcclReshardTransport(Transport):
     Setup = NcclReshardSetup
     Options = NcclReshardOptions
     needs_plan = True
+    lands_on_demand = True  # full refits (receive.py); a delta applies to bytes already held
 
     @classmethod
     def from_setup(cls, setup: NcclReshardSetup) -> NcclReshardTransport:
@@ -310,6 +311,10 @@ class NcclReshardTransport(Transport):
         """
         self._check(ctx)
         if self.delta is not None:
+            if ctx.landing is not None:
+                raise ConfigError("a delta refit applies changes to the bytes its destinations hold; destinations "
+                                  "made on demand (ctx.landing) hold none: nothing received",
+                                  rank=ctx.rank, transport=self.name)
             return await ctx.blocking(nccl_delta.refit, self, ctx, version)
         return await ctx.blocking(self._refit, ctx, version)
 
