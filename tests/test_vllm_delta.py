@@ -35,7 +35,7 @@ class DeltaWorld(VllmWorld):
 def world(tmp_path_factory):
     spec = DeltaWorldSpec(config=dict(TINY_QWEN3, num_key_value_heads=2), timeout_s=60.0, refit_timeout_s=60.0,
                           reshard_options={"delta": True, "bucket_bytes": 64 << 10})
-    with vllm_world(tmp_path_factory, tp=1, config=spec.config, spec=spec, world_cls=DeltaWorld) as w:
+    with vllm_world(tmp_path_factory, tp=1, config=spec.config, spec=spec, world_cls=DeltaWorld, in_process=True) as w:
         yield w
 
 

@@ -57,7 +57,7 @@ def world(tmp_path_factory):
                          refit_timeout_s=60.0, reshard_options={"bucket_bytes": 8 << 10})
     with vllm_world(tmp_path_factory, tp=1, config=spec.config, spec=spec, world_cls=LoraWorld,
                     weight_transfer_config={"backend": BACKEND_LORA}, enable_lora=True, max_lora_rank=RANK,
-                    max_loras=1) as w:
+                    max_loras=1, in_process=True) as w:
         w.base = w.base_oracle()
         yield w
 

@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    with vllm_world(tmp_path_factory, tp=1, config=TINY_QWEN3_MOE, model_type="qwen3_moe", train="tp=2") as w:
+    with vllm_world(tmp_path_factory, tp=1, config=TINY_QWEN3_MOE, model_type="qwen3_moe", train="tp=2",
+                    in_process=True) as w:
         yield w
 
 

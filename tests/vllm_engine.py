@@ -124,9 +124,16 @@ class VllmWorld:
 
 @contextlib.contextmanager
 def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_options=None, model_type: str = "qwen3",
-               train: str = "tp=2", engine: dict[str, Any] | None = None, spec=None, world_cls=None, **llm_kwargs: Any):
+               train: str = "tp=2", engine: dict[str, Any] | None = None, spec=None, world_cls=None,
+               in_process: bool = False, **llm_kwargs: Any):
     """``engine`` / ``llm_kwargs``: more ``LLM`` keyword arguments (``enable_expert_parallel``); ``spec``: the
-    trainers' (default: dense, from ``config``); ``world_cls``: a VllmWorld subclass."""
+    trainers' (default: dense, from ``config``); ``world_cls``: a VllmWorld subclass.
+
+    ``in_process`` (tp=1): the engine core and its worker run in this process (vLLM's
+    ``uni`` executor, no V1 multiprocessing), as the FP8 module's engine does: it starts in
+    seconds instead of spawning two processes that import vLLM again (~25 s of CI each).
+    For modules whose subject is not the process boundary (``test_vllm.py``, the
+    ``AsyncLLM`` and tp=2 modules keep vLLM's default multiprocess executor)."""
     pytest.importorskip("vllm")
     if spec is None:
         spec = WorldSpec(config=config, model_type=model_type, train=train, timeout_s=60.0, refit_timeout_s=60.0,
@@ -138,7 +145,14 @@ def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_opt
         # Failure tests inject a fault inside the real workers with a function sent through
         # llm.collective_rpc, which vLLM only serializes with this set.
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_bind(tp))
+        if in_process:
+            if tp != 1:
+                raise ValueError("an in-process engine has one rank")
+            mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # in-process: leave pytest's threads alone
+            llm_kwargs = {"distributed_executor_backend": "uni", **llm_kwargs}
+        else:
+            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", omp_bind(tp))
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             # Trainers import torch + transformers while the engine starts.
             pool_future = ex.submit(TrainerPool, spec)
@@ -153,4 +167,8 @@ def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_opt
             pool.close()
             shutdown_llm(llm)
             del llm, world
+            if in_process:  # the process's torch.distributed state is the engine's
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
             gc.collect()

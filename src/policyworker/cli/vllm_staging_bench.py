@@ -6,7 +6,10 @@ vllm``. Inside vLLM's worker process (``collective_rpc``) it reads, around the r
 
 * ``VmRSS`` once the engine is up (before the backend allocates anything), with the
   peak (``VmHWM``) reset there (``/proc/self/clear_refs``);
-* ``VmRSS`` after the refits (steady) and ``VmHWM`` (the peak since the reset);
+* ``VmHWM`` after ``init_weight_transfer_engine`` (the peak at init: the staging set, and
+  the one-time check of every parameter through vLLM's loaders, which holds scratch
+  copies of one parameter at a time), reset again there;
+* ``VmRSS`` after the refits (steady) and ``VmHWM`` (the refits' peak);
 * the backend's own ``staging_report`` (staging bytes it holds that nothing live reads).
 
 Extra memory is the difference to the engine-up figure: the staging set, plus what
@@ -57,6 +60,7 @@ def _one_mode(mode: str, spec: WorldSpec, *, tp: int, refits: int, executor: str
         base = engine.llm.collective_rpc(_memory, kwargs={"reset": True})
         staging, _, cpu_linear = mode.partition("-")
         engine.connect(version=0, staging=staging, **({"cpu_linear": cpu_linear} if cpu_linear else {}))
+        connected = engine.llm.collective_rpc(_memory, kwargs={"reset": True})  # the refits' peak from here
         rows = [engine.refit(v) for v in range(1, refits + 1)]
         after = engine.llm.collective_rpc(_memory)
         match = engine.tokens() == greedy_tokens(hf_model(spec, refits), PROMPTS, 8)
@@ -72,13 +76,16 @@ def _one_mode(mode: str, spec: WorldSpec, *, tp: int, refits: int, executor: str
         "backend_extra_bytes_peak": report["extra_bytes_peak"], "backend_extra_where": report["where"],
         "rss_engine_up_bytes": [m["VmRSS"] for m in base], "rss_after_refits_bytes": [m["VmRSS"] for m in after],
         "rss_extra_steady_bytes": max(a["VmRSS"] - b["VmRSS"] for a, b in zip(after, base)),
-        "rss_extra_peak_bytes": max(a["VmHWM"] - b["VmRSS"] for a, b in zip(after, base)),
+        "rss_extra_peak_bytes": max(max(a["VmHWM"], c["VmHWM"]) - b["VmRSS"] for a, b, c in zip(after, base, connected)),
+        "rss_extra_peak_connect_bytes": max(c["VmHWM"] - b["VmRSS"] for c, b in zip(connected, base)),
+        "rss_extra_peak_refits_bytes": max(a["VmHWM"] - b["VmRSS"] for a, b in zip(after, base)),
         "refits": rows, "refit_seconds_median": statistics.median(steady),
         "apply_seconds_median": statistics.median(r["apply_seconds"] for r in rows[1:]),
         "cold_refit_seconds": rows[0]["seconds"], "tokens_match_hf": match,
     }
     log(f"staging={mode}: +{out['rss_extra_steady_bytes'] / 1e6:.0f} MB steady, +{out['rss_extra_peak_bytes'] / 1e6:.0f} "
-        f"MB peak (worker RSS; backend holds {out['backend_extra_bytes_steady'] / 1e6:.0f} MB of a "
+        f"MB peak (at init +{out['rss_extra_peak_connect_bytes'] / 1e6:.0f}, in the refits "
+        f"+{out['rss_extra_peak_refits_bytes'] / 1e6:.0f}; worker RSS; backend holds {out['backend_extra_bytes_steady'] / 1e6:.0f} MB of a "
         f"{out['set_bytes'] / 1e6:.0f} MB set); refit {out['refit_seconds_median']:.3f} s; tokens == HF: {match}")
     return out
 
@@ -102,6 +109,7 @@ def run_vllm_staging_bench(*, modes: str = "all", preset: str = "small", train: 
     return {"engine": "vllm", "bench": "staging", "device": "cpu", "preset": preset, "dtype": dtype, "train": train,
             "vllm_tp": tp, "refits_per_mode": refits, "bucket_bytes": bucket_bytes,
             "memory_method": "vLLM worker process: VmRSS once the engine is up (VmHWM reset there via "
-                             "/proc/self/clear_refs) vs VmRSS after the refits (steady) and VmHWM (peak); max over "
+                             "/proc/self/clear_refs) vs VmHWM after init_weight_transfer_engine (peak at init; "
+                             "reset again), VmRSS after the refits (steady) and VmHWM (the refits' peak); max over "
                              "ranks; plus the backend's staging_report",
             "modes": rows, "tokens_match_hf": all(r["tokens_match_hf"] for r in rows)}

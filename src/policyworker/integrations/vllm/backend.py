@@ -67,6 +67,7 @@ from policyworker.errors import (ConfigError, PlanMismatch, PolicyWorkerError, P
 from policyworker.layout.plan import ReshardPlan
 from policyworker.integrations.vllm.errors import engine_error, mark, typed_errors
 from policyworker.integrations.vllm.info import PolicyworkerInitInfo, PolicyworkerUpdateInfo
+from policyworker.integrations.vllm.landing import LayerLanding, return_free_heap
 from policyworker.integrations.vllm.join import Joined, Loop as _Loop, join
 from policyworker.integrations.vllm.overlap import (OverlappedReceive, SideThread, StepCounter, hold_live_state,
                                                     hurry_gil, release_in_background)
@@ -367,7 +368,8 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
             self._stage.catch_up()
         # Into the staging set that nothing live references ("none": vLLM's live tensors); a
         # staging tensor that moved at a commit has the geometry of the one checked at attach.
-        joined.land_in(self._stage.receive_views(), self._stage.landing())
+        landing = LayerLanding(self._stage) if self._stage.staging == "none" else None
+        joined.land_in(self._stage.receive_views(), self._stage.start_landing(landing))
         bound = timeout if timeout is not None else self._info.timeout_s
         if self._info.overlap if update_info.overlap is None else update_info.overlap:
             if self.device.type == "cpu" and self._gil_switch is None:
@@ -467,10 +469,13 @@ class PolicyworkerWeightTransferEngine(WeightTransferEngine[PolicyworkerInitInfo
         """The stage's bookkeeping after a swap (:meth:`VllmStage.settle`) on a side thread, so
         the engine steps again right after the swap; the next receive settles first anyway."""
         stage = self._stage
+        trim = stage.staging == "none" and self.device.type == "cpu"
 
         def run() -> None:
             try:
                 stage.settle()
+                if trim:  # "none" is for tight memory: what the refit freed goes back to the OS
+                    return_free_heap()
             except Exception as exc:  # left unsettled: the next receive settles again and raises it there
                 logger.warning("policyworker: settling the staging set after a commit failed: %s", exc)
 

@@ -34,11 +34,25 @@ from policyworker.integrations.vllm.stage import _loaded_as_is, _materialize, _p
 if TYPE_CHECKING:
     from policyworker.integrations.vllm.stage import VllmStage, _Slot
 
-__all__ = ["LayerLanding"]
+__all__ = ["LayerLanding", "return_free_heap"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def return_free_heap() -> bool:
+    """Hand the host heap's free memory back to the OS (glibc ``malloc_trim``); False where
+    there is no glibc. On a CPU engine the landing tensors and the replaced kernels' memory
+    are freed layer by layer, but glibc keeps freed chunks of this size for reuse: measured
+    on the bench model, +253 MB of RSS held after the refits without it, −18 MB with it."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.malloc_trim(0))
 
 
 class LayerLanding:

@@ -24,6 +24,7 @@ import torch
 
 from policyworker.errors import ConfigError, PlanMismatch
 from policyworker.layout.plan import ReshardPlan
+from policyworker.integrations.vllm.loader_check import check_with_vllm_loaders
 from policyworker.integrations.vllm.plan import Needs
 from policyworker.integrations.vllm.stage import Prepared, VllmStage
 from policyworker.integrations.vllm.targets import Target, needs_of, vllm_targets
@@ -78,7 +79,7 @@ class PendingBase:
         self.stage = VllmStage(model, targets, device=device, once=True)
         self.stage.cpu_linear = cpu_linear
         self.stage.copy_into_live = copy_into_live
-        self.stage.check_with_vllm_loaders()
+        check_with_vllm_loaders(self.stage)
         self.stage.set_wire_dtypes(wire)
         self.nbytes = sum(v.numel() * v.element_size() for v in self.receive_views().values())
 

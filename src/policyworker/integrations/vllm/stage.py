@@ -40,8 +40,8 @@ rank received. A staging tensor that moved after a commit holds an older one, so
 refit (only in delta mode), and the receiver's per-copy checksums prove the base right.
 
 Where each box lands is checked once against vLLM's own weight loaders
-(:mod:`.loader_check`): a layer whose loader places a box elsewhere is refused before
-any refit.
+(:mod:`.loader_check`, run by whoever builds a stage): a layer whose loader places a box
+elsewhere is refused before any refit.
 """
 
 from __future__ import annotations
@@ -255,12 +255,11 @@ class VllmStage:
         self.settle()
         return dict(self._recv)
 
-    def landing(self) -> Any:
-        """The next refit's on-demand landing (:class:`~.landing.LayerLanding`); None but in "none"."""
-        from policyworker.integrations.vllm.landing import LayerLanding
-
-        self._landing = LayerLanding(self) if self.staging == "none" else None
-        return self._landing
+    def start_landing(self, landing: Any) -> Any:
+        """Record the next refit's on-demand landing ("none": a :class:`~.landing.LayerLanding`
+        over this stage, else None); its installed layers are left out of :meth:`prepare`."""
+        self._landing = landing
+        return landing
 
     def received(self, ok: bool) -> None:
         """Record the end of a refit into the staging set: complete (``ok``) or not."""
@@ -283,13 +282,6 @@ class VllmStage:
             for index, newest in behind.items():
                 self._slots[index].stage.copy_(newest)
         return True
-
-    def check_with_vllm_loaders(self, seed: int = 0) -> None:
-        """Random boxes through vLLM's weight loaders must land where the views put them
-        (:func:`~.loader_check.check_with_vllm_loaders`)."""
-        from policyworker.integrations.vllm.loader_check import check_with_vllm_loaders
-
-        check_with_vllm_loaders(self, seed)
 
     # -- prepare and commit --------------------------------------------------------------
     def prepare(self) -> Prepared:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from policyworker.errors import ConfigError
+from policyworker.integrations.vllm.loader_check import check_with_vllm_loaders
 from policyworker.integrations.vllm.stage import VllmStage
 
 __all__ = ["MODES", "StagingReport", "choose", "mem_available", "build", "decide", "report", "validate"]
@@ -143,7 +144,7 @@ def decide(init_info: Any, *, set_bytes: int, device: torch.device) -> tuple[str
 def build(model: torch.nn.Module, targets: Any, *, device: torch.device, staging: str) -> VllmStage:
     """A stage of mode ``staging``, checked against vLLM's own weight loaders."""
     stage = VllmStage(model, targets, device=device, staging=staging)
-    stage.check_with_vllm_loaders()
+    check_with_vllm_loaders(stage)
     return stage
 
 

@@ -184,7 +184,7 @@ def recv_bulk(t: Any, ctx: TransportContext):
             return demand is None or demand.opened(i)
         try:
             demand.open(i)
-        except (TransportError, PolicyWorkerError) as exc:
+        except PolicyWorkerError as exc:
             failure = exc
         return demand.opened(i)
 
@@ -244,7 +244,7 @@ def recv_bulk(t: Any, ctx: TransportContext):
             return
         try:
             demand.done(index, ctx)
-        except (TransportError, PolicyWorkerError) as exc:
+        except PolicyWorkerError as exc:
             failure = exc
 
     positions = {id(m): i for i, m in enumerate(schedule)} if demand is not None else {}
