@@ -45,20 +45,21 @@ if _count > 1 and "POLICYWORKER_PORTS" not in os.environ:
     os.environ["POLICYWORKER_PORTS"] = f"{20000 + _index * _span}:{20000 + (_index + 1) * _span}"
 
 
-#: Rough seconds per module on an idle 2-core host (engine start included), for the
+#: Seconds per module in a CI run (engine start included; measured 2026-12-02), for the
 #: parallel phase's order: xdist hands out whole modules in collection order
 #: (``--no-loadscope-reorder`` in scripts/test.sh), so the longest go first and the
 #: phase does not end on one worker running a vLLM module while the other idles.
 #: A module not listed weighs half a second per test. Rough is enough: it only orders.
 COST_S = {
-    "test_vllm_two_engines.py": 110, "test_vllm_lora.py": 90, "test_vllm_recovery_example.py": 70,
-    "test_vllm_tp2.py": 80, "test_vllm_overlap_async.py": 90,
-    "test_zmq_ipc.py": 60, "test_nccl_reshard.py": 60, "test_vllm.py": 90,
-    "test_vllm_http_example.py": 50, "test_vllm_moe.py": 45, "test_vllm_moe_tp2.py": 45,
-    "test_vllm_moe_ep.py": 45, "test_vllm_trainer_api.py": 40,
-    "test_demo.py": 40, "test_relay.py": 40, "test_vllm_bench.py": 35, "test_vllm_delta.py": 35,
-    "test_vllm_fp8.py": 35, "test_delta_refit.py": 35, "test_files_processes.py": 35,
-    "test_vllm_errors.py": 30, "test_vllm_refusal.py": 25, "test_lora_rollout.py": 25, "test_topology_goal.py": 25,
+    "test_vllm.py": 160, "test_vllm_two_engines.py": 145, "test_vllm_recovery_example.py": 140,
+    "test_nccl_reshard.py": 135, "test_vllm_tp2.py": 130, "test_vllm_http_example.py": 115, "test_demo.py": 95,
+    "test_vllm_moe_ep.py": 72, "test_zmq_ipc.py": 70, "test_relay.py": 70, "test_vllm_bench.py": 68,
+    "test_vllm_overlap_async.py": 67, "test_delta_refit.py": 67, "test_vllm_moe_tp2.py": 64,
+    "test_vllm_lora.py": 60, "test_double_buffer.py": 59, "test_sglang_ipc.py": 56, "test_vllm_trainer_api.py": 55,
+    "test_files_processes.py": 55, "test_fp8_refit.py": 48, "test_topology_goal.py": 45, "test_vllm_delta.py": 45,
+    "test_vllm_moe.py": 40, "test_lora_rollout.py": 32, "test_files_transport.py": 30, "test_registry.py": 27,
+    "test_vllm_fp8.py": 24, "test_dtensor_layout.py": 24, "test_fp8_kernels.py": 24, "test_delta_encoding.py": 20,
+    "test_moe_fused.py": 17, "test_fsdp2.py": 12, "test_fp8_bench.py": 11, "test_bad_input.py": 10,
 }
 
 

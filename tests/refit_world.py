@@ -53,7 +53,7 @@ class RefitSpec:
     go_on_after_failure: bool = False  # both sides keep refitting after a failed one
     nodes: list[str] | None = None  # node of each process (trainers, then rollouts): POLICYWORKER_NODE
     die_in_fanout: tuple[int, int] | None = None  # (generation rank, version): exits inside the relay phase
-    landing: dict[str, Any] | None = None  # on-demand destinations: {"fail": "open"/"landed", "version": v}
+    landing: dict[str, Any] | None = None  # on-demand destinations: {"fail": {refit index: "open"/"landed"}}
 
     @property
     def train_par(self) -> Parallelism:
@@ -170,22 +170,23 @@ class OnDemandLanding:
     """A consumer of on-demand destinations: every other destination of the worker becomes a
     ``meta`` placeholder; ``open`` makes a fresh tensor, ``landed`` copies it into the real
     set (``real``, what the test checks) and drops it. Records the order of the calls, the
-    most bytes open at once, and fails the ``fail`` call ("open" / "landed") of ``version``."""
+    most bytes open at once, and fails a call: ``fail`` maps a refit (the rollout's loop
+    index) to "open" (its third open) or "landed" (its first hand-over)."""
 
-    def __init__(self, w: RolloutWorker, fail: str | None = None, version: int | None = None) -> None:
+    def __init__(self, w: RolloutWorker, fail: dict[int, str] | None = None) -> None:
         self.real = dict(w.params)
         self.placeholders = {n: torch.empty(t.shape, dtype=t.dtype, device="meta")
                              for i, (n, t) in enumerate(self.real.items()) if i % 2 == 0}
         w.params = {**self.real, **self.placeholders}
         w.landing = self
-        self.fail, self.fail_version, self.version = fail, version, 0
+        self.fail, self.version = fail or {}, 0
         self.opened: dict[str, torch.Tensor] = {}
         self.calls: list[tuple[int, str, str]] = []
         self.bytes_open = self.peak = 0
 
     def open(self, name: str) -> torch.Tensor:
         self.calls.append((self.version, "open", name))
-        if self.fail == "open" and self.version == self.fail_version \
+        if self.fail.get(self.version) == "open" \
                 and sum(1 for v, kind, _ in self.calls if v == self.version and kind == "open") == 3:
             raise MemoryError("test: no memory for the third landing tensor")
         like = self.placeholders[name]
@@ -196,7 +197,7 @@ class OnDemandLanding:
 
     def landed(self, name: str) -> None:
         self.calls.append((self.version, "landed", name))
-        if self.fail == "landed" and self.version == self.fail_version:
+        if self.fail.get(self.version) == "landed":
             raise RuntimeError("test: post-processing failed")
         t = self.opened.pop(name, None)
         if t is not None:

@@ -120,24 +120,25 @@ def test_destinations_made_on_demand_land_bit_exact_and_are_handed_over_once_eac
     assert 0 < landing["peak"] <= 2 * 4096 + 2 * landing["largest"] < landing["placeholder_bytes"], landing
 
 
-@pytest.mark.parametrize("fail", ["open", "landed"])
-def test_a_landing_that_fails_fails_the_refit_typed_on_every_rank_and_the_next_commits(fail):
-    spec = RefitSpec(preset="tiny", train="tp=2", gen="tp=1", refits=3, go_on_after_failure=True,
-                     options=_SMALL_WINDOW, landing={"fail": fail, "version": 2})
+def test_a_landing_that_fails_fails_the_refit_typed_on_every_rank_and_the_next_commits():
+    # Refit 2: the consumer cannot open its third destination; refit 3: it fails to take over
+    # the first landed one (a consumer may have installed it live: torn); refit 4 commits.
+    spec = RefitSpec(preset="tiny", train="tp=2", gen="tp=1", refits=4, go_on_after_failure=True,
+                     options=_SMALL_WINDOW, landing={"fail": {2: "open", 3: "landed"}})
     results = _world(spec)
     for r in results[:2]:  # the trainers learn it in the verdict round
-        assert [o["ok"] for o in r["outcomes"]] == [True, False, True], r["outcomes"]
-        assert r["outcomes"][1]["error"] == "TransportError", r["outcomes"]
+        assert [o["ok"] for o in r["outcomes"]] == [True, False, False, True], r["outcomes"]
+        assert [o.get("error") for o in r["outcomes"][1:3]] == ["TransportError"] * 2, r["outcomes"]
     (rollout,) = results[2:]
     outs = rollout["outcomes"]
-    assert outs[1]["ok"] is False and outs[1]["error"] == "TransportError", outs[1]
-    assert ("could not open a destination for" if fail == "open" else "could not take over the landed") \
-        in outs[1]["message"], outs[1]
-    assert outs[1]["weight_version"] == 1  # nothing committed
-    if fail == "landed":
-        assert outs[1]["torn"] is True  # a consumer may have installed it live: torn until a full refit
-    calls = [(kind, name) for ver, kind, name in rollout["landing"]["calls"] if ver == 2]
-    failing = [i for i, c in enumerate(calls) if c[0] == fail][-1 if fail == "open" else 0]  # no call after it
-    assert not [c for c in calls[failing + 1:] if c[0] == "landed"]  # nothing handed over after it
-    assert outs[2]["ok"] and outs[2]["exact"] and outs[2]["version"] == 2, outs[2]  # the failed version, again
+    for index, fail, says in ((2, "open", "could not open a destination for"),
+                              (3, "landed", "could not take over the landed")):
+        out = outs[index - 1]
+        assert out["ok"] is False and out["error"] == "TransportError" and says in out["message"], out
+        assert out["weight_version"] == 1  # nothing committed
+        calls = [(kind, name) for ver, kind, name in rollout["landing"]["calls"] if ver == index]
+        failing = [i for i, c in enumerate(calls) if c[0] == fail][-1 if fail == "open" else 0]
+        assert not [c for c in calls[failing + 1:] if c[0] == "landed"]  # nothing handed over after it
+    assert outs[2]["torn"] is True  # torn until a full refit
+    assert outs[3]["ok"] and outs[3]["exact"] and outs[3]["version"] == 2, outs[3]  # the failed version, again
     assert rollout["weight_version"] == 2

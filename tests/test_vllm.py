@@ -275,6 +275,54 @@ def test_a_failed_background_post_processing_commits_nothing(world):
     world.version, world.history[v + 2] = v + 2, got
 
 
+def _refuse_receive(worker):
+    joined = worker.weight_transfer_engine._joined
+
+    async def refused(refit_timeout_s):
+        from policyworker.errors import TransportError
+
+        raise TransportError("injected: the receive refused before its first byte")
+
+    joined.refit = refused  # shadows the method for the next update_weights
+
+
+def _mend_receive(worker):
+    del worker.weight_transfer_engine._joined.refit
+    return worker.weight_transfer_engine.torn
+
+
+@pytest.mark.timeout(180)
+def test_an_overlapped_receive_refused_before_its_first_byte_fails_in_finish_and_keeps_v(world):
+    # update_weights hands the receive to the backend's loop and returns at once: a receive
+    # that fails before its first byte is reported by finish_weight_update, typed, and v stays.
+    from policyworker.errors import TransportError
+    from policyworker.integrations.vllm.errors import engine_error
+
+    assert all(r["ok"] for r in world.connect(version=world.version, overlap=True))
+    v = world.version
+    world.history.setdefault(v, world.tokens())
+    commits = _state(world)["commits"]
+    world.llm.collective_rpc(_refuse_receive)
+    try:
+        world.llm.start_weight_update()
+        world.llm.update_weights({"update_info": {"version": v + 1}})  # returns: the failure is not known yet
+        assert world.tokens() == world.history[v]
+        with pytest.raises(Exception, match="injected: the receive refused before its first byte") as info:
+            world.llm.finish_weight_update(weight_version=str(v + 1))
+    finally:
+        (torn,) = world.llm.collective_rpc(_mend_receive)
+    assert isinstance(engine_error(info.value), TransportError), info.value
+    assert not torn and world.tokens() == world.history[v] == world.oracle(v)
+    assert world.llm.get_weight_version() == str(v) and _state(world)["commits"] == commits
+    with pytest.raises(Exception, match=r"ConfigError: .* only closes that session"):
+        world.llm.update_weights({"update_info": {"version": v + 1}})
+    during, error, replies = _overlapped_refit(world, v + 1)  # no trainer sent v + 1 yet
+    assert error is None and during == world.history[v], error
+    got = world.tokens()
+    assert got == world.oracle(v + 1) and got != world.history[v]
+    world.version, world.history[v + 1] = v + 1, got
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("init", [{"staging": "host"}, {"staging": "device", "cpu_linear": "torch"}])
 def test_overlap_with_host_staging_and_with_a_device_set_that_went_live(world, init):

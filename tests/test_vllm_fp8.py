@@ -30,7 +30,7 @@ from policyworker.integrations.vllm.fp8 import save_fp8_checkpoint  # noqa: E402
 from policyworker.integrations.vllm.plan import Need, Needs, fp8_target, plan_for_vllm  # noqa: E402
 from policyworker.testing.vllm_world import TrainerPool, WorldSpec, hf_model  # noqa: E402
 
-from .vllm_engine import VllmWorld  # noqa: E402
+from .vllm_engine import VllmWorld, release_in_process_engine  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -91,9 +91,7 @@ def world(tmp_path_factory):
             pool.close()
             llm.llm_engine.engine_core.shutdown()
             del llm, w
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-            cleanup_dist_env_and_memory()
+            release_in_process_engine()
             gc.collect()
 
 

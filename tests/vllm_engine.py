@@ -167,8 +167,19 @@ def vllm_world(tmp_path_factory, *, tp: int, config: dict[str, Any], reshard_opt
             pool.close()
             shutdown_llm(llm)
             del llm, world
-            if in_process:  # the process's torch.distributed state is the engine's
-                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-                cleanup_dist_env_and_memory()
+            if in_process:
+                release_in_process_engine()
             gc.collect()
+
+
+def release_in_process_engine() -> None:
+    """After an in-process engine's shutdown, give this (pytest) process back what its engine
+    core set for the process: torch.distributed state, vLLM's environment cache (turned on
+    once an engine core is up: later engines would read this module's variables) and the
+    frozen GC heap."""
+    from vllm import envs
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    envs.disable_envs_cache()
+    gc.unfreeze()
