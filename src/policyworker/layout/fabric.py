@@ -325,16 +325,7 @@ def _topology(plan: ReshardPlan, fabric: Fabric, place: Placement, bucket: int) 
     fan = routes.entry_fanouts()      # per entry: the most ranks one of its classes fans out to
     # Bytes per (sender, receiver) pair first: a MoE has a million routes over a few
     # thousand pairs.
-    first: dict[tuple[int, int], float] = {}
-    hops: dict[tuple[int, int], float] = {}
-    relayed_in: dict[tuple[int, int], float] = {}
-    for r in routes.routes:
-        pair = (r.src, r.entry)
-        first[pair] = first.get(pair, 0) + r.nbytes
-        if r.fanout:
-            relayed_in[pair] = relayed_in.get(pair, 0) + r.nbytes
-            for d in r.fanout:
-                hops[(r.entry, d)] = hops.get((r.entry, d), 0) + r.nbytes
+    first, relayed_in, hops = routes.flows()
     for (s, e), n in first.items():
         kind = _add(ports, fabric, place.train[s], place.gen[e], n)
         by_kind[kind] += n

@@ -26,11 +26,14 @@ host name), or an NVLink domain in the fabric model (:mod:`.fabric`).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
-from math import prod
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
 
 from policyworker.errors import ConfigError
-from policyworker.layout.plan import ReshardPlan, dtype_size
+from policyworker.layout.classes import CopyClasses, copy_classes
+from policyworker.layout.plan import ReshardPlan
 
 __all__ = ["Route", "RelayRoutes", "relay_message_bytes", "relay_routes"]
 
@@ -51,79 +54,114 @@ class Route:
     cross: bool
 
 
-@dataclass(slots=True)
 class RelayRoutes:
-    routes: list[Route] = field(default_factory=list)
+    """A plan's routes in route order, kept as columns: route ``j`` takes class
+    ``classes.key(cls[j])`` from training rank ``src[j]`` to ``entry[j]``, which relays
+    it to ``fanouts[fan[j]]``; ``fan[j] == 0`` marks a route that stays on its node.
+
+    A MoE plan has a million routes and the fabric model only sums them per link:
+    `routes` builds the `Route` objects on first use, the sums read the columns.
+    """
+
+    def __init__(self, classes: CopyClasses, cls: list[int], src: list[int], entry: list[int],
+                 fan: list[int], fanouts: list[tuple[int, ...]]) -> None:
+        self._classes = classes
+        self._cls, self._src, self._entry, self._fan = cls, src, entry, fan
+        self._fanouts = fanouts
+
+    @cached_property
+    def routes(self) -> list[Route]:
+        c, fanouts = self._classes, self._fanouts
+        param, box, boxes, nbytes = c.param, c.box, c.boxes, c.nbytes
+        out = []
+        add = out.append
+        for i, s, e, f in zip(self._cls, self._src, self._entry, self._fan):
+            start, stop = boxes[box[i]]
+            add(Route(param[i], start, stop, nbytes[i], s, e, fanouts[f], f != 0))
+        return out
+
+    @cached_property
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        """(bytes, src, entry, fan id, fan-out length) per route."""
+        fan = np.asarray(self._fan, np.int64)
+        lengths = np.asarray([len(f) for f in self._fanouts], np.int64)
+        return (self._classes.nbytes_array[np.asarray(self._cls, np.int64)],
+                np.asarray(self._src, np.int64), np.asarray(self._entry, np.int64), fan, lengths[fan])
+
+    def _hops(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(entry, fan-out rank, bytes) of every relayed hop, in route then fan-out order."""
+        n, _, entry, fan, length = self._arrays
+        relayed = length > 0
+        width = max((len(f) for f in self._fanouts), default=0)
+        if not relayed.any():
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty
+        table = np.full((len(self._fanouts), width), -1, np.int64)
+        for i, f in enumerate(self._fanouts):
+            table[i, :len(f)] = f
+        dst = table[fan[relayed]]
+        keep = dst >= 0
+        return (np.broadcast_to(entry[relayed, None], dst.shape)[keep], dst[keep],
+                np.broadcast_to(n[relayed, None], dst.shape)[keep])
 
     @property
     def cross_node_bytes(self) -> int:
-        return sum(r.nbytes for r in self.routes if r.cross)
+        n, _, _, fan, _ = self._arrays
+        return int(n[fan != 0].sum())
 
     @property
     def relayed_bytes(self) -> int:
-        return sum(r.nbytes * len(r.fanout) for r in self.routes)
+        n, _, _, _, length = self._arrays
+        return int((n * length).sum())
 
     def entry_fanouts(self) -> dict[int, int]:
         """Per relaying entry: the most ranks one of its classes fans out to."""
+        _, _, entry, _, length = self._arrays
+        relayed = length > 0
         fan: dict[int, int] = {}
-        for r in self.routes:
-            if r.fanout:
-                fan[r.entry] = max(fan.get(r.entry, 0), len(r.fanout))
+        if relayed.any():
+            entries, first, inverse = np.unique(entry[relayed], return_index=True, return_inverse=True)
+            most = np.zeros(len(entries), np.int64)
+            np.maximum.at(most, inverse, length[relayed])
+            for k in np.argsort(first, kind="stable").tolist():
+                fan[int(entries[k])] = int(most[k])
         return fan
 
     @property
     def total_bytes(self) -> int:
-        return sum(r.nbytes * (1 + len(r.fanout)) for r in self.routes)
+        n, _, _, _, length = self._arrays
+        return int((n * (1 + length)).sum())
 
     def received_bytes(self, gen_world_size: int) -> list[int]:
-        got = [0] * gen_world_size
-        for r in self.routes:
-            got[r.entry] += r.nbytes
-            for d in r.fanout:
-                got[d] += r.nbytes
-        return got
+        n, _, entry, _, _ = self._arrays
+        got = np.zeros(gen_world_size, np.int64)
+        np.add.at(got, entry, n)
+        _, dst, hop_n = self._hops()
+        np.add.at(got, dst, hop_n)
+        return got.tolist()
+
+    def flows(self) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int],
+                             dict[tuple[int, int], int]]:
+        """Bytes per (src, entry) of first hops, per (src, entry) of the relayed ones
+        among them, and per (entry, fan-out rank) of relay hops; each dict in the order
+        its pairs first occur in the routes."""
+        n, src, entry, _, length = self._arrays
+        relayed = length > 0
+        hop_entry, hop_dst, hop_n = self._hops()
+        return (_sums(src, entry, n), _sums(src[relayed], entry[relayed], n[relayed]),
+                _sums(hop_entry, hop_dst, hop_n))
 
 
-#: The last plans' classes by plan hash: one plan's routes are asked for once per
-#: fabric or node map (a MoE plan's walk takes seconds). Read-only to every caller.
-_CLASSES_CACHE: dict[str, tuple] = {}
-_CLASSES_KEEP = 2
-
-
-def _classes(plan: ReshardPlan) -> tuple[dict[tuple[int, tuple[int, ...], tuple[int, ...]],
-                                               tuple[int, set[int], set[int]]], list[tuple]]:
-    """(param, start, stop) -> (bytes, holders, needers) over every copy of the plan, and
-    its keys biggest class first (ties by key)."""
-    got = _CLASSES_CACHE.get(plan.hash)
-    if got is None:
-        classes = _walk_classes(plan)
-        got = _CLASSES_CACHE[plan.hash] = (classes, sorted(classes, key=lambda k: (-classes[k][0], k)))
-        while len(_CLASSES_CACHE) > _CLASSES_KEEP:
-            _CLASSES_CACHE.pop(next(iter(_CLASSES_CACHE)))
-    return got
-
-
-def _walk_classes(plan: ReshardPlan) -> dict[tuple[int, tuple[int, ...], tuple[int, ...]],
-                                              tuple[int, set[int], set[int]]]:
-    params = plan.params
-    out: dict[tuple, tuple[int, set[int], set[int]]] = {}
-    for t in plan.transfers:
-        src, dst = t.src, t.dst
-        # A run's repetitions share their boxes: walk (param, start, stop) without
-        # expanding the run into copies (a MoE plan holds a million of them).
-        boxes = [(c.param, tuple(c.start), tuple(c.stop), 0, 1) for c in t.copies]
-        boxes += [(c.param, tuple(c.start), tuple(c.stop), run.param_step, run.count)
-                  for run in t.runs for c in run.block]
-        for param, start, stop, step, count in boxes:
-            for p in range(param, param + step * count, step) if count > 1 else (param,):
-                key = (p, start, stop)
-                got = out.get(key)
-                if got is None:
-                    n = prod(b - a for a, b in zip(start, stop)) * dtype_size(params[p].dtype)
-                    got = out[key] = (n, set(), set())
-                got[1].add(src)
-                got[2].add(dst)
-    return out
+def _sums(a: np.ndarray, b: np.ndarray, n: np.ndarray) -> dict[tuple[int, int], int]:
+    """``n`` summed per ``(a, b)``, pairs in order of first occurrence."""
+    if not len(n):
+        return {}
+    width = int(b.max()) + 1
+    pairs, first, inverse = np.unique(a * width + b, return_index=True, return_inverse=True)
+    total = np.zeros(len(pairs), np.int64)
+    np.add.at(total, inverse, n)
+    order = np.argsort(first, kind="stable")
+    return {(p // width, p % width): t for p, t in zip(pairs[order].tolist(), total[order].tolist())}
 
 
 def relay_message_bytes(bucket_bytes: int, fanout: int) -> int:
@@ -149,50 +187,74 @@ def relay_routes(plan: ReshardPlan, train_nodes: Sequence[Hashable],
         raise ConfigError(f"nodes given for {len(train_nodes)} training / {len(gen_nodes)} generation ranks; "
                           f"the plan has {body.train_world_size} / {body.gen_world_size}")
     net_out = [0] * body.train_world_size      # bytes leaving each trainer's node link
-    net_in = [0] * body.gen_world_size         # bytes entering each generation rank from off-node
     local_out = [0] * body.train_world_size    # bytes a trainer sends inside its node
-    relay_out = [0] * body.gen_world_size      # bytes a generation rank forwards
-    routes = RelayRoutes()
-    add = routes.routes.append
-    classes, order = _classes(plan)
-    # Classes of a MoE share a few (holders, needers) sets: group them once per set.
-    shapes: dict[tuple[frozenset[int], frozenset[int]], tuple] = {}
+    # Per generation rank: (bytes entering it from off-node, bytes it forwards), the
+    # key an entry is chosen by.
+    intake = [(0, 0)] * body.gen_world_size
+    classes = copy_classes(plan)
+    fanouts: list[tuple[int, ...]] = [(), ()]   # fan id 0: a route inside a node; 1: none
+    fan_ids: dict[tuple[int, ...], int] = {(): 1}
 
-    def shape(holders: set[int], needers: set[int]) -> tuple:
-        key = (frozenset(holders), frozenset(needers))
-        got = shapes.get(key)
+    def fan_id(fanout: tuple[int, ...]) -> int:
+        got = fan_ids.get(fanout)
         if got is None:
-            by_node: dict[Hashable, list[int]] = {}
-            for d in sorted(needers):
-                by_node.setdefault(gen_nodes[d], []).append(d)
-            hs = sorted(holders)
-            got = shapes[key] = (hs, [(by_node[n], [h for h in hs if train_nodes[h] == n])
-                                      for n in sorted(by_node, key=repr)])
+            got = fan_ids[fanout] = len(fanouts)
+            fanouts.append(fanout)
         return got
 
-    # Biggest classes first: greedy balancing places the large pieces while every port
-    # is still open, the small ones fill the gaps.
-    for key in order:
-        nbytes, holders, needers = classes[key]
-        hs, nodes = shape(holders, needers)
-        param, start, stop = key
-        for ranks, near in nodes:
+    # What each (holders, needers) set means on these nodes, worked out once per set:
+    # per needing node (in sorted order), its needers and either the holders on it or,
+    # when it has several needers, each candidate entry's fan id.
+    per_set = []
+    for hs, needers in classes.sets:
+        by_node: dict[Hashable, list[int]] = {}
+        for d in needers:
+            by_node.setdefault(gen_nodes[d], []).append(d)
+        groups = []
+        for node in sorted(by_node, key=repr):
+            ranks = by_node[node]
+            near = [h for h in hs if train_nodes[h] == node]
             if near:
+                groups.append((False, ranks, near))
+            else:
+                groups.append((True, ranks, {e: fan_id(tuple(d for d in ranks if d != e)) for e in ranks}
+                               if len(ranks) > 1 else None))
+        per_set.append((hs, groups))
+    fan_len = [len(f) for f in fanouts]
+
+    cls: list[int] = []
+    srcs: list[int] = []
+    entries: list[int] = []
+    fans: list[int] = []
+    add_cls, add_src, add_entry, add_fan = cls.append, srcs.append, entries.append, fans.append
+    # Biggest classes first: greedy balancing places the large pieces while every port
+    # is still open, the small ones fill the gaps. Candidates are listed in rank order,
+    # so `min` by load alone breaks ties to the lowest rank.
+    for i, (nbytes, s) in enumerate(zip(classes.nbytes, classes.set_of)):
+        hs, groups = per_set[s]
+        for cross, ranks, how in groups:
+            if not cross:
                 # Same node: every needer takes it from the least loaded near holder,
                 # as the plan would (no relay: nothing crosses the network).
                 for d in ranks:
-                    h = min(near, key=lambda r: (local_out[r], r))
+                    h = how[0] if len(how) == 1 else min(how, key=local_out.__getitem__)
                     local_out[h] += nbytes
-                    add(Route(param, start, stop, nbytes, h, d, (), False))
+                    add_cls(i)
+                    add_src(h)
+                    add_entry(d)
+                    add_fan(0)
                 continue
-            src = hs[0] if len(hs) == 1 else min(hs, key=lambda r: (net_out[r], r))
-            if len(ranks) == 1:
-                entry, fanout = ranks[0], ()
+            src = hs[0] if len(hs) == 1 else min(hs, key=net_out.__getitem__)
+            if how is None:
+                entry, fid = ranks[0], 1
             else:
-                entry = min(ranks, key=lambda r: (net_in[r], relay_out[r], r))
-                fanout = tuple(d for d in ranks if d != entry)
+                entry = min(ranks, key=intake.__getitem__)
+                fid = how[entry]
             net_out[src] += nbytes
-            net_in[entry] += nbytes
-            relay_out[entry] += nbytes * len(fanout)
-            add(Route(param, start, stop, nbytes, src, entry, fanout, True))
-    return routes
+            got, relayed = intake[entry]
+            intake[entry] = (got + nbytes, relayed + nbytes * fan_len[fid])
+            add_cls(i)
+            add_src(src)
+            add_entry(entry)
+            add_fan(fid)
+    return RelayRoutes(classes, cls, srcs, entries, fans, fanouts)
