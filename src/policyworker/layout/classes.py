@@ -12,15 +12,20 @@ a caller works out what a pair means on its nodes once per pair, not once per cl
 
 from __future__ import annotations
 
+import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
+from typing import TypeVar
 
 import numpy as np
 
 from policyworker.layout.plan import ReshardPlan, dtype_size
 
-__all__ = ["CopyClasses", "copy_classes"]
+__all__ = ["CopyClasses", "copy_classes", "per_plan"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -49,21 +54,32 @@ class CopyClasses:
         return self.param[i], start, stop
 
 
-#: The last plans' classes, by plan object (a plan's hash would cost an encoding of the
-#: whole plan): one plan's routes are asked for once per fabric or node map.
-_CACHE: list[tuple[weakref.ref, CopyClasses]] = []
 _KEEP = 2
 
 
+def per_plan(fn: Callable[[ReshardPlan], T]) -> Callable[[ReshardPlan], T]:
+    """``fn(plan)`` cached for the last few plan objects (by identity: a plan's hash
+    would cost an encoding of the whole plan). One plan is asked the same question
+    once per fabric or node map; the answer is read-only to every caller."""
+    cache: list[tuple[weakref.ref, T]] = []
+
+    @functools.wraps(fn)
+    def cached(plan: ReshardPlan) -> T:
+        for ref, got in cache:
+            if ref() is plan:
+                return got
+        got = fn(plan)
+        cache.append((weakref.ref(plan), got))
+        del cache[:-_KEEP]
+        return got
+
+    return cached
+
+
+@per_plan
 def copy_classes(plan: ReshardPlan) -> CopyClasses:
     """The classes of ``plan`` (cached for the last few plans; read-only to callers)."""
-    for ref, got in _CACHE:
-        if ref() is plan:
-            return got
-    got = _find(plan)
-    _CACHE.append((weakref.ref(plan), got))
-    del _CACHE[:-_KEEP]
-    return got
+    return _find(plan)
 
 
 def _find(plan: ReshardPlan) -> CopyClasses:
