@@ -138,7 +138,7 @@ def _find(plan: ReshardPlan) -> CopyClasses:
     # Holders and needers of each class as bit masks; equal masks are one set.
     masks = np.concatenate([_mask(cls, len(keys), np.repeat(row_src, counts), body.train_world_size),
                             _mask(cls, len(keys), np.repeat(row_dst, counts), body.gen_world_size)], axis=1)
-    uniq_masks, set_of = np.unique(masks, axis=0, return_inverse=True)
+    uniq_masks, set_of = _distinct_rows(masks)
     words = -(-body.train_world_size // 64)
     sets = [(_ranks(m[:words]), _ranks(m[words:])) for m in uniq_masks]
 
@@ -156,13 +156,25 @@ def _find(plan: ReshardPlan) -> CopyClasses:
     nbytes = nbytes[order]
     return CopyClasses(param=cls_param[order].tolist(), box=cls_box[order].tolist(), boxes=boxes,
                        nbytes=nbytes.tolist(), nbytes_array=nbytes,
-                       set_of=set_of.reshape(-1)[order].tolist(), sets=sets)
+                       set_of=set_of[order].tolist(), sets=sets)
 
 
 def _mask(cls: np.ndarray, n: int, ranks: np.ndarray, world: int) -> np.ndarray:
     out = np.zeros((n, -(-world // 64)), np.uint64)
     np.bitwise_or.at(out, (cls, ranks >> 6), np.left_shift(np.uint64(1), (ranks & 63).astype(np.uint64)))
     return out
+
+
+def _distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of ``rows`` and each row's index among them (as np.unique's
+    ``axis=0``, without sorting the rows as opaque bytes: a sort per column is faster)."""
+    order = np.lexsort(rows.T[::-1])
+    ordered = rows[order]
+    new = np.ones(len(rows), bool)
+    new[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+    index = np.empty(len(rows), np.int64)
+    index[order] = np.cumsum(new) - 1
+    return ordered[new], index
 
 
 def _ranks(words: np.ndarray) -> tuple[int, ...]:

@@ -125,23 +125,27 @@ def _local_at(start: tuple[int, ...], piece_start: tuple[int, ...],
 def _wire_layout(layout: Layout, pindex: Mapping[str, int],
                  tindex: dict[str, int]) -> list[LocalTensor]:
     # This loop sees every piece of a side (a million on a tp=8 generation side of a
-    # 235B MoE): tuple unpacking instead of attribute reads, and no coverage sums for
-    # layouts that are exact by construction (the rules').
-    grouped: dict[tuple[int, str], list[WirePiece]] = {}
+    # 235B MoE): tuple unpacking instead of attribute reads, pieces grouped per rank
+    # then per tensor name (no key tuple per piece), and no coverage sums for layouts
+    # that are exact by construction (the rules').
+    grouped: dict[int, dict[str, list[WirePiece]]] = {}
     held: dict[tuple[int, str], int] = {}
     volumes: dict[tuple[Any, Any], int] = {}
     check = not layout.exact
     for name, pieces in layout.pieces.items():
         pi = pindex[name]
         for rank, tensor, start, stop, at in pieces:
-            key = (rank, tensor)
-            wp = WirePiece(pi, start, stop, at)
-            mine = grouped.get(key)
+            mine = grouped.get(rank)
             if mine is None:
-                grouped[key] = [wp]
+                mine = grouped[rank] = {}
+            wp = WirePiece(pi, start, stop, at)
+            same = mine.get(tensor)
+            if same is None:
+                mine[tensor] = [wp]
             else:
-                mine.append(wp)
+                same.append(wp)
             if check:
+                key = (rank, tensor)
                 box = (start, stop)
                 vol = volumes.get(box)
                 if vol is None:
@@ -150,11 +154,11 @@ def _wire_layout(layout: Layout, pindex: Mapping[str, int],
     out = []
     sizes: dict[tuple[int, ...], int] = {}
     for rank in sorted(layout.tensors):
+        mine = grouped.get(rank, {})
         for tname, spec in layout.tensors[rank].items():
-            key = (rank, tname)
-            pieces = grouped.get(key, [])
+            pieces = mine.get(tname, [])
             if check:
-                covered = held.get(key, 0)
+                covered = held.get((rank, tname), 0)
                 size = sizes.get(spec.shape)
                 if size is None:
                     size = sizes[spec.shape] = prod(spec.shape)

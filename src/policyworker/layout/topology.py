@@ -91,18 +91,15 @@ class RelayRoutes:
     def _hops(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(entry, fan-out rank, bytes) of every relayed hop, in route then fan-out order."""
         n, _, entry, fan, length = self._arrays
-        relayed = length > 0
-        width = max((len(f) for f in self._fanouts), default=0)
-        if not relayed.any():
-            empty = np.zeros(0, np.int64)
-            return empty, empty, empty
-        table = np.full((len(self._fanouts), width), -1, np.int64)
-        for i, f in enumerate(self._fanouts):
-            table[i, :len(f)] = f
-        dst = table[fan[relayed]]
-        keep = dst >= 0
-        return (np.broadcast_to(entry[relayed, None], dst.shape)[keep], dst[keep],
-                np.broadcast_to(n[relayed, None], dst.shape)[keep])
+        relayed = np.flatnonzero(length > 0)
+        lengths = length[relayed]
+        # Fan-out ranks of every relayed route, back to back: fan-out f sits at
+        # members[offsets[f]:offsets[f] + len(f)].
+        members = np.asarray([d for f in self._fanouts for d in f], np.int64)
+        offsets = np.cumsum([0] + [len(f) for f in self._fanouts[:-1]], dtype=np.int64)
+        within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        return (np.repeat(entry[relayed], lengths), members[np.repeat(offsets[fan[relayed]], lengths) + within],
+                np.repeat(n[relayed], lengths))
 
     @property
     def cross_node_bytes(self) -> int:
@@ -157,11 +154,15 @@ def _sums(a: np.ndarray, b: np.ndarray, n: np.ndarray) -> dict[tuple[int, int], 
     if not len(n):
         return {}
     width = int(b.max()) + 1
-    pairs, first, inverse = np.unique(a * width + b, return_index=True, return_inverse=True)
-    total = np.zeros(len(pairs), np.int64)
-    np.add.at(total, inverse, n)
-    order = np.argsort(first, kind="stable")
-    return {(p // width, p % width): t for p, t in zip(pairs[order].tolist(), total[order].tolist())}
+    pair = a * width + b
+    size = int(pair.max()) + 1
+    total = np.zeros(size, np.int64)
+    np.add.at(total, pair, n)
+    first = np.full(size, len(pair), np.int64)
+    np.minimum.at(first, pair, np.arange(len(pair), dtype=np.int64))
+    seen = np.flatnonzero(first < len(pair))
+    seen = seen[np.argsort(first[seen], kind="stable")]
+    return {(p // width, p % width): t for p, t in zip(seen.tolist(), total[seen].tolist())}
 
 
 def relay_message_bytes(bucket_bytes: int, fanout: int) -> int:
