@@ -34,7 +34,8 @@ class CopyClasses:
 
     Class ``i`` is box ``boxes[box[i]]`` of parameter ``param[i]``: ``nbytes[i]`` bytes,
     sent by the training ranks ``sets[set_of[i]][0]`` and received by the generation
-    ranks ``sets[set_of[i]][1]`` (each sorted). ``nbytes_array`` is ``nbytes`` as int64.
+    ranks ``sets[set_of[i]][1]`` (each sorted). ``nbytes_array`` and ``set_of_array``
+    are ``nbytes`` and ``set_of`` as int64 arrays.
     """
 
     param: list[int]
@@ -43,6 +44,7 @@ class CopyClasses:
     nbytes: list[int]
     nbytes_array: np.ndarray
     set_of: list[int]
+    set_of_array: np.ndarray
     sets: list[tuple[tuple[int, ...], tuple[int, ...]]]
 
     def __len__(self) -> int:
@@ -121,7 +123,7 @@ def _find(plan: ReshardPlan) -> CopyClasses:
         dsts.append(t.dst)
     boxes = [(tuple(a), tuple(b)) for a, b in box_ids]
     if not first:
-        return CopyClasses([], [], boxes, [], np.zeros(0, np.int64), [], [])
+        return CopyClasses([], [], boxes, [], np.zeros(0, np.int64), [], np.zeros(0, np.int64), [])
 
     # Expand the runs: repetition r of a row is param first + r * step, same box.
     counts = np.asarray(count, np.int64)
@@ -153,10 +155,10 @@ def _find(plan: ReshardPlan) -> CopyClasses:
     box_rank = np.empty(nbox, np.int64)
     box_rank[sorted(range(nbox), key=boxes.__getitem__)] = np.arange(nbox, dtype=np.int64)
     order = np.lexsort((box_rank[cls_box], cls_param, -nbytes))
-    nbytes = nbytes[order]
+    nbytes, set_of = nbytes[order], set_of[order]
     return CopyClasses(param=cls_param[order].tolist(), box=cls_box[order].tolist(), boxes=boxes,
                        nbytes=nbytes.tolist(), nbytes_array=nbytes,
-                       set_of=set_of[order].tolist(), sets=sets)
+                       set_of=set_of.tolist(), set_of_array=set_of, sets=sets)
 
 
 def _mask(cls: np.ndarray, n: int, ranks: np.ndarray, world: int) -> np.ndarray:

@@ -37,6 +37,11 @@ from policyworker.layout.plan import ReshardPlan
 
 __all__ = ["Route", "RelayRoutes", "relay_message_bytes", "relay_routes"]
 
+#: Fixed routes' loads: (visit, rank, bytes) lists (see `_Ways.fixed_loads`).
+_Fixed = tuple[list[int], list[int], list[int]]
+#: The largest (visits x ranks) table fixed loads are summed in.
+_DENSE = 1 << 22
+
 
 @dataclass(frozen=True, slots=True)
 class Route:
@@ -63,8 +68,8 @@ class RelayRoutes:
     `routes` builds the `Route` objects on first use, the sums read the columns.
     """
 
-    def __init__(self, classes: CopyClasses, cls: list[int], src: list[int], entry: list[int],
-                 fan: list[int], fanouts: list[tuple[int, ...]]) -> None:
+    def __init__(self, classes: CopyClasses, cls: np.ndarray, src: np.ndarray, entry: np.ndarray,
+                 fan: np.ndarray, fanouts: list[tuple[int, ...]]) -> None:
         self._classes = classes
         self._cls, self._src, self._entry, self._fan = cls, src, entry, fan
         self._fanouts = fanouts
@@ -75,7 +80,7 @@ class RelayRoutes:
         param, box, boxes, nbytes = c.param, c.box, c.boxes, c.nbytes
         out = []
         add = out.append
-        for i, s, e, f in zip(self._cls, self._src, self._entry, self._fan):
+        for i, s, e, f in zip(self._cls.tolist(), self._src.tolist(), self._entry.tolist(), self._fan.tolist()):
             start, stop = boxes[box[i]]
             add(Route(param[i], start, stop, nbytes[i], s, e, fanouts[f], f != 0))
         return out
@@ -83,10 +88,8 @@ class RelayRoutes:
     @cached_property
     def _arrays(self) -> tuple[np.ndarray, ...]:
         """(bytes, src, entry, fan id, fan-out length) per route."""
-        fan = np.asarray(self._fan, np.int64)
         lengths = np.asarray([len(f) for f in self._fanouts], np.int64)
-        return (self._classes.nbytes_array[np.asarray(self._cls, np.int64)],
-                np.asarray(self._src, np.int64), np.asarray(self._entry, np.int64), fan, lengths[fan])
+        return (self._classes.nbytes_array[self._cls], self._src, self._entry, self._fan, lengths[self._fan])
 
     def _hops(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(entry, fan-out rank, bytes) of every relayed hop, in route then fan-out order."""
@@ -187,75 +190,181 @@ def relay_routes(plan: ReshardPlan, train_nodes: Sequence[Hashable],
     if len(train_nodes) != body.train_world_size or len(gen_nodes) != body.gen_world_size:
         raise ConfigError(f"nodes given for {len(train_nodes)} training / {len(gen_nodes)} generation ranks; "
                           f"the plan has {body.train_world_size} / {body.gen_world_size}")
-    net_out = [0] * body.train_world_size      # bytes leaving each trainer's node link
+    classes = copy_classes(plan)
+    ways = _Ways(classes, train_nodes, gen_nodes)
     local_out = [0] * body.train_world_size    # bytes a trainer sends inside its node
+    net_out = [0] * body.train_world_size      # bytes leaving each trainer's node link
     # Per generation rank: (bytes entering it from off-node, bytes it forwards), the
     # key an entry is chosen by.
     intake = [(0, 0)] * body.gen_world_size
-    classes = copy_classes(plan)
-    fanouts: list[tuple[int, ...]] = [(), ()]   # fan id 0: a route inside a node; 1: none
-    fan_ids: dict[tuple[int, ...], int] = {(): 1}
-
-    def fan_id(fanout: tuple[int, ...]) -> int:
-        got = fan_ids.get(fanout)
-        if got is None:
-            got = fan_ids[fanout] = len(fanouts)
-            fanouts.append(fanout)
-        return got
-
-    # What each (holders, needers) set means on these nodes, worked out once per set:
-    # per needing node (in sorted order), its needers and either the holders on it or,
-    # when it has several needers, each candidate entry's fan id.
-    per_set = []
-    for hs, needers in classes.sets:
-        by_node: dict[Hashable, list[int]] = {}
-        for d in needers:
-            by_node.setdefault(gen_nodes[d], []).append(d)
-        groups = []
-        for node in sorted(by_node, key=repr):
-            ranks = by_node[node]
-            near = [h for h in hs if train_nodes[h] == node]
-            if near:
-                groups.append((False, ranks, near))
-            else:
-                groups.append((True, ranks, {e: fan_id(tuple(d for d in ranks if d != e)) for e in ranks}
-                               if len(ranks) > 1 else None))
-        per_set.append((hs, groups))
-    fan_len = [len(f) for f in fanouts]
-
-    cls: list[int] = []
+    fan_len = [len(f) for f in ways.fanouts]
     srcs: list[int] = []
     entries: list[int] = []
     fans: list[int] = []
-    add_cls, add_src, add_entry, add_fan = cls.append, srcs.append, entries.append, fans.append
+    add_src, add_entry, add_fan = srcs.append, entries.append, fans.append
     # Biggest classes first: greedy balancing places the large pieces while every port
-    # is still open, the small ones fill the gaps. Candidates are listed in rank order,
-    # so `min` by load alone breaks ties to the lowest rank.
-    for i, (nbytes, s) in enumerate(zip(classes.nbytes, classes.set_of)):
-        hs, groups = per_set[s]
-        for cross, ranks, how in groups:
-            if not cross:
+    # is still open, the small ones fill the gaps. Only the classes with a choice to
+    # make are visited here; before each, the loads take in the fixed routes' bytes of
+    # the classes before it (a class's fixed routes never load what its own choices
+    # read: those are ranks of other nodes, or sources of a class with one holder).
+    # Candidates are listed in rank order, so `min` by load alone breaks ties to the
+    # lowest rank.
+    choosing, fixed_local, fixed_net, fixed_intake = ways.fixed_loads()
+    (lk, lr, lv), (nk, nr, nv), (ik, ir, iv) = fixed_local, fixed_net, fixed_intake
+    li = ni = ii = 0
+    nbytes, set_of, choices = classes.nbytes, classes.set_of, ways.choices
+    for j, i in enumerate(choosing):
+        while lk[li] == j:
+            local_out[lr[li]] += lv[li]
+            li += 1
+        while nk[ni] == j:
+            net_out[nr[ni]] += nv[ni]
+            ni += 1
+        while ik[ii] == j:
+            got, relayed = intake[ir[ii]]
+            intake[ir[ii]] = (got + iv[ii], relayed)
+            ii += 1
+        n = nbytes[i]
+        hs, groups = choices[set_of[i]]
+        for near, count, entry_of in groups:
+            if near:
                 # Same node: every needer takes it from the least loaded near holder,
                 # as the plan would (no relay: nothing crosses the network).
-                for d in ranks:
-                    h = how[0] if len(how) == 1 else min(how, key=local_out.__getitem__)
-                    local_out[h] += nbytes
-                    add_cls(i)
+                for _ in range(count):
+                    h = min(near, key=local_out.__getitem__)
+                    local_out[h] += n
                     add_src(h)
-                    add_entry(d)
-                    add_fan(0)
                 continue
-            src = hs[0] if len(hs) == 1 else min(hs, key=net_out.__getitem__)
-            if how is None:
-                entry, fid = ranks[0], 1
-            else:
-                entry = min(ranks, key=intake.__getitem__)
-                fid = how[entry]
-            net_out[src] += nbytes
-            got, relayed = intake[entry]
-            intake[entry] = (got + nbytes, relayed + nbytes * fan_len[fid])
-            add_cls(i)
-            add_src(src)
-            add_entry(entry)
-            add_fan(fid)
-    return RelayRoutes(classes, cls, srcs, entries, fans, fanouts)
+            if len(hs) > 1:
+                src = min(hs, key=net_out.__getitem__)
+                net_out[src] += n
+                add_src(src)
+            if entry_of is not None:
+                entry = min(entry_of, key=intake.__getitem__)
+                fid = entry_of[entry]
+                got, relayed = intake[entry]
+                intake[entry] = (got + n, relayed + n * fan_len[fid])
+                add_entry(entry)
+                add_fan(fid)
+    return ways.routes(srcs, entries, fans)
+
+
+class _Ways:
+    """What each (holders, needers) set of a plan's classes means on given nodes,
+    worked out once per set: the routes of its classes as a template, with -1 where
+    a route's source or entry is chosen by load, the load each fixed route adds, and
+    the choices.
+
+    Per needing node (sorted), either a holder sits on it (routes inside the node: a
+    fixed one from a lone near holder, else a choice among the near holders per
+    needer) or the class crosses once: from its lone holder or a choice among its
+    holders, to its lone needer there or a choice of entry among the needers, which
+    relays to the others.
+    """
+
+    LOCAL, NET, INTAKE = 0, 1, 2
+
+    def __init__(self, classes: CopyClasses, train_nodes: Sequence[Hashable],
+                 gen_nodes: Sequence[Hashable]) -> None:
+        self.classes = classes
+        self.fanouts: list[tuple[int, ...]] = [(), ()]   # fan id 0: inside a node; 1: no relay
+        fan_ids: dict[tuple[int, ...], int] = {(): 1}
+        slots: list[tuple[int, int, int]] = []           # (src, entry, fan id); -1: chosen
+        first: list[int] = []
+        fixed: list[tuple[int, int, int]] = []            # (load, rank, bytes per class byte)
+        fixed_first: list[int] = []
+        self.choices: list[tuple[tuple[int, ...], list[tuple]]] = []
+        for hs, needers in classes.sets:
+            first.append(len(slots))
+            fixed_first.append(len(fixed))
+            by_node: dict[Hashable, list[int]] = {}
+            for d in needers:
+                by_node.setdefault(gen_nodes[d], []).append(d)
+            groups: list[tuple] = []
+            for node in sorted(by_node, key=repr):
+                ranks = by_node[node]
+                near = [h for h in hs if train_nodes[h] == node]
+                if len(near) == 1:
+                    fixed.append((self.LOCAL, near[0], len(ranks)))
+                    slots.extend((near[0], d, 0) for d in ranks)
+                    continue
+                if near:
+                    groups.append((near, len(ranks), None))
+                    slots.extend((-1, d, 0) for d in ranks)
+                    continue
+                src = hs[0] if len(hs) == 1 else -1
+                if src >= 0:
+                    fixed.append((self.NET, src, 1))
+                if len(ranks) == 1:
+                    fixed.append((self.INTAKE, ranks[0], 1))
+                    slots.append((src, ranks[0], 1))
+                    if src < 0:
+                        groups.append((None, 1, None))
+                    continue
+                entry_of = {}
+                for e in ranks:
+                    fanout = tuple(d for d in ranks if d != e)
+                    fid = fan_ids.get(fanout)
+                    if fid is None:
+                        fid = fan_ids[fanout] = len(self.fanouts)
+                        self.fanouts.append(fanout)
+                    entry_of[e] = fid
+                groups.append((None, 1, entry_of))
+                slots.append((src, -1, -1))
+            self.choices.append((hs, groups))
+        first.append(len(slots))
+        fixed_first.append(len(fixed))
+        self._slots = np.asarray(slots, np.int64).reshape(-1, 3)
+        self._first = np.asarray(first, np.int64)
+        self._fixed = np.asarray(fixed, np.int64).reshape(-1, 3)
+        self._fixed_first = np.asarray(fixed_first, np.int64)
+        self._choosing_set = np.asarray([bool(g) for _, g in self.choices], bool)
+
+    def fixed_loads(self) -> tuple[list[int], _Fixed, _Fixed, _Fixed]:
+        """The classes with a choice (in class order), and per load (LOCAL, NET,
+        INTAKE): (visit, rank, bytes) summed per visit and rank, in visit order and
+        ending with a visit that never comes: what the fixed routes add before the
+        class ``choosing[visit]`` is visited."""
+        c = self.classes
+        set_of = c.set_of_array
+        choosing = np.flatnonzero(self._choosing_set[set_of])
+        counts = (self._fixed_first[1:] - self._fixed_first[:-1])[set_of]
+        cls = np.repeat(np.arange(len(c), dtype=np.int64), counts)
+        rows = self._fixed[np.repeat(self._fixed_first[:-1][set_of], counts) + _within(counts)]
+        visit = np.searchsorted(choosing, cls, side="right")
+        nbytes = c.nbytes_array[cls] * rows[:, 2]
+        keep = visit < len(choosing)
+        width = int(rows[:, 1].max(initial=0)) + 1
+        # Summed per (visit, rank) in a dense table where that is small (few visits:
+        # a million fixed routes become a few thousand sums); else each one as it is
+        # (in visit order already: classes are in order).
+        dense = (len(choosing) + 1) * width <= _DENSE
+        out = []
+        for load in (self.LOCAL, self.NET, self.INTAKE):
+            mine = keep & (rows[:, 0] == load)
+            keys, add = visit[mine] * width + rows[mine, 1], nbytes[mine]
+            if dense:
+                total = np.zeros(len(choosing) * width, np.int64)
+                np.add.at(total, keys, add)
+                keys = np.flatnonzero(total)
+                add = total[keys]
+            out.append(((keys // width).tolist() + [len(choosing)], (keys % width).tolist(), add.tolist()))
+        return (choosing.tolist(), *out)
+
+    def routes(self, srcs: list[int], entries: list[int], fans: list[int]) -> RelayRoutes:
+        """Every class's template filled with the choices made (in route order)."""
+        c = self.classes
+        set_of = c.set_of_array
+        counts = (self._first[1:] - self._first[:-1])[set_of]
+        cls = np.repeat(np.arange(len(c), dtype=np.int64), counts)
+        slots = self._slots[np.repeat(self._first[:-1][set_of], counts) + _within(counts)]
+        src, entry, fan = (np.ascontiguousarray(slots[:, k]) for k in range(3))
+        src[src < 0] = srcs
+        entry[entry < 0] = entries
+        fan[fan < 0] = fans
+        return RelayRoutes(c, cls, src, entry, fan, self.fanouts)
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    """0 .. count - 1 for each count, back to back."""
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
