@@ -294,14 +294,20 @@ def rule_layout(
         (tuple(specs[n][0])[0] for n in specs if n.endswith(("self_attn.k_norm.weight", "self_attn.q_norm.weight"))),
         None)
     cache: dict[tuple[Any, ...], list[Any]] = {}
+    box_of: dict[str, list[Any]] = {}
+    tp, etp = par.tp, par.etp
 
     def boxes(name: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        rule, shape = rules[name], tuple(specs[name][0])
-        parts = 1 if rule.dim is None else (par.etp if rule.expert is not None else par.tp)
-        key = (rule.kind, rule.dim, rule.heads, shape, parts)
-        if key not in cache:
-            cache[key] = _boxes(rule, shape, parts, config, name, bare_head_dim)
-        return cache[key]
+        got = box_of.get(name)
+        if got is None:
+            rule, shape = rules[name], tuple(specs[name][0])
+            parts = 1 if rule.dim is None else (etp if rule.expert is not None else tp)
+            key = (rule.kind, rule.dim, rule.heads, shape, parts)
+            got = cache.get(key)
+            if got is None:
+                got = cache[key] = _boxes(rule, shape, parts, config, name, bare_head_dim)
+            box_of[name] = got
+        return got
 
     # Owners of expert e: the ranks of its stage whose ep_rank is e // per_ep.
     owners_of: dict[tuple[int, int], list[Any]] = {}
@@ -313,6 +319,7 @@ def rule_layout(
     # Box tables live in `cache` for the whole call, so their ids are stable keys.
     entry_cache: dict[tuple[Any, ...], list[Any]] = {}
     owner_index: dict[tuple[Any, ...], list[tuple[int, int, dict[str, LocalSpec]]]] = {}
+    member_tables: dict[str, tuple[int, ...]] = {}   # fused tensor -> its members' box tables
     new_tuple = tuple.__new__
     last = par.pp - 1
     for name, (shape, dtype) in specs.items():
@@ -321,17 +328,19 @@ def rule_layout(
         stage = 0 if rule.where == "first" else last if rule.where == "last" \
             else stages[rule.layer]  # type: ignore[index]
         table = boxes(name)
-        dname = dtype_name(dtype)
+        dname = dtype if type(dtype) is str else dtype_name(dtype)
         nd = len(shape)
         zero = (0,) * nd
         tensor = name
         if fused and rule.fused is not None:
-            missing = [m for m in rule.members if m not in specs]
-            if missing:
-                raise PlanError(f"cannot fuse {rule.fused!r}: {missing} missing", param=name)
+            tables = member_tables.get(rule.fused)
+            if tables is None:
+                missing = [m for m in rule.members if m not in specs]
+                if missing:
+                    raise PlanError(f"cannot fuse {rule.fused!r}: {missing} missing", param=name)
+                tables = member_tables[rule.fused] = tuple(id(boxes(m)) for m in rule.members)
             tensor = rule.fused
             mine = rule.members.index(name)
-            tables = tuple(id(boxes(m)) for m in rule.members)
             ekey: tuple[Any, ...] = (id(table), mine, tables, shape, dname)
             entries = entry_cache.get(ekey)
             if entries is None:
