@@ -263,12 +263,19 @@ def plan_from_layouts(
         else:
             shared.append(j)
     shared.sort(key=lambda j: -jobs[j][5])
+    ranks_of: dict[int, list[int]] = {}   # id of a replica list (alive in jobs) -> its ranks
     for j in shared:
         d, reps, n = jobs[j][1], jobs[j][2], jobs[j][5]
+        ranks = ranks_of.get(id(reps))
+        if ranks is None:
+            ranks = ranks_of[id(reps)] = [r.rank for r in reps]
+        # The least loaded replica, the first in the order starting at k.
         k = d.rank % len(reps)
-        pick = min(reps[k:] + reps[:k], key=lambda r: load[r.rank])
-        load[pick.rank] += n
-        chosen[j] = pick
+        loads = [load[r] for r in ranks]
+        least = min(loads)
+        i = loads.index(least, k) if least in loads[k:] else loads.index(least)
+        load[ranks[i]] += n
+        chosen[j] = reps[i]
 
     # Pass 3: emit in plan order, grouped by (stage, src, dst); a run's jobs to one
     # pair become one CopyRun whose block is its members' copies.
