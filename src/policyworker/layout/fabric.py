@@ -56,8 +56,10 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from policyworker.errors import ConfigError
+from policyworker.layout.classes import per_plan
 from policyworker.layout.plan import ReshardPlan, dtype_size
 
 __all__ = ["Fabric", "Placement", "fabric_report", "format_fabric_report", "load_fabric",
@@ -216,34 +218,59 @@ def _port_name(port: Port | None) -> str | None:
 def ordered_time(fabric: Fabric, place: Placement, transfers: list[tuple[int, int, int]],
                  bucket: int) -> float:
     """Sum over message rounds of each round's port bound (see the module docstring)."""
-    rounds: dict[int, dict[Port, float]] = {}
+    index: dict[Port, int] = {}
+    rows: list[int] = []
+    fulls: list[int] = []
+    rests: list[int] = []
     for s, d, n in transfers:
         a, b = place.train[s], place.gen[d]
         kind = fabric.kind(a, b)
         if kind == "local" or n <= 0:
             continue
         full, rest = divmod(n, bucket)
-        for r in range(full + (rest > 0)):
-            size = bucket if r < full else rest
-            ports = rounds.setdefault(r, {})
-            for port in ((a, kind, "out"), (b, kind, "in")):
-                ports[port] = ports.get(port, 0) + size
-    return sum(port_bound(fabric, ports)[0] for ports in rounds.values())
+        for port in ((a, kind, "out"), (b, kind, "in")):
+            rows.append(index.setdefault(port, len(index)))
+            fulls.append(full)
+            rests.append(rest)
+    if not rows:
+        return 0
+    # Bytes per (port, round) as integers: a full bucket in each round below `full`,
+    # the rest in round `full`; then per round the max over ports of bytes / bandwidth
+    # (a port's bytes are exact integers, so this is port_bound's float, port by port).
+    row, full, rest = (np.asarray(x, np.int64) for x in (rows, fulls, rests))
+    nrounds = int((full + (rest > 0)).max())
+    step = np.zeros((len(index), nrounds + 1), np.int64)
+    np.add.at(step, (row, 0), bucket)
+    np.add.at(step, (row, full), -bucket)
+    got = np.cumsum(step, axis=1)
+    np.add.at(got, (row, full), rest)
+    rate = np.asarray([fabric.bandwidth(port[1]) for port in index])
+    per_round = (got[:, :nrounds] / rate[:, None]).max(axis=0)
+    return sum(per_round.tolist())
 
 
 # -- strategies ----------------------------------------------------------------------
+@per_plan
 def _classes(plan: ReshardPlan) -> list[tuple[int, list[int]]]:
     """(bytes, holder ranks) of every distinct source box of every parameter."""
     boxes: dict[tuple[int, Any, Any], list[int]] = {}
     for lt in plan.body.sources:
+        rank = lt.rank
         for p in lt.pieces:
-            boxes.setdefault((p.param, p.start, p.stop), []).append(lt.rank)
+            boxes.setdefault((p.param, p.start, p.stop), []).append(rank)
     params = plan.params
-    return [(prod(b - a for a, b in zip(start, stop)) * dtype_size(params[pi].dtype),
-             sorted(ranks)) for (pi, start, stop), ranks in boxes.items()]
+    volumes: dict[tuple[Any, Any], int] = {}
+    out = []
+    for (pi, start, stop), ranks in boxes.items():
+        vol = volumes.get((start, stop))
+        if vol is None:
+            vol = volumes[(start, stop)] = prod(b - a for a, b in zip(start, stop))
+        out.append((vol * dtype_size(params[pi].dtype), sorted(ranks)))
+    return out
 
 
-def _full_tensor_pairs(plan: ReshardPlan, gen_world: int) -> list[tuple[int, int, float]]:
+@per_plan
+def _full_tensor_pairs(plan: ReshardPlan) -> list[tuple[int, int, float]]:
     # Replica i of a box with R holders serves receivers g = i (mod R): aggregate per
     # (sender, R, i) first so the cost is boxes + senders * receivers * distinct R.
     acc: dict[int, dict[int, list[float]]] = {}
@@ -253,10 +280,26 @@ def _full_tensor_pairs(plan: ReshardPlan, gen_world: int) -> list[tuple[int, int
             acc.setdefault(s, {}).setdefault(R, [0.0] * R)[i] += nbytes
     out = []
     for s, by_r in acc.items():
-        for g in range(gen_world):
+        for g in range(plan.body.gen_world_size):
             n = sum(v[g % R] for R, v in by_r.items())
             if n:
                 out.append((s, g, n))
+    return out
+
+
+@per_plan
+def _model_bytes(plan: ReshardPlan) -> int:
+    return sum(prod(p.shape) * dtype_size(p.dtype) for p in plan.params)
+
+
+@per_plan
+def _held_elsewhere(plan: ReshardPlan) -> dict[tuple[int, ...], int]:
+    """Bytes of the source boxes training rank 0 lacks, per holder set (first-seen order)."""
+    out: dict[tuple[int, ...], int] = {}
+    for nbytes, ranks in _classes(plan):
+        if 0 not in ranks:
+            key = tuple(ranks)
+            out[key] = out.get(key, 0) + nbytes
     return out
 
 
@@ -269,15 +312,15 @@ def _world_gpus_per_node(fabric: Fabric, place: Placement) -> dict[int, int]:
 
 
 def _broadcast(plan: ReshardPlan, fabric: Fabric, place: Placement, bucket: int) -> dict[str, Any]:
-    model = sum(prod(p.shape) * dtype_size(p.dtype) for p in plan.params)
+    model = _model_bytes(plan)
     root = place.train[0]
     dom = fabric.domain_gpus
     node = fabric.gpus_per_node
     world = _world_gpus_per_node(fabric, place)
     gather = dict.fromkeys(("nvlink", "nic"), 0.0)
-    for nbytes, ranks in _classes(plan):
-        if 0 in ranks:
-            continue
+    # Summed per holder set: byte counts are integers far below 2**53, so the float
+    # sums are exact in any order.
+    for ranks, nbytes in _held_elsewhere(plan).items():
         near = any(place.train[r] // dom == root // dom for r in ranks)
         gather["nvlink" if near else "nic"] += nbytes
     # Generous: the root's node takes the far bytes in through the NICs of all its GPUs
@@ -325,16 +368,7 @@ def _topology(plan: ReshardPlan, fabric: Fabric, place: Placement, bucket: int) 
     fan = routes.entry_fanouts()      # per entry: the most ranks one of its classes fans out to
     # Bytes per (sender, receiver) pair first: a MoE has a million routes over a few
     # thousand pairs.
-    first: dict[tuple[int, int], float] = {}
-    hops: dict[tuple[int, int], float] = {}
-    relayed_in: dict[tuple[int, int], float] = {}
-    for r in routes.routes:
-        pair = (r.src, r.entry)
-        first[pair] = first.get(pair, 0) + r.nbytes
-        if r.fanout:
-            relayed_in[pair] = relayed_in.get(pair, 0) + r.nbytes
-            for d in r.fanout:
-                hops[(r.entry, d)] = hops.get((r.entry, d), 0) + r.nbytes
+    first, relayed_in, hops = routes.flows()
     for (s, e), n in first.items():
         kind = _add(ports, fabric, place.train[s], place.gen[e], n)
         by_kind[kind] += n
@@ -371,7 +405,7 @@ def fabric_report(plan: ReshardPlan, fabric: Fabric, *, bucket_bytes: int | None
     ours = _pairs_result(fabric, place, transfers)
     ours.pop("_ports")
     ours["ordered_s"] = ordered_time(fabric, place, transfers, bucket)
-    full = _pairs_result(fabric, place, _full_tensor_pairs(plan, plan.body.gen_world_size))
+    full = _pairs_result(fabric, place, _full_tensor_pairs(plan))
     full.pop("_ports")
     return {
         "fabric": msgspec.to_builtins(fabric),

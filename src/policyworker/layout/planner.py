@@ -125,23 +125,27 @@ def _local_at(start: tuple[int, ...], piece_start: tuple[int, ...],
 def _wire_layout(layout: Layout, pindex: Mapping[str, int],
                  tindex: dict[str, int]) -> list[LocalTensor]:
     # This loop sees every piece of a side (a million on a tp=8 generation side of a
-    # 235B MoE): tuple unpacking instead of attribute reads, and no coverage sums for
-    # layouts that are exact by construction (the rules').
-    grouped: dict[tuple[int, str], list[WirePiece]] = {}
+    # 235B MoE): tuple unpacking instead of attribute reads, pieces grouped per rank
+    # then per tensor name (no key tuple per piece), and no coverage sums for layouts
+    # that are exact by construction (the rules').
+    grouped: dict[int, dict[str, list[WirePiece]]] = {}
     held: dict[tuple[int, str], int] = {}
     volumes: dict[tuple[Any, Any], int] = {}
     check = not layout.exact
     for name, pieces in layout.pieces.items():
         pi = pindex[name]
         for rank, tensor, start, stop, at in pieces:
-            key = (rank, tensor)
-            wp = WirePiece(pi, start, stop, at)
-            mine = grouped.get(key)
+            mine = grouped.get(rank)
             if mine is None:
-                grouped[key] = [wp]
+                mine = grouped[rank] = {}
+            wp = WirePiece(pi, start, stop, at)
+            same = mine.get(tensor)
+            if same is None:
+                mine[tensor] = [wp]
             else:
-                mine.append(wp)
+                same.append(wp)
             if check:
+                key = (rank, tensor)
                 box = (start, stop)
                 vol = volumes.get(box)
                 if vol is None:
@@ -150,11 +154,11 @@ def _wire_layout(layout: Layout, pindex: Mapping[str, int],
     out = []
     sizes: dict[tuple[int, ...], int] = {}
     for rank in sorted(layout.tensors):
+        mine = grouped.get(rank, {})
         for tname, spec in layout.tensors[rank].items():
-            key = (rank, tname)
-            pieces = grouped.get(key, [])
+            pieces = mine.get(tname, [])
             if check:
-                covered = held.get(key, 0)
+                covered = held.get((rank, tname), 0)
                 size = sizes.get(spec.shape)
                 if size is None:
                     size = sizes[spec.shape] = prod(spec.shape)
@@ -259,12 +263,19 @@ def plan_from_layouts(
         else:
             shared.append(j)
     shared.sort(key=lambda j: -jobs[j][5])
+    ranks_of: dict[int, list[int]] = {}   # id of a replica list (alive in jobs) -> its ranks
     for j in shared:
         d, reps, n = jobs[j][1], jobs[j][2], jobs[j][5]
+        ranks = ranks_of.get(id(reps))
+        if ranks is None:
+            ranks = ranks_of[id(reps)] = [r.rank for r in reps]
+        # The least loaded replica, the first in the order starting at k.
         k = d.rank % len(reps)
-        pick = min(reps[k:] + reps[:k], key=lambda r: load[r.rank])
-        load[pick.rank] += n
-        chosen[j] = pick
+        loads = [load[r] for r in ranks]
+        least = min(loads)
+        i = loads.index(least, k) if least in loads[k:] else loads.index(least)
+        load[ranks[i]] += n
+        chosen[j] = reps[i]
 
     # Pass 3: emit in plan order, grouped by (stage, src, dst); a run's jobs to one
     # pair become one CopyRun whose block is its members' copies.

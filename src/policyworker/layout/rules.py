@@ -167,6 +167,22 @@ def _lora_rule(base: ParamRule, which: str, name: str) -> ParamRule:
     return ParamRule(base.kind, base.dim, base.layer, heads=base.heads, where=base.where)
 
 
+#: The last call's rules: (config, names, {name: rule}). A plan places the same
+#: names on both sides; matching them is a third of a large MoE's layout time.
+_LAST_RULES: list[tuple[ModelConfig | None, tuple[str, ...], dict[str, ParamRule]]] = []
+
+
+def _rules(specs: Mapping[str, Any], config: ModelConfig | None) -> dict[str, ParamRule]:
+    """``{name: match_rule(name, config)}`` over ``specs`` (read-only to callers)."""
+    names = tuple(specs)
+    for last_config, last_names, rules in _LAST_RULES:
+        if last_names == names and last_config == config:
+            return rules
+    rules = {name: match_rule(name, config) for name in names}
+    _LAST_RULES[:] = [(config, names, rules)]
+    return rules
+
+
 def layer_stages(num_layers: int, pp: int) -> list[int]:
     """Stage of each layer: contiguous, the first ``num_layers % pp`` stages one longer."""
     if pp > num_layers:
@@ -265,7 +281,7 @@ def rule_layout(
     stages = layer_stages(num_layers, par.pp)
     coords = [par.coords(r) for r in range(par.world_size)]
     by_stage = [coords[s * par.stage_size:(s + 1) * par.stage_size] for s in range(par.pp)]
-    rules = {name: match_rule(name, config) for name in specs}
+    rules = _rules(specs, config)
     if config is None and par.ep > 1:
         experts = {r.expert for r in rules.values() if r.expert is not None}
         if experts and (max(experts) + 1) % par.ep:
@@ -278,14 +294,20 @@ def rule_layout(
         (tuple(specs[n][0])[0] for n in specs if n.endswith(("self_attn.k_norm.weight", "self_attn.q_norm.weight"))),
         None)
     cache: dict[tuple[Any, ...], list[Any]] = {}
+    box_of: dict[str, list[Any]] = {}
+    tp, etp = par.tp, par.etp
 
     def boxes(name: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        rule, shape = rules[name], tuple(specs[name][0])
-        parts = 1 if rule.dim is None else (par.etp if rule.expert is not None else par.tp)
-        key = (rule.kind, rule.dim, rule.heads, shape, parts)
-        if key not in cache:
-            cache[key] = _boxes(rule, shape, parts, config, name, bare_head_dim)
-        return cache[key]
+        got = box_of.get(name)
+        if got is None:
+            rule, shape = rules[name], tuple(specs[name][0])
+            parts = 1 if rule.dim is None else (etp if rule.expert is not None else tp)
+            key = (rule.kind, rule.dim, rule.heads, shape, parts)
+            got = cache.get(key)
+            if got is None:
+                got = cache[key] = _boxes(rule, shape, parts, config, name, bare_head_dim)
+            box_of[name] = got
+        return got
 
     # Owners of expert e: the ranks of its stage whose ep_rank is e // per_ep.
     owners_of: dict[tuple[int, int], list[Any]] = {}
@@ -296,7 +318,8 @@ def rule_layout(
     tensors: dict[int, dict[str, LocalSpec]] = {r: {} for r in range(par.world_size)}
     # Box tables live in `cache` for the whole call, so their ids are stable keys.
     entry_cache: dict[tuple[Any, ...], list[Any]] = {}
-    owner_index: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
+    owner_index: dict[tuple[Any, ...], list[tuple[int, int, dict[str, LocalSpec]]]] = {}
+    member_tables: dict[str, tuple[int, ...]] = {}   # fused tensor -> its members' box tables
     new_tuple = tuple.__new__
     last = par.pp - 1
     for name, (shape, dtype) in specs.items():
@@ -305,17 +328,19 @@ def rule_layout(
         stage = 0 if rule.where == "first" else last if rule.where == "last" \
             else stages[rule.layer]  # type: ignore[index]
         table = boxes(name)
-        dname = dtype_name(dtype)
+        dname = dtype if type(dtype) is str else dtype_name(dtype)
         nd = len(shape)
         zero = (0,) * nd
         tensor = name
         if fused and rule.fused is not None:
-            missing = [m for m in rule.members if m not in specs]
-            if missing:
-                raise PlanError(f"cannot fuse {rule.fused!r}: {missing} missing", param=name)
+            tables = member_tables.get(rule.fused)
+            if tables is None:
+                missing = [m for m in rule.members if m not in specs]
+                if missing:
+                    raise PlanError(f"cannot fuse {rule.fused!r}: {missing} missing", param=name)
+                tables = member_tables[rule.fused] = tuple(id(boxes(m)) for m in rule.members)
             tensor = rule.fused
             mine = rule.members.index(name)
-            tables = tuple(id(boxes(m)) for m in rule.members)
             ekey: tuple[Any, ...] = (id(table), mine, tables, shape, dname)
             entries = entry_cache.get(ekey)
             if entries is None:
@@ -338,25 +363,27 @@ def rule_layout(
         if owners is None:
             cs = owners_of.get((stage, okey[1]), []) if expert else by_stage[stage]
             owners = owner_index[okey] = [
-                (c.rank, 0 if rule.dim is None else (c.etp_rank if expert else c.tp_rank))
+                (c.rank, 0 if rule.dim is None else (c.etp_rank if expert else c.tp_rank), tensors[c.rank])
                 for c in cs]
         # Hot loop (a million pieces for a 235B MoE on tp=8): tuple.__new__ skips the
-        # NamedTuple's Python-level constructor.
+        # NamedTuple's Python-level constructor; each owner comes with its rank's
+        # tensor dict.
         out = pieces[name] = []
+        add = out.append
         if tensor is name:
-            for rank, i in owners:
+            for rank, i, mine_t in owners:
                 start, stop, at, local = entries[i]
-                out.append(new_tuple(Piece, (rank, tensor, start, stop, at)))
-                mine_t = tensors[rank]
+                add(new_tuple(Piece, (rank, tensor, start, stop, at)))
                 if name in mine_t:
                     raise PlanError(f"rank {rank} holds {name!r} twice", rank=rank, param=name)
                 mine_t[name] = local
         else:
-            for rank, i in owners:
+            for rank, i, mine_t in owners:
                 start, stop, at, local = entries[i]
-                out.append(new_tuple(Piece, (rank, tensor, start, stop, at)))
-                prev = tensors[rank].setdefault(tensor, local)
-                if prev != local and (prev.shape[1:] != local.shape[1:] or prev.dtype != dname):
+                add(new_tuple(Piece, (rank, tensor, start, stop, at)))
+                prev = mine_t.setdefault(tensor, local)
+                if prev is not local and prev != local and (prev.shape[1:] != local.shape[1:]
+                                                            or prev.dtype != dname):
                     raise PlanError(f"members of {tensor!r} differ in trailing shape or "
                                     "dtype", param=name)
     # Exact by construction: each local tensor's shape is computed from its pieces' boxes.
