@@ -235,16 +235,15 @@ def test_a_trainer_killed_mid_overlapped_transfer_leaves_v_served(world):
 
 
 def _break_prepare(worker):
-    stage = worker.weight_transfer_engine._stage
-
     def fail():
         raise RuntimeError("injected: vLLM's post-processing failed")
 
-    stage.prepare = fail  # shadows the method for the next update_weights
+    worker.weight_transfer_engine._stage.prepare = fail  # shadows the method for the next update_weights
 
 
-def _mend_prepare(worker):
-    del worker.weight_transfer_engine._stage.prepare
+def _mend(worker, part: str, method: str) -> bool:
+    """Undo a ``_break_*``: the engine part's own method again; whether the engine is torn."""
+    delattr(getattr(worker.weight_transfer_engine, part), method)
     return worker.weight_transfer_engine.torn
 
 
@@ -259,7 +258,7 @@ def test_a_failed_background_post_processing_commits_nothing(world):
     try:
         during, error, replies = _overlapped_refit(world, v + 1)
     finally:
-        (torn,) = world.llm.collective_rpc(_mend_prepare)
+        (torn,) = world.llm.collective_rpc(_mend, args=("_stage", "prepare"))
     assert error is not None and "injected: vLLM's post-processing failed" in str(error), error
     assert [r["ok"] for r in replies] == [True, True]  # every byte arrived; the post-processing failed
     assert not torn and during == world.history[v]
@@ -275,20 +274,13 @@ def test_a_failed_background_post_processing_commits_nothing(world):
     world.version, world.history[v + 2] = v + 2, got
 
 
-def _refuse_receive(worker):
-    joined = worker.weight_transfer_engine._joined
-
+def _break_receive(worker):
     async def refused(refit_timeout_s):
         from policyworker.errors import TransportError
 
         raise TransportError("injected: the receive refused before its first byte")
 
-    joined.refit = refused  # shadows the method for the next update_weights
-
-
-def _mend_receive(worker):
-    del worker.weight_transfer_engine._joined.refit
-    return worker.weight_transfer_engine.torn
+    worker.weight_transfer_engine._joined.refit = refused  # shadows the method for the next update_weights
 
 
 @pytest.mark.timeout(180)
@@ -302,7 +294,7 @@ def test_an_overlapped_receive_refused_before_its_first_byte_fails_in_finish_and
     v = world.version
     world.history.setdefault(v, world.tokens())
     commits = _state(world)["commits"]
-    world.llm.collective_rpc(_refuse_receive)
+    world.llm.collective_rpc(_break_receive)
     try:
         world.llm.start_weight_update()
         world.llm.update_weights({"update_info": {"version": v + 1}})  # returns: the failure is not known yet
@@ -310,7 +302,7 @@ def test_an_overlapped_receive_refused_before_its_first_byte_fails_in_finish_and
         with pytest.raises(Exception, match="injected: the receive refused before its first byte") as info:
             world.llm.finish_weight_update(weight_version=str(v + 1))
     finally:
-        (torn,) = world.llm.collective_rpc(_mend_receive)
+        (torn,) = world.llm.collective_rpc(_mend, args=("_joined", "refit"))
     assert isinstance(engine_error(info.value), TransportError), info.value
     assert not torn and world.tokens() == world.history[v] == world.oracle(v)
     assert world.llm.get_weight_version() == str(v) and _state(world)["commits"] == commits

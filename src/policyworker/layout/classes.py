@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -96,26 +96,23 @@ def _find(plan: ReshardPlan) -> CopyClasses:
     rows_per_transfer: list[int] = []
     srcs: list[int] = []
     dsts: list[int] = []
-    for t in body.transfers:
-        before = len(first)
-        for c in t.copies:
+    def add(copies: Any) -> None:
+        for c in copies:
             b = (c.start, c.stop)
             bid = box_ids.get(b)
             if bid is None:
                 bid = box_ids[b] = len(box_ids)
             first.append(c.param)
             box.append(bid)
+
+    for t in body.transfers:
+        before = len(first)
+        add(t.copies)
         plain = len(first) - before
         step.extend([0] * plain)
         count.extend([1] * plain)
         for run in t.runs:
-            for c in run.block:
-                b = (c.start, c.stop)
-                bid = box_ids.get(b)
-                if bid is None:
-                    bid = box_ids[b] = len(box_ids)
-                first.append(c.param)
-                box.append(bid)
+            add(run.block)
             step.extend([run.param_step] * len(run.block))
             count.extend([run.count] * len(run.block))
         rows_per_transfer.append(len(first) - before)
