@@ -79,7 +79,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import msgspec
 
@@ -96,7 +96,6 @@ __all__ = ["Landing", "RefitReport", "Transport", "TransportContext"]
 T = TypeVar("T")
 
 
-@runtime_checkable
 class Landing(Protocol):
     """Receive destinations made on demand and handed back when complete (``ctx.landing``)."""
 

@@ -37,10 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["LayerLanding", "return_free_heap"]
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def return_free_heap() -> bool:
     """Hand the host heap's free memory back to the OS (glibc ``malloc_trim``); False where
     there is no glibc. On a CPU engine the landing tensors and the replaced kernels' memory
@@ -87,7 +83,7 @@ class LayerLanding:
         recv, view = self.stage._recv[name], self.stage._views[name]
         if recv.dtype != view.dtype:  # cast into place once complete
             temp = self._temps[name] = torch.empty(recv.shape, dtype=recv.dtype, device=self.stage.device)
-            self._grow(_nbytes(temp))
+            self._grow(temp.nbytes)
             return temp
         return self._slot_views(self.stage._slot_of[name])[name]
 
@@ -97,7 +93,7 @@ class LayerLanding:
         if temp is not None:
             with torch.no_grad():
                 self._slot_views(slot)[name].copy_(temp)  # vLLM's loaders cast the same way
-            self._bytes -= _nbytes(temp)
+            self._bytes -= temp.nbytes
         for module, _ in slot.owners:
             waiting = self._waiting.get(id(module))
             if waiting is not None:
@@ -125,7 +121,7 @@ class LayerLanding:
         tensor = self._open.get(id(slot))
         if tensor is None:
             tensor = self._open[id(slot)] = _materialize(slot.meta, slot.owners[0][0], self.stage.device)
-            self._grow(_nbytes(tensor))
+            self._grow(tensor.nbytes)
         return tensor
 
     def _slot_views(self, slot: _Slot) -> dict[str, torch.Tensor]:
@@ -154,7 +150,7 @@ class LayerLanding:
             self._views.pop(id(slot), None)
             self._wrapped.pop(id(slot), None)
             if landed is not None:
-                self._bytes -= _nbytes(landed)  # freed, or live now (no longer extra)
+                self._bytes -= landed.nbytes  # freed, or live now (no longer extra)
             self._refresh(slot)
 
     def _swap_in(self, module: torch.nn.Module, tensors: Mapping[int, torch.Tensor]) -> None:

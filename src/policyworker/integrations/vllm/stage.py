@@ -182,7 +182,7 @@ class VllmStage:
             if pin:
                 slot.stage = _wrap(slot.stage.pin_memory(), slot.stage)
         self._slot_of = {t.need.name: s for s in self._slots for t in s.targets}
-        #: ``staging="none"``: the refit in progress's on-demand landing (:meth:`landing`).
+        #: ``staging="none"``: the refit in progress's on-demand landing (:meth:`start_landing`).
         self._landing: Any = None
         self._layers = list({id(m): m for s in self._slots for m, _ in s.owners}.values())
         # vLLM sets this flag itself on some layers (MLA's kv_b_proj): "prepack" restores it.
@@ -251,7 +251,7 @@ class VllmStage:
 
     def receive_views(self) -> dict[str, torch.Tensor]:
         """The receive destinations of the next refit (nothing live reads them, but in "none",
-        where the ``meta`` ones are placeholders for :meth:`landing`)."""
+        where the ``meta`` ones are placeholders a :class:`~.landing.LayerLanding` opens)."""
         self.settle()
         return dict(self._recv)
 
@@ -509,4 +509,3 @@ def _same_kind(old: torch.Tensor | None, new: torch.Tensor | None) -> bool:
 def _placeholder(meta: torch.Tensor) -> torch.Tensor:
     """A ``meta`` tensor of ``meta``'s shape and dtype: a destination the landing makes on demand."""
     return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
-

@@ -65,7 +65,7 @@ class _OnDemand:
 
     def bytes_to_open(self, i: int) -> int:
         """What opening message ``i``'s placeholders would add to :attr:`bytes_open`."""
-        return sum(_nbytes(self.params[n]) for n in self.writes.get(i, ())
+        return sum(self.params[n].nbytes for n in self.writes.get(i, ())
                    if n in self.placeholders and self.params[n].is_meta)
 
     def on_demand(self, i: int) -> bool:
@@ -77,7 +77,7 @@ class _OnDemand:
         for name in self.writes.get(i, ()):
             if name in self.placeholders and self.params[name].is_meta:
                 self.params[name] = self._call("open", name)
-                self.bytes_open += _nbytes(self.params[name])
+                self.bytes_open += self.params[name].nbytes
 
     def opened(self, i: int) -> bool:
         return not any(self.params[n].is_meta for n in self.writes.get(i, ()) if n in self.params)
@@ -89,7 +89,7 @@ class _OnDemand:
             if self.left[name] == 0:
                 ctx.touched = True  # the consumer may install it live
                 if name in self.placeholders:
-                    self.bytes_open -= _nbytes(self.params[name])
+                    self.bytes_open -= self.params[name].nbytes
                 self._call("landed", name)
 
     def _call(self, what: str, name: str) -> Any:
@@ -101,10 +101,6 @@ class _OnDemand:
             step = "open a destination for" if what == "open" else "take over the landed"
             raise TransportError(f"rollout rank {self.rank}: the landing could not {step} {name!r}: "
                                  f"{type(exc).__name__}: {exc}", rank=self.rank, param=name) from exc
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def recv_bulk(t: Any, ctx: TransportContext):
