@@ -335,3 +335,13 @@ def test_store_connect_timeout_names_the_address_and_prints_no_cpp_frames():
     assert f"127.0.0.1:{port}" in lines[0] and "rank 0 (the store's host) is missing" in lines[0]
     assert "rank(s) [1] of 2 did not join" in lines[1]
     assert "frame #" not in out and "Exception raised from" not in out, out
+
+
+def test_free_ports_are_distinct_even_from_a_narrow_range(monkeypatch):
+    # Two draws from a narrow slice would often collide; free_ports never hands one out twice.
+    from policyworker.runtime.procs import free_ports
+
+    monkeypatch.setenv("POLICYWORKER_PORTS", "24000:24004")
+    for _ in range(20):
+        ports = free_ports(3)
+        assert len(set(ports)) == 3, ports

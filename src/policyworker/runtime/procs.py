@@ -31,7 +31,7 @@ from policyworker.errors import ConfigError, ProcessFailed
 #: After one rank failed, how long :meth:`World.collect` still waits for the others.
 FAIL_GRACE_S = 10.0
 
-__all__ = ["ProcessFailed", "World", "free_port", "run_world", "start_world"]
+__all__ = ["ProcessFailed", "World", "free_port", "free_ports", "run_world", "start_world"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,6 +59,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports, each free a moment ago (:func:`free_port`). Two separate
+    :func:`free_port` calls can draw the same port (each probe is closed before the next):
+    a world that binds both then fails with "already in use"."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port(host)
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def _port_range() -> tuple[int, int]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policyworker.errors import PolicyWorkerError
-from policyworker.runtime.procs import ProcessFailed, free_port
+from policyworker.runtime.procs import ProcessFailed, free_ports
 
 __all__ = ["TrainerPool", "WorldSpec", "hf_model", "save_hf_model"]
 
@@ -275,7 +275,7 @@ class TrainerPool:
         ``train``: plan from this trainer layout (same world size) instead of the spec's;
         ``prepare``: more keyword arguments of the trainers' prepare call; ``node``: the
         node the trainers claim (``POLICYWORKER_NODE``; None: their own)."""
-        update_port, stage_port = free_port(), free_port()
+        update_port, stage_port = free_ports(2)
         self.send({"cmd": "connect", "update_port": update_port, "stage_port": stage_port,
                    "gen_world_size": gen_world_size, "version": version, "train": train,
                    "prepare": dict(prepare or {}), "node": node})
