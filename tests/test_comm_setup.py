@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from policyworker.runtime.procs import ProcessFailed, start_world
+from policyworker.runtime.procs import ProcessFailed, process_context, start_world
 from policyworker.runtime.comm_setup import _quiet_cpp_stderr
 
 
@@ -55,9 +55,8 @@ def _hang(rank: int, ready) -> None:
 
 @pytest.mark.timeout(90)
 def test_a_world_that_overruns_reports_its_stacks(capfd):
-    import multiprocessing as mp
 
-    ready = mp.get_context("spawn").Event()
+    ready = process_context().Event()
     world = start_world(_hang, 1, (ready,))
     assert ready.wait(60)
     time.sleep(0.5)  # from ready.set() into the sleep
@@ -77,12 +76,11 @@ def _one_fails_one_waits(rank: int, ready) -> None:
 
 @pytest.mark.timeout(90)
 def test_a_failed_rank_ends_the_wait_for_the_others_after_the_grace(monkeypatch):
-    import multiprocessing as mp
 
     from policyworker.runtime import procs
 
     monkeypatch.setattr(procs, "FAIL_GRACE_S", 1.0)
-    ready = mp.get_context("spawn").Event()
+    ready = process_context().Event()
     world = start_world(_one_fails_one_waits, 2, (ready,))
     t0 = time.monotonic()
     with pytest.raises(ProcessFailed) as info:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import multiprocessing as mp
 import os
 import queue
 import shutil
@@ -36,7 +35,7 @@ import time
 
 import pytest
 
-from policyworker.runtime.procs import free_port
+from policyworker.runtime.procs import free_port, process_context, start_process
 
 from .matrix_cells import (CANCEL_BOUND_S, DIRECT_RECEIVE, KILLED_EXIT, SIGINT_EXIT, SLACK_S, TRANSPORTS, Cell,
                            cells, exclusions)
@@ -70,7 +69,7 @@ class MatrixWorld:
 
     def __init__(self, transport: str) -> None:
         self.transport = transport
-        self.ctx = mp.get_context("spawn")
+        self.ctx = process_context()
         self.n = world_size(transport)
         self.cmds = [self.ctx.Queue() for _ in range(self.n)]
         self.results = self.ctx.Queue()
@@ -79,10 +78,7 @@ class MatrixWorld:
         self.exits: list[int] = []  # exit codes of processes that ended inside a cell
 
     def _start(self, rank: int, first: dict | None):
-        p = self.ctx.Process(target=serve, args=(rank, self.transport, self.cmds[rank], self.results, self.barrier,
-                                                 first), daemon=True)
-        p.start()
-        return p
+        return start_process(serve, (rank, self.transport, self.cmds[rank], self.results, self.barrier, first))
 
     def rank_of(self, side: str) -> int:
         return next(r for r in range(self.n) if side in side_names(self.transport, r))

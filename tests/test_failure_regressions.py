@@ -21,7 +21,7 @@ import torch
 from policyworker import ConfigError, PolicyWorkerError, RolloutWorker
 from policyworker.errors import RefitAborted, TornWeights, TransportError
 from policyworker.transports.base import RefitReport, Transport, TransportContext
-from policyworker.runtime.procs import free_port, start_world
+from policyworker.runtime.procs import free_port, process_context, start_world
 from policyworker.layout import Parallelism, build_plan, dest_shards, source_shards
 from policyworker.models import get_preset, seeded_state_dict
 
@@ -176,10 +176,9 @@ def _world_body(rank: int, ports: dict[str, dict[str, int]], barrier) -> dict[st
 
 @pytest.fixture(scope="module")
 def world() -> list[dict[str, Any]]:
-    import multiprocessing as mp
 
     ports = {name: {k: free_port() for k in ("update", "stage", "update2", "stage2", "update3")} for name in SCENARIOS}
-    barrier = mp.get_context("spawn").Barrier(N_TRAIN + 1)
+    barrier = process_context().Barrier(N_TRAIN + 1)
     w = start_world(_world_body, N_TRAIN + 1, (ports, barrier))
     out = w.collect(150)
     return [out[r] for r in range(N_TRAIN + 1)]

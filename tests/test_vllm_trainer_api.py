@@ -12,14 +12,13 @@ Face transformers' greedy tokens on the same weights, after each of two updates.
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
 import queue
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from policyworker.runtime.procs import free_port  # noqa: E402
+from policyworker.runtime.procs import free_ports, process_context, start_process  # noqa: E402
 from policyworker.errors import ConfigError, PolicyWorkerError  # noqa: E402
 from policyworker.integrations.vllm.trainer import (  # noqa: E402
     LLMWeightSyncClient,
@@ -105,19 +104,18 @@ def _reply(replies, proc, timeout_s: float) -> dict:
 def test_controller_on_vllms_trainer_api_refits_through_policyworker(llm):
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    info = dict(host="127.0.0.1", update_port=free_port(), stage_port=free_port(), world_size=2, gen_world_size=1,
+    update_port, stage_port = free_ports(2)
+    info = dict(host="127.0.0.1", update_port=update_port, stage_port=stage_port, world_size=2, gen_world_size=1,
                 timeout_s=60.0, refit_timeout_s=60.0, reshard_options={"bucket_bytes": 64 << 10})
     with pytest.raises(ConfigError, match="pass its client"):
         WeightTransferTrainerFactory.trainer_init(PolicyworkerTrainerInitInfo(rank=0, **info), client=None,
                                                   source=ModuleSource(hf_model(SPEC, 0)))
     before = _tokens(llm)
     assert before == greedy_tokens(hf_model(SPEC, 0), PROMPTS, MAX_TOKENS)
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     commands, replies = ctx.Queue(), ctx.Queue()
-    with pytest.MonkeyPatch.context() as monkey:
-        monkey.setenv("OMP_NUM_THREADS", "1")  # the child's torch; this process keeps its own
-        proc = ctx.Process(target=_trainer_rank, args=(1, info, commands, replies), daemon=True)
-        proc.start()
+    # OMP_NUM_THREADS: the child's torch; this process keeps its own
+    proc = start_process(_trainer_rank, (1, info, commands, replies), env={"OMP_NUM_THREADS": "1"})
     model = hf_model(SPEC, 0)
     trainer = None
     try:

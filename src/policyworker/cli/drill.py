@@ -27,8 +27,6 @@ bucket, a plan mismatch at connect) leave the groups healthy: the refit is retri
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
-import queue
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -274,7 +272,7 @@ def _replacement(_index: int, rank: int, sc: Scenario, ports: list[dict], events
 
 def run_scenario(sc: Scenario, *, timeout_s: float = 150.0) -> dict[str, Any]:
     """Run one scenario in real processes; return its row (see ``run_drill``)."""
-    from policyworker.runtime.procs import free_port, start_world
+    from policyworker.runtime.procs import free_port, process_context, start_world
 
     if sc.transport == "zmq":
         from policyworker.cli.drill_zmq import run_zmq_scenario
@@ -294,7 +292,7 @@ def run_scenario(sc: Scenario, *, timeout_s: float = 150.0) -> dict[str, Any]:
         return _judge(sc, run_sglang_scenario(sc, timeout_s=min(timeout_s, 120.0)))
 
     ports = [{"update": free_port(), "stage": free_port()} for _ in range(3)]
-    events = mp.get_context("spawn").Queue()
+    events = process_context().Queue()
     world = start_world(_rank_main, N_TRAIN + N_GEN, (sc, ports, events, 0))
     results = collect_with_replacement(
         world, sc, events, timeout_s, resume_on=dict.fromkeys(("stop_mid", "standdown"), {"failed", "stood_down"}),

@@ -125,12 +125,11 @@ def _replacement(_index: int, rank: int, sc: Any, ports: list[dict], events) -> 
 
 def run_delta_scenario(sc: Any, *, timeout_s: float = 150.0) -> dict[int, dict]:
     """Run the world of one delta scenario; the caller judges the results."""
-    import multiprocessing as mp
 
-    from policyworker.runtime.procs import free_port, start_world
+    from policyworker.runtime.procs import free_port, process_context, start_world
 
     ports = [{"update": free_port(), "stage": free_port()} for _ in range(3)]
-    events = mp.get_context("spawn").Queue()
+    events = process_context().Queue()
     world = start_world(delta_rank_main, N_TRAIN + N_GEN, (sc, ports, events, 0))
     return collect_with_replacement(world, sc, events, timeout_s, resume_on={},
                                     replace=lambda: start_world(_replacement, 1, (sc.victim, sc, ports, events)))

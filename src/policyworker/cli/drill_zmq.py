@@ -117,14 +117,13 @@ def _replacement(_index: int, rank: int, sc: Any, runtime_dir: str, events) -> d
 
 def run_zmq_scenario(sc: Any, *, timeout_s: float = 120.0) -> dict[str, dict]:
     """Run one zmq scenario in real processes; return the per-rank results."""
-    import multiprocessing as mp
     import shutil
     import tempfile
 
-    from policyworker.runtime.procs import start_world
+    from policyworker.runtime.procs import process_context, start_world
 
     runtime_dir = tempfile.mkdtemp(prefix="pwdrill-")  # mode 0700: a private runtime dir
-    events = mp.get_context("spawn").Queue()
+    events = process_context().Queue()
     world = start_world(zmq_rank_main, 2, (sc, runtime_dir, events, 0))
     try:
         return collect_with_replacement(

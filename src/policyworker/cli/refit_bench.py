@@ -35,7 +35,7 @@ from policyworker.errors import ConfigError, PlanError
 from policyworker.layout import Parallelism, build_plan, dest_shards, empty_local_tensors, source_shards
 from policyworker.layout.formats import BlockFp8Format, split_gen_layout
 from policyworker.cli.output import ratio_spread
-from policyworker.runtime.procs import free_port, start_world
+from policyworker.runtime.procs import free_port, process_context, start_world
 
 __all__ = ["RefitBenchSpec", "run_refit_bench"]
 
@@ -232,14 +232,13 @@ def _rank_main(rank: int, spec: RefitBenchSpec, events) -> dict[str, Any]:
 
 def run_refit_bench(spec: RefitBenchSpec, *, on_event=None) -> dict[str, Any]:
     """Run the world; return the JSON-ready summary (see ``policyworker demo --json``)."""
-    import multiprocessing as mp
     import queue
 
     spec.validate()
     train, gen = spec.train_par, spec.gen_par
     spec.ports = {"update": free_port(), "stages": [free_port() for _ in range(train.pp)]}
     n = train.world_size + gen.world_size
-    events = mp.get_context("spawn").Queue()
+    events = process_context().Queue()
     world = start_world(_rank_main, n, (spec, events))
 
     def tick() -> None:

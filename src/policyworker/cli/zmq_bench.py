@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import time
 import zlib
 from typing import Any
@@ -272,9 +271,8 @@ def run_zmq_bench(preset: str = "small", dtype: str = "bfloat16", refits: int = 
                   baseline_bucket_bytes: int | None = None, baseline_refits: int | None = None,
                   ceiling_rounds: int = 3, timeout_s: float = 120.0) -> dict[str, Any]:
     """Run the two-process benchmark; return the JSON-ready summary (module docstring)."""
-    import multiprocessing as mp
 
-    from policyworker.runtime.procs import start_world
+    from policyworker.runtime.procs import process_context, start_world
 
     if device == "cuda":
         device = "cuda:0"
@@ -284,7 +282,7 @@ def run_zmq_bench(preset: str = "small", dtype: str = "bfloat16", refits: int = 
                 bucket_bytes=bucket_bytes, baseline=baseline, baseline_bucket_bytes=baseline_bucket_bytes,
                 baseline_refits=refits if baseline_refits is None else baseline_refits,
                 ceiling_rounds=ceiling_rounds, timeout_s=timeout_s)
-    barrier = mp.get_context("spawn").Barrier(2)
+    barrier = process_context().Barrier(2)
     world = start_world(_rank_main, 2, (args, barrier))
     res = world.collect(timeout_s * (refits + 6))
     t, r = res[0], res[1]

@@ -1,8 +1,9 @@
 """Spawning a small world of real processes, with every wait bounded.
 
 Used by the demo, the benchmarks and the multi-process tests. Each process runs
-``target(rank, *args)`` (a picklable top-level function) in a fresh interpreter
-(spawn), and its return value — plain data — comes back through a queue. A process
+``target(rank, *args)`` (a picklable top-level function) in a fresh process forked
+from a server that has imported torch once (:func:`process_context`; ``spawn`` on
+request), and its return value — plain data — comes back through a queue. A process
 that raises sends back its traceback text; a world that does not finish in
 ``timeout_s`` is killed, every process of it, and reported.
 
@@ -20,6 +21,7 @@ import queue as _queue
 import random
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -31,7 +33,8 @@ from policyworker.errors import ConfigError, ProcessFailed
 #: After one rank failed, how long :meth:`World.collect` still waits for the others.
 FAIL_GRACE_S = 10.0
 
-__all__ = ["ProcessFailed", "World", "free_port", "free_ports", "run_world", "start_world"]
+__all__ = ["ProcessFailed", "World", "free_port", "free_ports", "process_context", "run_world", "start_process",
+           "start_world"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,8 +89,8 @@ def _port_range() -> tuple[int, int]:
     return lo, hi
 
 
-def _child(target: Callable[..., Any], rank: int, args: tuple, results, env: dict[str, str]) -> None:
-    os.environ.update(env)
+def _child(target: Callable[..., Any], rank: int, args: tuple, results, env: dict[str, str], _stdio: None) -> None:
+    _take_environment(env)
     # A world that overruns gets SIGUSR1 before it is killed: every thread's stack goes to
     # this process's stderr as it was at start (a dup, so a later redirect of fd 2
     # cannot swallow it), and a hang says where it hung.
@@ -183,6 +186,93 @@ class World:
                 p.join(timeout=2.0)
 
 
+#: Imported once by the fork server (see :func:`process_context`), not by every process.
+PRELOAD = ("torch", "torch.distributed", "policyworker.runtime.procs")
+
+
+def process_context():
+    """The multiprocessing context our worlds start processes with.
+
+    ``forkserver`` by default: one server process per parent imports :data:`PRELOAD` (torch
+    and torch.distributed, ~2-3 s of CPU) once, and every process of every world is forked
+    from it, a fresh process that did not have to import torch itself. Nothing else of the
+    parent is inherited: targets and arguments are pickled as with ``spawn``, and
+    :func:`_child` replaces the server's environment with the parent's at the world's start.
+    The server starts with ``OMP_NUM_THREADS=1`` (the OpenMP runtime reads it when torch
+    loads it); a world's own ``OMP_NUM_THREADS`` is applied through ``torch.set_num_threads``.
+    ``POLICYWORKER_START_METHOD=spawn`` starts every process in a fresh interpreter instead."""
+    method = os.environ.get("POLICYWORKER_START_METHOD", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ConfigError(f"POLICYWORKER_START_METHOD={method!r}: expected 'forkserver' or 'spawn'")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        _start_fork_server(ctx)
+    return ctx
+
+
+def _start_fork_server(ctx) -> None:
+    from multiprocessing import forkserver
+
+    ctx.set_forkserver_preload(list(PRELOAD))
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+class _Stdio:
+    """This process's stdout and stderr, handed to a process it starts: a forked process
+    would otherwise write to its server's, those of the moment the server started (before a
+    redirect, a capture, a pipe of this run)."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _attach_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _attach_stdio(out, err) -> None:
+    for target, handle in ((1, out), (2, err)):
+        fd = handle.detach()
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _take_environment(env: dict[str, str]) -> None:
+    """Make this process's environment exactly ``env`` (a forked process starts with its
+    server's), and apply its ``OMP_NUM_THREADS`` to a torch already imported."""
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    os.environ.update(env)
+    torch = sys.modules.get("torch")
+    threads = env.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+def start_process(target: Callable[..., Any], args: tuple = (), *, env: dict[str, str] | None = None,
+                  daemon: bool = True) -> mp.process.BaseProcess:
+    """Start one process of :func:`process_context` running ``target(*args)`` in this
+    process's environment as it is now, updated with ``env`` (what a spawned process would
+    inherit, which a forked one does not)."""
+    ctx = process_context()
+    p = ctx.Process(target=_run_in_environment, args=(_Stdio(), {**os.environ, **(env or {})}, target, args),
+                    daemon=daemon)
+    p.start()
+    return p
+
+
+def _run_in_environment(_stdio: None, env: dict[str, str], target: Callable[..., Any], args: tuple) -> None:
+    _take_environment(env)
+    target(*args)
+
+
 def start_world(
     target: Callable[..., Any],
     nprocs: int,
@@ -190,12 +280,12 @@ def start_world(
     *,
     env: dict[str, str] | None = None,
 ) -> World:
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     results = ctx.Queue()
-    child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     procs = []
     for rank in range(nprocs):
-        p = ctx.Process(target=_child, args=(target, rank, args, results, child_env), daemon=True)
+        p = ctx.Process(target=_child, args=(target, rank, args, results, child_env, _Stdio()), daemon=True)
         p.start()
         procs.append(p)
     return World(procs, results)

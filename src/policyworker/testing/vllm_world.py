@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import multiprocessing as mp
 import os
 import queue as _queue
 import signal
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policyworker.errors import PolicyWorkerError
-from policyworker.runtime.procs import ProcessFailed, free_ports
+from policyworker.runtime.procs import ProcessFailed, free_ports, process_context, start_process
 
 __all__ = ["TrainerPool", "WorldSpec", "hf_model", "save_hf_model"]
 
@@ -224,7 +223,7 @@ class TrainerPool:
 
     def __init__(self, spec: WorldSpec) -> None:
         self.spec = spec
-        self._ctx = mp.get_context("spawn")
+        self._ctx = process_context()
         self.procs: list[Any] = [None] * spec.n_train
         self._commands: list[Any] = [None] * spec.n_train
         self._replies: list[Any] = [None] * spec.n_train
@@ -234,16 +233,7 @@ class TrainerPool:
     def start(self, rank: int) -> None:
         """(Re)start trainer ``rank`` as a fresh process."""
         commands, replies = self._ctx.Queue(), self._ctx.Queue()
-        env_before = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
-            p = self._ctx.Process(target=_trainer_main, args=(rank, self.spec, commands, replies), daemon=True)
-            p.start()
-        finally:
-            if env_before is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = env_before
+        p = start_process(_trainer_main, (rank, self.spec, commands, replies), env={"OMP_NUM_THREADS": "1"})
         self.procs[rank], self._commands[rank], self._replies[rank] = p, commands, replies
 
     def send(self, cmd: dict[str, Any], ranks: list[int] | None = None) -> None:

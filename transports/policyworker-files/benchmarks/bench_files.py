@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -35,7 +34,7 @@ import torch
 from policyworker import RolloutWorker, TorchPolicyWorker
 from policyworker.models import get_preset, seeded_state_dict
 from policyworker.models.toy_model import build_model
-from policyworker.runtime.procs import run_world
+from policyworker.runtime.procs import process_context, run_world
 
 DTYPE = torch.bfloat16
 
@@ -187,7 +186,7 @@ def delta_body(rank: int, args: dict, barrier) -> dict:
 def delta_main(ns, directory: str, argv) -> dict:
     args = {"preset": ns.preset, "refits": ns.refits, "checksum": ns.checksum, "fsync": ns.fsync,
             "dir": directory, "delta": ns.delta}
-    barrier = mp.get_context("spawn").Barrier(2)
+    barrier = process_context().Barrier(2)
     trainer, rollout = run_world(delta_body, 2, (args, barrier), timeout_s=1800.0)
     result = {"bench": "files-delta", "preset": ns.preset, "dtype": str(DTYPE), "changed_fraction": ns.delta,
               "refits": ns.refits, "checksum": ns.checksum, "fsync": ns.fsync,
@@ -234,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _full_main(ns, directory: str, argv) -> dict:
     """Full versions: writes and reads against their same-run ceilings."""
     args = {"preset": ns.preset, "refits": ns.refits, "checksum": ns.checksum, "fsync": ns.fsync, "dir": directory}
-    barrier = mp.get_context("spawn").Barrier(2)
+    barrier = process_context().Barrier(2)
     trainer, rollout = run_world(body, 2, (args, barrier), timeout_s=1800.0)
     nbytes = trainer["bytes"]
     # The first refit also creates the files; the median over the rest is the steady state.

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from files_helpers import committed, listing, make_rollout
 from files_world import CRASH_EXIT_CODE, crash_mid_write, refit_pair, two_trainers_and_rollout
 from policyworker.errors import RefitTimeout
-from policyworker.runtime.procs import run_world, start_world
+from policyworker.runtime.procs import process_context, run_world, start_world
 
 pytestmark = pytest.mark.multiprocess
 
@@ -22,7 +21,7 @@ SETUP = {"file_bytes": 64_000, "keep": 2}
 
 
 def _run_pair(directory: str, refits: int) -> tuple[dict, dict]:
-    barrier = mp.get_context("spawn").Barrier(2)
+    barrier = process_context().Barrier(2)
     trainer, rollout = run_world(refit_pair, 2, (directory, refits, barrier, 60.0, SETUP), timeout_s=WORLD_TIMEOUT_S)
     return trainer, rollout
 
@@ -84,7 +83,7 @@ def test_two_trainers_without_a_barrier_report_the_published_versions(tmp_path, 
     with 0 bytes, only once that version is committed), and a rollout that follows
     their reports lands each bit for bit."""
     d = str(tmp_path / "refit")
-    reports = mp.get_context("spawn").Queue()
+    reports = process_context().Queue()
     writer, other, rollout = run_world(two_trainers_and_rollout, 3, (d, 3, reports, late, 60.0, SETUP),
                                        timeout_s=WORLD_TIMEOUT_S)
     assert [r["version"] for r in writer["reports"]] == [1, 2, 3]
