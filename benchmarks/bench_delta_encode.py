@@ -50,7 +50,10 @@ from policyworker.layout import delta
 #: bytes, whether it loads a step ahead]) tried by --sweep; the first is
 #: the library's default, the second the same kernels with the torch finish, the
 #: "units"/"units" rows the first kernels
-_SWEEP = [(16384, 4, "gather", "units", "bits", "device", 4096), (16384, 4, "gather", "units", "bits", "torch", 4096),
+_SWEEP = [(16384, 4, "gather", "units", "bits", "mixed", 4096), (16384, 4, "gather", "units", "bits", "torch", 4096),
+          (16384, 4, "gather", "units", "bits", "device", 4096), (32768, 8, "gather", "units", "bits", "mixed", 4096),
+          (32768, 8, "gather", "words", "bits", "mixed", 4096), (16384, 4, "gather", "words", "bits", "mixed", 4096),
+          (8192, 4, "gather", "words", "bits", "mixed", 4096), (8192, 4, "gather", "units", "bits", "mixed", 4096),
           (8192, 4, "gather", "words", "bits", "device", 4096), (8192, 4, "scan", "words", "bits", "device", 4096),
           (4096, 4, "gather", "words", "bits", "device", 4096), (16384, 4, "gather", "words", "bits", "device", 4096),
           (32768, 8, "gather", "words", "bits", "device", 4096), (4096, 2, "gather", "words", "bits", "device", 4096),

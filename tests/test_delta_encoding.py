@@ -272,8 +272,8 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     res = json.loads(lines[-1])
     assert {k: v for k, v in res.items() if not v["ok"]} == {}
     encodes = [v for k, v in res.items() if k.startswith("encode")]
-    assert len(encodes) == len(ENCODE_CASES) + len(TILES_CASES) + 6 and len(res) >= len(encodes) + 8
-    assert {(v["finish"], v["kind"]) for v in encodes} >= {(f, kind) for f in ("device", "fused", "torch", "tiles")
+    assert len(encodes) == len(ENCODE_CASES) + len(TILES_CASES) + 7 and len(res) >= len(encodes) + 8
+    assert {(v["finish"], v["kind"]) for v in encodes} >= {(f, kind) for f in ("device", "fused", "torch", "mixed", "tiles")
                                                            for kind in (D.SPARSE, D.BITMAP)}
     # the tiles finish: every kind and unit width, both refreshing passes, and blobs of each
     # kind where tiles over their scratch slot (gathered again) meet tiles under it (compacted)
@@ -381,7 +381,7 @@ def test_kernel_settings_are_checked():
         with pytest.raises(ConfigError):
             K.configure(**bad)
     assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH, K.SCAN, K.GATHER) == (16384, 4, "gather", "units", "bits")
-    assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS, K.TILE_SHARE, K.TILE_STEP, K.TILE_AHEAD) == ("torch", 4096, 8, 16,
+    assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS, K.TILE_SHARE, K.TILE_STEP, K.TILE_AHEAD) == ("mixed", 4096, 8, 16,
                                                                                           4096, False)
     assert [K.tile_cap(u) for u in (1, 2, 4, 8)] == [1024, 512, 256, 128]  # the fused scan's bound: n / 16 units
     assert [K.tile_units(u) for u in (1, 2, 4, 8)] == [16384, 8192, 4096, 2048]  # each divides a 65,536-unit block

@@ -44,7 +44,7 @@ def test_a_large_bf16_stream_encodes_as_the_torch_path(fraction, forms):
         delta_triton.configure(scan=before[0], gather=before[1])
 
 
-@pytest.mark.parametrize("finish", ["torch", "fused", "tiles"])
+@pytest.mark.parametrize("finish", ["mixed", "torch", "fused", "tiles"])
 @pytest.mark.parametrize("fraction", [0.001, 0.03, 0.1])
 def test_a_large_bf16_stream_encodes_as_the_torch_path_under_each_finish(fraction, finish):
     from policyworker.ops import delta_triton

@@ -17,10 +17,12 @@ so whole tiles make up each block of the sparse encoding).
   units, and writes them (and, for the sparse encoding, their offsets inside their block)
   at their places in the blob; the same launch writes the blob's header (the sparse
   encoding's block counts, or the bitmap) and zeroes its padding, so no torch operation
-  runs between the scan and the gather (``FINISH = "device"``). The default is still
-  ``"torch"`` (torch sums, a cumsum and copies): on an H200 the one-program prefix sum
-  over 131k tiles took 0.17 ms against torch's 0.03 ms cumsum, more than the glue it
-  saves (benchmarks/RESULTS.md, "Delta kernels: the device finish").
+  runs between the scan and the gather (``FINISH = "device"``). On an H200 that finish's
+  one-program prefix sum over 131k tiles took 0.17 ms against torch's 0.03 ms cumsum
+  (benchmarks/RESULTS.md, "Delta kernels: the device finish"), and ``"torch"`` (torch sums,
+  a cumsum and copies) left the GPU idle while the host launched the header's sums and
+  copies after its read (0.2 copies at 3%). The default, ``"mixed"``, takes each one's faster
+  half: torch's cumsum for the starts (with the total), the gather's own header and padding.
 
 ``FINISH = "fused"`` (the benchmark sweeps it) places the changed units in the scan
 itself: tiles are taken in start order (a ticket), each tile learns its start by a
@@ -91,11 +93,13 @@ SCAN = "units"
 GATHER = "bits"
 #: What happens between the scan and the gather: "device" (one kernel sums the tiles' counts and
 #: checksum shares and lays out their starts; the gather writes the blob's header and padding),
-#: "torch" (torch reductions, a cumsum and copies; the default: measured fastest on an H200),
+#: "torch" (torch reductions, a cumsum and copies), "mixed" (the default: torch's cumsum for the
+#: tiles' starts and the totals; the gather writes the header and padding, as with "device": no
+#: torch operation between the host's read and the gather; measured fastest on an H200),
 #: "fused" (the scan, in its units form whatever SCAN says, places the changed units itself) or
 #: "tiles" (the scan, in its units form, keeps each tile's changed units in a slot of its own;
 #: torch's cumsum, then a compaction of the slots into the blob).
-FINISH = "torch"
+FINISH = "mixed"
 #: The tiles finish's slot: 1/TILE_SHARE of a tile's units (a power of two, 2 .. 64), the bytes
 #: its scan takes a step (a power of two, 1 KiB .. 64 KiB; at most a tile), and whether the scan
 #: loads the next step before working on this one (TILE_AHEAD).
@@ -120,7 +124,7 @@ def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, re
     """Set the tile size, warps, refreshing pass, the passes' forms and the finish (the benchmark's sweep)."""
     global TILE_BYTES, NUM_WARPS, REFRESH, SCAN, GATHER, FINISH, PLAN_CHUNK, TILE_SHARE, TILE_STEP, TILE_AHEAD
     if finish is not None:
-        FINISH = _one_of("finish", finish, ("device", "torch", "fused", "tiles"))
+        FINISH = _one_of("finish", finish, ("device", "torch", "mixed", "fused", "tiles"))
     if tile_share is not None:
         TILE_SHARE = _power_of_two("tile_share", tile_share, 2, 64)
     if tile_step is not None:
@@ -255,9 +259,9 @@ def plan(scanned: Scanned, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     total; ``head`` (int64, 2) the changed units (-1: the fused scan failed, see ``_lookback``)
     and the checksum's word sum (wrapping), the encoding's one read back to the host. One
     launch of one program (FINISH "torch": torch reductions and a cumsum, ``starts`` without
-    the total; "tiles": a cumsum, with it)."""
+    the total; "tiles" and "mixed": a cumsum, with it)."""
     counts, parts = scanned.counts, scanned.parts
-    if scanned.cap:
+    if scanned.cap or FINISH == "mixed":
         starts = torch.empty(tiles + 1, dtype=torch.int64, device=counts.device)
         starts.narrow(0, 0, 1).zero_()
         torch.cumsum(counts.narrow(0, 0, tiles), 0, dtype=torch.int64, out=starts.narrow(0, 1, tiles))

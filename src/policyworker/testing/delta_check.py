@@ -13,7 +13,8 @@ process) or ``--device cuda`` prints one JSON object, per case whether:
   the new ones. The finish is, case by case, the device's (one program for the tiles'
   starts and totals, the blob's header and padding written by the gather), the fused
   scan's (changed units placed by a look-back in the scan, a sparse blob copied from its
-  scratch), torch's, or the tiles scan's (each tile's changed units kept in a slot of its
+  scratch), torch's, the mixed one (torch's starts, the gather's header and padding), or
+  the tiles scan's (each tile's changed units kept in a slot of its
   own, then compacted; a tile over its slot gathered again: its cases change whole tiles
   among sparse ones, so tiles over and under their slot meet in one blob, of each kind and
   unit width); every tensor the encoding allocates starts as 0xA5 bytes, so a byte left
@@ -128,7 +129,7 @@ def check_encode(ops, new: torch.Tensor, old: torch.Tensor, device: torch.device
                  settings: dict | None = None) -> dict:
     """One case; ``refresh``: which kernel pass refreshes the old tensor (both must); ``forms``:
     the scan's and the gather's; ``offset``: units the tensors start into their allocations;
-    ``finish``: the kernels' finish ("device", "fused", "torch" or "tiles"); ``settings``: more
+    ``finish``: the kernels' finish ("device", "fused", "torch", "mixed" or "tiles"); ``settings``: more
     ``configure`` keywords.
     Every tensor the encoding allocates starts as 0xA5 bytes."""
     n, unit = new.numel(), new.element_size()
@@ -178,7 +179,7 @@ def run(device: torch.device, scale: int = 1) -> dict:
         new, old = _case(n * scale, unit, fraction, seed=n + unit, where=where)
         out[f"encode unit={unit} n={n * scale} changed={fraction} {where}"] = check_encode(
             ops, new, old, device, ("gather", "scan")[i % 2], FORMS[(i // 2) % len(FORMS)],
-            finish=("device", "fused", "torch")[i % 3])
+            finish=("device", "fused", "torch", "mixed")[i % 4])
     for i, (unit, n, fraction, where, tile, step) in enumerate(TILES_CASES):
         new, old = _case(n * scale, unit, fraction, seed=n + unit + 1, where=where)
         ahead = i % 4 < 2  # the scan's next step loaded before this one's work, or not
@@ -188,7 +189,8 @@ def run(device: torch.device, scale: int = 1) -> dict:
             settings=dict(tile_bytes=tile, tile_step=step, tile_ahead=ahead))
     new, old = _case(70_001 * scale, 2, 0.01, seed=11, where="random")  # not 8-byte aligned: the units scan
     out["encode unit=2 at a 2-byte offset"] = check_encode(ops, new, old, device, "scan", FORMS[0], offset=1)
-    for fraction, forms, finish in ((0.003, FORMS[0], "device"), (0.1, FORMS[1], "device"), (0.01, FORMS[0], "fused")):
+    for fraction, forms, finish in ((0.003, FORMS[0], "device"), (0.1, FORMS[1], "device"), (0.01, FORMS[0], "fused"),
+                                    (0.003, FORMS[1], "mixed")):
         new, old = _case(17_003 * scale, 2, fraction, seed=12, where="random")  # 1 KiB tiles: many prefix steps
         out[f"encode unit=2 changed={fraction} 1 KiB tiles, 16 a plan step, {finish}"] = check_encode(
             ops, new, old, device, "gather", forms, finish=finish, settings=dict(tile_bytes=1024, plan_chunk=16))
