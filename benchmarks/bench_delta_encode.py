@@ -54,6 +54,8 @@ _SWEEP = [(16384, 4, "gather", "units", "bits", "mixed", 4096), (16384, 4, "gath
           (16384, 4, "gather", "units", "bits", "device", 4096), (32768, 8, "gather", "units", "bits", "mixed", 4096),
           (32768, 8, "gather", "words", "bits", "mixed", 4096), (16384, 4, "gather", "words", "bits", "mixed", 4096),
           (8192, 4, "gather", "words", "bits", "mixed", 4096), (8192, 4, "gather", "units", "bits", "mixed", 4096),
+          (16384, 4, "scan", "units", "bits", "mixed", 4096), (32768, 8, "scan", "units", "bits", "mixed", 4096),
+          (16384, 4, "scan", "units", "bits", "torch", 4096),
           (8192, 4, "gather", "words", "bits", "device", 4096), (8192, 4, "scan", "words", "bits", "device", 4096),
           (4096, 4, "gather", "words", "bits", "device", 4096), (16384, 4, "gather", "words", "bits", "device", 4096),
           (32768, 8, "gather", "words", "bits", "device", 4096), (4096, 2, "gather", "words", "bits", "device", 4096),
