@@ -345,3 +345,14 @@ def test_free_ports_are_distinct_even_from_a_narrow_range(monkeypatch):
     for _ in range(20):
         ports = free_ports(3)
         assert len(set(ports)) == 3, ports
+
+
+
+def test_free_port_does_not_repeat_its_recent_draws(monkeypatch):
+    # Two free_port() calls for one world (its update and stage ports) must not collide: 200
+    # draws from 600 ports would repeat one ~33 times over if drawn independently.
+    from policyworker.runtime.procs import free_port
+
+    monkeypatch.setenv("POLICYWORKER_PORTS", "24000:24600")
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == 200 and all(24000 <= p < 24600 for p in ports)

@@ -13,6 +13,7 @@ multiprocessing's own pipe between a parent and the children it spawned.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import faulthandler
 import multiprocessing as mp
@@ -48,20 +49,32 @@ def free_port(host: str = "127.0.0.1") -> int:
 
     ``POLICYWORKER_PORTS=lo:hi`` narrows the draw to ``[lo, hi)``: runs side by side
     (the test suite's parallel workers) each draw from their own slice, so one never
-    takes a port another drew and has not bound yet."""
+    takes a port another drew and has not bound yet.
+
+    A port this process drew in its last :data:`_RECENT_PORTS` draws is not drawn again:
+    two draws for one world (an update port, a stage port) never collide, even when the
+    first is not bound yet."""
     lo, hi = _port_range()
     rng = random.SystemRandom()
     for _ in range(64):
         port = rng.randrange(lo, hi)
+        if port in _recent and len(_recent) < (hi - lo) // 2:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _recent.append(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+#: How many of its latest draws :func:`free_port` does not repeat.
+_RECENT_PORTS = 256
+_recent: collections.deque[int] = collections.deque(maxlen=_RECENT_PORTS)
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
