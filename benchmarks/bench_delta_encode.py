@@ -9,7 +9,7 @@ then a checksum per copy. This measures, on one CUDA device, for a bf16 stream o
   local work, and the unit of the encode goal: at 3% changed, encode <= 2 copies);
 * ``encode``: the torch path (compare, ``nonzero``, gather) and the kernels (one scan
   of both sides with the checksum of the current bytes, one gather), and each with
-  the shadow refresh (torch: ``apply`` onto the shadow; kernels: in the gather);
+  the shadow refresh (torch: ``apply`` onto the shadow; kernels: in the gather, or in the scan with ``--refresh scan|masked``);
 * ``checksum``: of the whole stream and per copy (``--copies`` copies of random sizes,
   one launch with the kernels, one call each on the torch path);
 * ``apply`` (torch; the receiver's step).
@@ -56,6 +56,9 @@ _SWEEP = [(16384, 4, "gather", "units", "bits", "mixed", 4096), (16384, 4, "gath
           (8192, 4, "gather", "words", "bits", "mixed", 4096), (8192, 4, "gather", "units", "bits", "mixed", 4096),
           (16384, 4, "scan", "units", "bits", "mixed", 4096), (32768, 8, "scan", "units", "bits", "mixed", 4096),
           (16384, 4, "scan", "units", "bits", "torch", 4096),
+          (16384, 4, "masked", "units", "bits", "mixed", 4096), (16384, 4, "masked", "words", "bits", "mixed", 4096),
+          (32768, 8, "masked", "units", "bits", "mixed", 4096), (8192, 4, "masked", "units", "bits", "mixed", 4096),
+          (16384, 4, "masked", "units", "bits", "torch", 4096),
           (8192, 4, "gather", "words", "bits", "device", 4096), (8192, 4, "scan", "words", "bits", "device", 4096),
           (4096, 4, "gather", "words", "bits", "device", 4096), (16384, 4, "gather", "words", "bits", "device", 4096),
           (32768, 8, "gather", "words", "bits", "device", 4096), (4096, 2, "gather", "words", "bits", "device", 4096),
@@ -166,6 +169,8 @@ def main() -> int:
     ap.add_argument("--sweep-finishes", default="device,torch,fused,tiles",
                     help="the sweep's rows of these finishes only (the fused scan in a process of its own: a kernel "
                          "that hangs there cannot take the other rows with it)")
+    ap.add_argument("--refresh", choices=("gather", "scan", "masked"), default=None,
+                    help="the pass that refreshes the shadow in the measured encodes (default: the library's)")
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a dry run in Triton's interpreter)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
@@ -177,6 +182,8 @@ def main() -> int:
     except ImportError as exc:
         print(f"bench_delta_encode: the Triton kernels do not import ({exc}); nothing to compare", file=sys.stderr)
         return 1
+    if args.refresh:
+        ops.configure(refresh=args.refresh)
     dev = torch.device(args.device)
     if dev.type == "cpu":
         delta._fused = lambda *ts: ops  # the dry run: CPU tensors through the interpreted kernels
@@ -384,7 +391,8 @@ def _name(r: dict) -> str:
         ahead = ", a step ahead" if r["tile_ahead"] else ""
         return (f"tile {r['tile_bytes']} B, {r['num_warps']} warps, finish tiles (scan step {r['tile_step']} B"
                 f"{ahead}, refresh: {how})")
-    return (f"tile {r['tile_bytes']} B, {r['num_warps']} warps, refresh in the {r['refresh']}, scan {r['scan']}, "
+    where = {"gather": "in the gather", "scan": "in the scan (whole tiles)", "masked": "in the scan (changed units)"}
+    return (f"tile {r['tile_bytes']} B, {r['num_warps']} warps, refresh {where[r['refresh']]}, scan {r['scan']}, "
             f"gather {r['gather']}, finish {r['finish']} (plan chunk {r['plan_chunk']})")
 
 

@@ -260,7 +260,7 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     import sys
     from pathlib import Path
 
-    from policyworker.testing.delta_check import ENCODE_CASES, FORMS, TILES_CASES
+    from policyworker.testing.delta_check import ENCODE_CASES, FORMS, MASKED_CASES, TILES_CASES
 
     src = str(Path(D.__file__).resolve().parents[2])
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="",
@@ -272,7 +272,7 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     res = json.loads(lines[-1])
     assert {k: v for k, v in res.items() if not v["ok"]} == {}
     encodes = [v for k, v in res.items() if k.startswith("encode")]
-    assert len(encodes) == len(ENCODE_CASES) + len(TILES_CASES) + 7 and len(res) >= len(encodes) + 8
+    assert len(encodes) == len(ENCODE_CASES) + len(TILES_CASES) + len(MASKED_CASES) + 9 and len(res) >= len(encodes) + 8
     assert {(v["finish"], v["kind"]) for v in encodes} >= {(f, kind) for f in ("device", "fused", "torch", "mixed", "tiles")
                                                            for kind in (D.SPARSE, D.BITMAP)}
     # the tiles finish: every kind and unit width, both refreshing passes, and blobs of each
@@ -288,8 +288,12 @@ def test_kernels_encode_and_checksum_bit_for_bit_as_the_torch_and_numpy_paths_in
     assert {v["kind"] for v in encodes} == {D.NONE, D.SPARSE, D.BITMAP, D.RAW}
     assert {(v["kind"], v["refresh"]) for v in encodes} >= {(D.SPARSE, "gather"), (D.SPARSE, "scan"),
                                                            (D.BITMAP, "gather"), (D.BITMAP, "scan")}
+    masked = [v for v in encodes if v["refresh"] == "masked"]  # the scan stores the changed units only
+    assert {v["kind"] for v in masked} == {D.SPARSE, D.BITMAP, D.RAW} and {v["unit"] for v in masked} == {1, 2, 4, 8}
+    assert {tuple(v["forms"]) for v in masked} == set(FORMS[:2]) and any(v["offset"] for v in masked)
+    assert {v["finish"] for v in masked} == {"mixed", "device", "torch", "fused"}
     specials = [v for k, v in res.items() if "NaN" in k]
-    assert [v["count"] for v in specials] == [2100, 2100]  # -0.0, a NaN payload, +0.0 per 7; equal NaNs are not
+    assert [v["count"] for v in specials] == [2100, 2100, 2100]  # -0.0, a NaN payload, +0.0 per 7; equal NaNs are not
     assert out.returncode == 0, out.stderr[-2000:]
 
 
@@ -316,6 +320,9 @@ def test_kernels_compile_for_hopper_with_16_byte_loads_of_whole_tiles(monkeypatc
     scan = ptx(K._scan_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "n": "i64", "counts_ptr": "*i32",
                                 "bits_ptr": "*u8", "part_ptr": "*i64"}, dict(bf16, REFRESH=True))
     assert "st.global.v4.b32" in scan  # the scan's refresh writes whole tiles 16 bytes at a time
+    masked = ptx(K._scan_kernel, {"cur_ptr": "*i16", "old_ptr": "*i16", "n": "i64", "counts_ptr": "*i32",
+                                  "bits_ptr": "*u8", "part_ptr": "*i64"}, dict(bf16, REFRESH=2))
+    assert "@%p" in masked and "st.global.b16" in masked  # the masked refresh: predicated 2-byte stores
     sums = ptx(K._sum_kernel, {"x_ptr": "*i16", "seg_ptr": "*i64", "nseg": "i32", "part_ptr": "*i64"},
                dict(bf16, LOG=12, ALIGN=8))
     for code in (scan, sums):
@@ -372,7 +379,7 @@ def test_kernel_settings_are_checked():
     from policyworker.ops import delta_triton as K
 
     for bad in ({"tile_bytes": 3000}, {"tile_bytes": 512}, {"tile_bytes": 1 << 17}, {"num_warps": 3},
-                {"refresh": "both"}):
+                {"refresh": "both"}, {"refresh": True}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
     for bad in ({"scan": "bytes"}, {"gather": "all"}, {"finish": "host"}, {"plan_chunk": 100}, {"plan_chunk": 8},

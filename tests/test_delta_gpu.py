@@ -57,6 +57,19 @@ def test_a_large_bf16_stream_encodes_as_the_torch_path_under_each_finish(fractio
         delta_triton.configure(finish=before)
 
 
+@pytest.mark.parametrize("refresh", ["scan", "masked"])
+@pytest.mark.parametrize("fraction", [0.001, 0.03, 0.5])
+def test_a_large_bf16_stream_encodes_as_the_torch_path_with_the_scan_refreshing(fraction, refresh):
+    from policyworker.ops import delta_triton
+
+    before = delta_triton.REFRESH
+    delta_triton.configure(refresh=refresh)
+    try:
+        _large_bf16_stream(fraction)
+    finally:
+        delta_triton.configure(refresh=before)
+
+
 def _large_bf16_stream(fraction):
     dev = torch.device("cuda:0")
     n = (64 << 20) + 12_345  # 128 MiB of bf16, a ragged end

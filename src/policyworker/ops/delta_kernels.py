@@ -45,18 +45,23 @@ def _tile_sum(x, first_row, T: tl.constexpr, PER: tl.constexpr, UBITS: tl.conste
 
 @triton.jit
 def _load_tile(cur_ptr, old_ptr, offs, t, n, T: tl.constexpr, REFRESH: tl.constexpr):
-    # Tile t of both streams (and, with REFRESH, old := cur on the way). A whole tile takes
+    # Tile t of both streams (and old := cur on the way: REFRESH 1 stores the whole tile,
+    # 2 only its changed units, into lines the load just brought in). A whole tile takes
     # no mask, so its loads are vectorized whatever n is.
     if t * T + T <= n:
         a = tl.load(cur_ptr + offs)
         b = tl.load(old_ptr + offs)
-        if REFRESH:
+        if REFRESH == 1:
             tl.store(old_ptr + offs, a)
+        if REFRESH == 2:
+            tl.store(old_ptr + offs, a, mask=a != b)
     else:
         a = tl.load(cur_ptr + offs, mask=offs < n, other=0)
         b = tl.load(old_ptr + offs, mask=offs < n, other=0)
-        if REFRESH:
+        if REFRESH == 1:
             tl.store(old_ptr + offs, a, mask=offs < n)
+        if REFRESH == 2:
+            tl.store(old_ptr + offs, a, mask=(offs < n) & (a != b))
     return a, b
 
 
@@ -197,8 +202,10 @@ def _scan_words_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: t
         ow = old_ptr.to(tl.pointer_type(tl.uint64), bitcast=True) + t * (T // PER)
         a = tl.load(cw + w)
         b = tl.load(ow + w)
-        if REFRESH:
+        if REFRESH == 1:
             tl.store(ow + w, a)
+        if REFRESH == 2:  # the changed words
+            tl.store(ow + w, a, mask=a != b)
         _scan_words(a, b, t, counts_ptr, bits_ptr, part_ptr, T, PER, UBITS, LOW, HIGH, PACK, ONES)
     else:  # the ragged last tile: words built from units, zero past the end
         j = tl.arange(0, PER)[None, None, None, :]
@@ -206,8 +213,10 @@ def _scan_words_kernel(cur_ptr, old_ptr, n, counts_ptr, bits_ptr, part_ptr, T: t
         ok = u < n
         au = tl.load(cur_ptr + u, mask=ok, other=0)
         bu = tl.load(old_ptr + u, mask=ok, other=0)
-        if REFRESH:
+        if REFRESH == 1:
             tl.store(old_ptr + u, au, mask=ok)
+        if REFRESH == 2:
+            tl.store(old_ptr + u, au, mask=ok & (au != bu))
         lanes = (j * UBITS).to(tl.uint64)
         a = tl.sum(au.to(UDT, bitcast=True).to(tl.uint64) << lanes, axis=3)  # disjoint bits: sum == or
         b = tl.sum(bu.to(UDT, bitcast=True).to(tl.uint64) << lanes, axis=3)

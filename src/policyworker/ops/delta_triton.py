@@ -41,10 +41,13 @@ blob's header and padding, and a tile over its slot takes the bits gather.
 :mod:`policyworker.ops.delta_tiles` has those kernels and their memory traffic.
 
 The old tensor can be refreshed (made equal to the current one) on the way: by the
-gather, which writes the changed units only (``REFRESH = "gather"``, the default), or
-by the scan, which writes every tile it read whole (``"scan"``: one more write of the
-stream, but in full 16-byte stores rather than scattered 2-byte ones; it can win when
-many units change). ``benchmarks/bench_delta_encode.py --sweep`` times both.
+gather, which writes the changed units only (``REFRESH = "gather"``, the default), but
+into lines of ``old`` read long before (at a few percent changed most 32-byte sectors
+hold a change: the stores are scattered read-modify-writes); by the scan, which writes
+every tile it read whole (``"scan"``: one more write of the stream, but in full 16-byte
+stores); or by the scan with masked stores of the changed units (``"masked"``: into the
+lines its load just brought into the cache; only the sectors holding a change go back to
+memory). ``benchmarks/bench_delta_encode.py --sweep`` times all three.
 * :func:`checksums`, one read: the checksum's word sums of byte segments of one
   buffer (every copy of a transfer in one launch).
 
@@ -86,7 +89,8 @@ __all__ = ["FINISH", "GATHER", "LOOKBACK", "NUM_WARPS", "PLAN_CHUNK", "PLAN_WARP
 #: Bytes of one stream a program covers (a power of two, 1 KiB .. 64 KiB), and warps per program.
 TILE_BYTES = 16384
 NUM_WARPS = 4
-#: Which pass refreshes the old tensor when asked: "gather" (changed units) or "scan" (whole tiles).
+#: Which pass refreshes the old tensor when asked: "gather" (changed units), "scan" (whole tiles)
+#: or "masked" (the scan, changed units).
 REFRESH = "gather"
 #: The scan's form ("words" or "units") and the gather's ("bits" or "units").
 SCAN = "units"
@@ -138,7 +142,7 @@ def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, re
     if gather is not None:
         GATHER = _one_of("gather", gather, ("bits", "units"))
     if refresh is not None:
-        REFRESH = _one_of("refresh", refresh, ("gather", "scan"))
+        REFRESH = _one_of("refresh", refresh, ("gather", "scan", "masked"))
     if tile_bytes is not None:
         TILE_BYTES = _power_of_two("tile_bytes", tile_bytes, 1024, 65536)
     if num_warps is not None:
@@ -197,15 +201,18 @@ class Scanned(NamedTuple):
     cap: int = 0  # the tiles scan's slot: ``offsets`` / ``values`` hold tile t's first ``cap`` from t * cap
 
 
-def scan(cur: torch.Tensor, old: torch.Tensor, group: int, refresh: bool = False, update: bool = False,
+def scan(cur: torch.Tensor, old: torch.Tensor, group: int, refresh: int = 0, update: bool = False,
          cap: int = 0) -> Scanned:
     """Counts, bitmap and partial sums of two contiguous 1-D unit tensors of one length; with
-    ``refresh``, ``old`` is overwritten with ``cur`` tile by tile as it is read. FINISH "fused":
+    ``refresh``, ``old`` is made equal to ``cur`` tile by tile as it is read (1: each tile
+    stored whole, 2: its changed units stored). FINISH "fused":
     the same kernel also writes the first ``cap`` changed units' offsets and values (a sparse
     blob's, in order) to scratch tensors and, with ``update``, ``cur``'s changed units into ``old``.
     FINISH "tiles": each tile's first :func:`tile_cap` changed units' offsets and values to the
     tile's slot of scratch tensors and, with ``update``, ``cur``'s changed units into ``old``.
     """
+    if refresh not in (0, 1, 2) or isinstance(refresh, bool):
+        raise ConfigError(f"delta kernels: refresh {refresh!r} is not 0 (none), 1 (whole tiles) or 2 (changed units)")
     n, t = cur.numel(), tile_units(cur.element_size())
     tiles = -(-n // t)
     padded = -(-n // group) * (group // t)

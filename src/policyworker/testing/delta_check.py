@@ -58,6 +58,10 @@ ENCODE_CASES = [
     (8, 1, 1.0, "random"),
 ]
 
+#: ENCODE_CASES taken again with the scan's masked refresh (sparse with a ragged tile, bitmap,
+#: raw; 1-, 4- and 8-byte units)
+MASKED_CASES = [0, 2, 3, 7, 9, 10]
+
 #: The tiles finish's cases: (unit bytes, units, changed fraction, where, tile bytes, scan step bytes);
 #: "runs": random changes plus two runs of changed units, each more than a tile's slot holds
 TILES_CASES = [
@@ -187,8 +191,14 @@ def run(device: torch.device, scale: int = 1) -> dict:
             f"{' ahead' if ahead else ''}"] = check_encode(
             ops, new, old, device, ("gather", "scan")[i % 2], FORMS[i % len(FORMS)], finish="tiles",
             settings=dict(tile_bytes=tile, tile_step=step, tile_ahead=ahead))
+    for i, c in enumerate(MASKED_CASES):  # the scan's masked refresh: each kind, unit, scan form and finish
+        unit, n, fraction, where = ENCODE_CASES[c]
+        new, old = _case(n * scale, unit, fraction, seed=n + unit + 2, where=where)
+        out[f"encode masked unit={unit} n={n * scale} changed={fraction} {where}"] = check_encode(
+            ops, new, old, device, "masked", FORMS[i % 2], finish=("mixed", "device", "torch", "fused")[i % 4])
     new, old = _case(70_001 * scale, 2, 0.01, seed=11, where="random")  # not 8-byte aligned: the units scan
     out["encode unit=2 at a 2-byte offset"] = check_encode(ops, new, old, device, "scan", FORMS[0], offset=1)
+    out["encode unit=2 at a 2-byte offset, masked"] = check_encode(ops, new, old, device, "masked", FORMS[0], offset=1)
     for fraction, forms, finish in ((0.003, FORMS[0], "device"), (0.1, FORMS[1], "device"), (0.01, FORMS[0], "fused"),
                                     (0.003, FORMS[1], "mixed")):
         new, old = _case(17_003 * scale, 2, fraction, seed=12, where="random")  # 1 KiB tiles: many prefix steps
@@ -197,6 +207,8 @@ def run(device: torch.device, scale: int = 1) -> dict:
     for i, dtype in enumerate((torch.bfloat16, torch.float32)):
         out[f"encode {dtype} signed zeros and NaN payloads"] = check_encode(ops, *_specials(dtype), device,
                                                                             ("gather", "scan")[i])
+    out["encode bfloat16 signed zeros and NaN payloads, masked"] = check_encode(
+        ops, *_specials(torch.bfloat16), device, "masked", FORMS[1])
     g = torch.Generator().manual_seed(5)
     size = 150_011 * scale
     raw = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).to(device)
