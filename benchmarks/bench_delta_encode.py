@@ -9,7 +9,8 @@ then a checksum per copy. This measures, on one CUDA device, for a bf16 stream o
   local work, and the unit of the encode goal: at 3% changed, encode <= 2 copies);
 * ``encode``: the torch path (compare, ``nonzero``, gather) and the kernels (one scan
   of both sides with the checksum of the current bytes, one gather), and each with
-  the shadow refresh (torch: ``apply`` onto the shadow; kernels: in the gather, or in the scan with ``--refresh scan|masked``);
+  the shadow refresh (torch: ``apply`` onto the shadow; kernels: the library's pass, the scan's
+  masked stores, or ``--refresh gather|scan|masked``);
 * ``checksum``: of the whole stream and per copy (``--copies`` copies of random sizes,
   one launch with the kernels, one call each on the torch path);
 * ``apply`` (torch; the receiver's step).
@@ -48,15 +49,15 @@ from policyworker.layout import delta
 
 #: (tile bytes, warps, refreshing pass, scan form, gather form, finish, plan chunk[, the tiles scan's step in
 #: bytes, whether it loads a step ahead]) tried by --sweep; the first is
-#: the library's default, the second the same kernels with the torch finish, the
+#: the library's default, the second the kernels with the torch finish (refreshing in the gather), the
 #: "units"/"units" rows the first kernels
-_SWEEP = [(16384, 4, "gather", "units", "bits", "mixed", 4096), (16384, 4, "gather", "units", "bits", "torch", 4096),
+_SWEEP = [(16384, 4, "masked", "units", "bits", "mixed", 4096), (16384, 4, "gather", "units", "bits", "torch", 4096),
           (16384, 4, "gather", "units", "bits", "device", 4096), (32768, 8, "gather", "units", "bits", "mixed", 4096),
           (32768, 8, "gather", "words", "bits", "mixed", 4096), (16384, 4, "gather", "words", "bits", "mixed", 4096),
           (8192, 4, "gather", "words", "bits", "mixed", 4096), (8192, 4, "gather", "units", "bits", "mixed", 4096),
           (16384, 4, "scan", "units", "bits", "mixed", 4096), (32768, 8, "scan", "units", "bits", "mixed", 4096),
           (16384, 4, "scan", "units", "bits", "torch", 4096),
-          (16384, 4, "masked", "units", "bits", "mixed", 4096), (16384, 4, "masked", "words", "bits", "mixed", 4096),
+          (16384, 4, "gather", "units", "bits", "mixed", 4096), (16384, 4, "masked", "words", "bits", "mixed", 4096),
           (32768, 8, "masked", "units", "bits", "mixed", 4096), (8192, 4, "masked", "units", "bits", "mixed", 4096),
           (16384, 4, "masked", "units", "bits", "torch", 4096),
           (8192, 4, "gather", "words", "bits", "device", 4096), (8192, 4, "scan", "words", "bits", "device", 4096),

@@ -387,7 +387,7 @@ def test_kernel_settings_are_checked():
                 {"tile_ahead": 1}):
         with pytest.raises(ConfigError):
             K.configure(**bad)
-    assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH, K.SCAN, K.GATHER) == (16384, 4, "gather", "units", "bits")
+    assert (K.TILE_BYTES, K.NUM_WARPS, K.REFRESH, K.SCAN, K.GATHER) == (16384, 4, "masked", "units", "bits")
     assert (K.FINISH, K.PLAN_CHUNK, K.PLAN_WARPS, K.TILE_SHARE, K.TILE_STEP, K.TILE_AHEAD) == ("mixed", 4096, 8, 16,
                                                                                           4096, False)
     assert [K.tile_cap(u) for u in (1, 2, 4, 8)] == [1024, 512, 256, 128]  # the fused scan's bound: n / 16 units

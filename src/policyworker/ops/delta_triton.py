@@ -41,13 +41,16 @@ blob's header and padding, and a tile over its slot takes the bits gather.
 :mod:`policyworker.ops.delta_tiles` has those kernels and their memory traffic.
 
 The old tensor can be refreshed (made equal to the current one) on the way: by the
-gather, which writes the changed units only (``REFRESH = "gather"``, the default), but
-into lines of ``old`` read long before (at a few percent changed most 32-byte sectors
-hold a change: the stores are scattered read-modify-writes); by the scan, which writes
-every tile it read whole (``"scan"``: one more write of the stream, but in full 16-byte
-stores); or by the scan with masked stores of the changed units (``"masked"``: into the
-lines its load just brought into the cache; only the sectors holding a change go back to
-memory). ``benchmarks/bench_delta_encode.py --sweep`` times all three.
+gather, which writes the changed units only (``REFRESH = "gather"``), but into lines of
+``old`` read long before (at a few percent changed most 32-byte sectors hold a change:
+scattered partial writes); by the scan, which writes every tile it read whole
+(``"scan"``: one more write of the stream, but in full 16-byte stores); or by the scan
+with masked stores of the changed units (``"masked"``, the default: into the lines its
+load just brought into the cache; only the sectors holding a change go back to memory).
+``benchmarks/bench_delta_encode.py --sweep`` times all three; on an H100 the encode with
+the refresh took 1.5–1.6 / 1.9 / 2.2–2.4 flat copies at 1 / 3 / 10% changed masked,
+against 1.8 / 2.6–2.7 / 4.3–4.5 in the gather and 1.9 / 2.1–2.2 / 2.3–2.4 whole
+(benchmarks/RESULTS.md, "the shadow's refresh in the scan").
 * :func:`checksums`, one read: the checksum's word sums of byte segments of one
   buffer (every copy of a transfer in one launch).
 
@@ -90,8 +93,8 @@ __all__ = ["FINISH", "GATHER", "LOOKBACK", "NUM_WARPS", "PLAN_CHUNK", "PLAN_WARP
 TILE_BYTES = 16384
 NUM_WARPS = 4
 #: Which pass refreshes the old tensor when asked: "gather" (changed units), "scan" (whole tiles)
-#: or "masked" (the scan, changed units).
-REFRESH = "gather"
+#: or "masked" (the scan, changed units: the default, measured fastest at 1, 3 and 10% changed).
+REFRESH = "masked"
 #: The scan's form ("words" or "units") and the gather's ("bits" or "units").
 SCAN = "units"
 GATHER = "bits"
