@@ -174,6 +174,36 @@ def test_bf16_trainers_refit_fp8_vllm_like_vllms_own_loader(world):
     assert world.tokens() == tokens[0]
 
 
+@pytest.mark.timeout(300)
+def test_a_stage_built_after_vllms_reload_checks_the_layers_own_loaders(world):
+    """vLLM's ``reload_weights`` leaves its layerwise-reload wrapper on the loaders of the
+    parameters' restore metadata, which a new stage (here: another staging mode) copies.
+    That wrapper works on the live layer's reload state (outside a reload it loads
+    nothing: the check refused ``embed_tokens`` with PlanMismatch). The stage's check goes
+    through the layers' own loaders underneath: the new stage builds, the live weights stay
+    as vLLM loaded them, and refits into it equal vLLM's loader again."""
+    llm = world.llm
+    path = str(world.root / "v4")
+    save_fp8_checkpoint(hf_model(world.spec, 4), path)
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    llm.reset_prefix_cache()
+    loaded, tokens = llm.collective_rpc(_snapshot)[0], world.tokens()
+    for staging in ("none", "device"):  # each a new stage, checked against the loaders
+        replies = world.connect(version=4, staging=staging)
+        assert all(r["ok"] for r in replies), replies
+        assert _same(loaded, llm.collective_rpc(_snapshot)[0]) == []  # the check left the live weights alone
+        assert world.tokens() == tokens
+    error, replies = world.refit(5)
+    assert error is None and [r["version"] for r in replies] == [5, 5], replies
+    ours, got = llm.collective_rpc(_snapshot)[0], world.tokens()
+    path = str(world.root / "v5")
+    save_fp8_checkpoint(hf_model(world.spec, 5), path)
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    llm.reset_prefix_cache()
+    assert _same(ours, llm.collective_rpc(_snapshot)[0]) == []
+    assert world.tokens() == got != tokens
+
+
 W = "model.layers.0.mlp.gate_proj.weight"  # column-parallel: trainers split its rows
 
 

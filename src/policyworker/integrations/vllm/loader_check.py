@@ -8,7 +8,7 @@ before any refit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -19,6 +19,26 @@ if TYPE_CHECKING:
     from policyworker.integrations.vllm.stage import VllmStage
 
 __all__ = ["check_with_vllm_loaders"]
+
+
+def _own_loader(loader: Callable) -> Callable:
+    """The layer's own loader under vLLM's layerwise-reload wrappers.
+
+    After ``reload_weights`` the loaders on the parameters' restore metadata (which the
+    scratch tensors copy) stay wrapped. The wrapper works on the *live* layer's reload
+    state: outside a reload it returns without loading anything (the check saw zeros and
+    refused the first layer it met), during one it would buffer the tensor for the live
+    layer. The check must never reach the live model, so it calls what is under it.
+    """
+    while getattr(loader, "__name__", None) == _RELOAD_WRAPPER:
+        inner = getattr(loader, "__wrapped__", None)
+        if inner is None:
+            raise PlanMismatch("vLLM's layerwise-reload loader wraps no loader the check can call")
+        loader = inner
+    return loader
+
+
+_RELOAD_WRAPPER = "online_process_loader"  # vllm.model_executor.model_loader.reload.layerwise
 
 
 def check_with_vllm_loaders(stage: VllmStage, seed: int = 0) -> None:
@@ -37,7 +57,7 @@ def check_with_vllm_loaders(stage: VllmStage, seed: int = 0) -> None:
         scratch = _materialize(slot.meta, module, stage.device)
         mirror = _materialize(slot.meta, module, stage.device)
         views = stage._slot_views(slot, mirror)
-        loader = getattr(scratch, "weight_loader", default_weight_loader)
+        loader = _own_loader(getattr(scratch, "weight_loader", default_weight_loader))
         for t in slot.targets:
             shape = tuple(b - a for a, b in zip(t.need.start, t.need.stop))
             box = torch.randn(shape, generator=gen).to(scratch.dtype)
