@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TRANSPORTS = ("nccl_reshard", "zmq", "files", "files_delta", "memory", "sglang_ipc")
+TRANSPORTS = ("nccl_reshard", "nccl_landing", "zmq", "files", "files_delta", "memory", "sglang_ipc")
 
 #: The refit deadline of a failing step (``refit_timeout_s``), seconds.
 DEADLINE_S = 3.0
@@ -81,15 +81,15 @@ class Cell:
 
 # -- how each transport behaves ---------------------------------------------------------
 #: The recovery each transport documents after a failed refit.
-RECOVERY = {"nccl_reshard": "rebuild", "sglang_ipc": "rebuild", "zmq": "reattach", "files": "none",
-            "files_delta": "none", "memory": "none"}
+RECOVERY = {"nccl_reshard": "rebuild", "nccl_landing": "rebuild", "sglang_ipc": "rebuild", "zmq": "reattach",
+            "files": "none", "files_delta": "none", "memory": "none"}
 #: Senders that never wait for a receiver: a missing or dead receiver fails nothing on them.
 FIRE_AND_FORGET = ("files", "files_delta", "memory")
 #: Transports whose rollouts receive straight into live tensors from a socket. When the
 #: sender dies (or stalls past the deadline) after its header arrived, the receiver cannot
 #: tell a partial write from none: it is torn although the bytes it holds may be
 #: unchanged (docs/guarantees.md, guarantee 3). Everywhere else torn equals "a byte changed".
-DIRECT_RECEIVE = ("nccl_reshard",)
+DIRECT_RECEIVE = ("nccl_reshard", "nccl_landing")
 IN_PROCESS = ("memory",)
 
 
@@ -118,6 +118,14 @@ def exclusions() -> dict[tuple[str, str], str]:
             out[("files_delta", fault)] = ("delta mode differs from the files cells only in what a version holds and "
                                            "how a reader replays it: its cells cut a delta mid-write, mid-replay and "
                                            "past a deadline; the other faults are the files cells'")
+    # nccl_landing: nccl_reshard with the rollout landing every other destination on demand.
+    # Its cells cut a refit while destinations are open or handed over (cancelled three
+    # ways, the trainer killed or stopped mid-bulk, torn then refitted again).
+    for fault in FAULTS:
+        if fault not in _LANDING_FAULTS:
+            out[("nccl_landing", fault)] = ("on-demand landing changes only where the rollout's bytes land: its "
+                                            "cells cut a refit mid-landing; connect, plan, options, idle-peer and "
+                                            "interrupt faults never reach a landing and are nccl_reshard's cells")
     out[("memory", "stale")] = ("the sender never waits, so no attempt of it can be cut short; the hub "
                                 "holds one value per version")
     return out
@@ -196,6 +204,7 @@ FAULTS = ("never_calls-trainer", "never_calls-rollout", "killed_before-trainer",
 #: The faults cut in the files plugin's delta mode: a writer killed mid-version, a
 #: reader killed mid-replay, a writer stopped past the reader's deadline.
 _DELTA_FAULTS = ("killed_mid-trainer", "killed_mid-rollout", "stall")
+_LANDING_FAULTS = ("killed_mid-trainer", "stall", "cancel_task", "cancel_anyio", "cancel_trio", "torn_again")
 
 
 def cells() -> list[Cell]:

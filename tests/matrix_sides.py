@@ -165,6 +165,44 @@ class NcclSide(Side):
             self.w.load_refit_plan(self.plan().refit_info(), params=self._kept)
 
 
+class NcclLandingSide(NcclSide):
+    """nccl_reshard whose rollout lands every other destination on demand
+    (``RolloutWorker.landing``, as vLLM's ``staging="none"`` does): a ``meta`` placeholder,
+    opened just before its first message and handed over (copied into the consumer's
+    real set, which is what it serves) once complete. The fault points are nccl_reshard's
+    (mid-bulk: some destinations open, some handed over). After a failed refit returns, no
+    hand-over may follow (``landed_late``: what the consumer got in the half second after)."""
+
+    transport = "nccl_landing"
+    SETTLE_S = 0.5
+
+    async def open(self, epoch: int) -> None:
+        await super().open(epoch)
+        if self.name == "rollout":
+            from .refit_world import OnDemandLanding
+
+            self.landing = OnDemandLanding(self.w)
+
+    def live(self) -> dict[str, torch.Tensor]:
+        return self.landing.real if self.name == "rollout" else self.w.params
+
+    async def refit(self, version: int, timeout: float, seed: int | None = None):
+        if self.name == "trainer":
+            return await super().refit(version, timeout, seed)
+        self.landing.start(version)
+        try:
+            return await super().refit(version, timeout, seed)
+        finally:
+            self._calls_at_return = len(self.landing.calls)
+
+    async def after_step(self) -> dict[str, Any]:
+        import anyio
+
+        await anyio.sleep(self.SETTLE_S)
+        late = [c for c in self.landing.calls[self._calls_at_return:] if c[1] == "landed"]
+        return {"landed_late": len(late), "landing_calls": len(self.landing.calls)}
+
+
 # -- zmq: a colocated pair on CPU index 0 of a private runtime dir -------------------------
 class ZmqSide(Side):
     transport = "zmq"
@@ -421,7 +459,8 @@ class SglangSide(Side):
             self.engine.close()
 
 
-SIDES = {c.transport: c for c in (NcclSide, ZmqSide, FilesSide, FilesDeltaSide, MemorySide, SglangSide)}
+SIDES = {c.transport: c for c in (NcclSide, NcclLandingSide, ZmqSide, FilesSide, FilesDeltaSide, MemorySide,
+                                   SglangSide)}
 
 
 def side_names(transport: str, rank: int) -> list[str]:

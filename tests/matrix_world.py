@@ -180,6 +180,8 @@ async def _step(side, step: dict, cell: dict, k: int) -> dict[str, Any]:
         rec["torn"] = any(r.torn for r in side.rollouts())
         rec["version_after"] = [r.weight_version for r in side.rollouts()]
         rec["serves"] = _servable(side)
+        if hasattr(side, "after_step"):
+            rec.update(await side.after_step())
     if fault in ("options", "plan") and me == victim:
         await side.unmismatch(fault)
     return rec

@@ -238,10 +238,12 @@ def test_cell(cell: Cell, matrix) -> None:
             elif r["torn"]:  # torn, every byte as before: only a write that may have begun and was cut
                 assert cell.may_touch and cell.transport in DIRECT_RECEIVE and \
                     cell.steps[k].fault in ("killed_before", "killed_mid", "stall", "sigint") and \
-                    cell.steps[k].victim == "trainer", f"{where}: torn but no live byte changed"
+                    cell.steps[k].victim == "trainer", f"{where}: torn but no live byte changed {r}"
             if not cell.may_touch:
                 assert not r["touched"], f"{where}: live bytes changed in a fault that must touch none"
             assert r["serves"] == (not r["torn"]), f"{where}: serves={r['serves']} torn={r['torn']}"
+            if "landed_late" in r:  # on-demand landing: nothing handed over once the refit returned
+                assert r["landed_late"] == 0 and r["landing_calls"] > 0, f"{where}: {r}"
     for side in ("trainer", "rollout"):
         rec = out[side]
         assert rec["final"] == "ok", f"{cell.id}: {side}'s refit after the recovery: {rec['final']}"

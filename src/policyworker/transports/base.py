@@ -100,7 +100,10 @@ class Landing(Protocol):
     """Receive destinations made on demand and handed back when complete (``ctx.landing``)."""
 
     def open(self, name: str) -> torch.Tensor:
-        """The tensor to write ``name``'s bytes into (its placeholder's shape and dtype)."""
+        """The tensor to write ``name``'s bytes into (its placeholder's shape and dtype).
+        It must not be served before :meth:`landed`: bytes written into it do not count
+        as touching the served weights (a refit cut short before any hand-over, with no
+        other destination written, leaves the rollout untorn)."""
         ...
 
     def landed(self, name: str) -> None:

@@ -72,6 +72,11 @@ class _OnDemand:
         """Whether message ``i`` reads or writes a destination made on demand."""
         return any(n in self.placeholders for n in self.writes.get(i, ()))
 
+    def writes_live(self, i: int) -> bool:
+        """Whether message ``i`` writes a destination the rollout serves as it is (not a
+        placeholder: an opened tensor is the consumer's until it is handed over)."""
+        return any(n not in self.placeholders for n in self.writes.get(i, ()))
+
     def open(self, i: int) -> None:
         """Open the placeholders message ``i`` writes (before it is posted)."""
         for name in self.writes.get(i, ()):
@@ -223,7 +228,8 @@ def recv_bulk(t: Any, ctx: TransportContext):
                             f"checksum mismatch in bucket {m.key[0]} from train rank {m.key[1]}",
                             rank=ctx.rank, transport=t.name,
                         )
-                ctx.touched = True
+                if demand is None or demand.writes_live(index):
+                    ctx.touched = True  # (an opened tensor is not served before its hand-over)
                 if (demand is not None and demand.on_demand(index)) \
                         or not spans.moves(plan, m.key, slot, m.copies, params, tensor, "dst"):
                     unpack(plan, m.copies, tensor, params)
@@ -294,9 +300,10 @@ def recv_bulk(t: Any, ctx: TransportContext):
             if direct is not None and ring and direct.device != ring[0].device:
                 direct = None  # a destination off the comm device (host staging): through a bucket
             if direct is not None:
-                direct_srcs.add(m.key[1])
-                if m.key[1] in headers_seen:
-                    ctx.touched = True  # bytes land in the live tensor from here on
+                if demand is None or demand.writes_live(i):  # into an opened tensor: not live yet
+                    direct_srcs.add(m.key[1])
+                    if m.key[1] in headers_seen:
+                        ctx.touched = True  # bytes land in the live tensor from here on
                 batch.append((m, direct, None))
             else:
                 if not free:
