@@ -34,40 +34,31 @@ def test_cuda_tensors_take_the_kernels():
 @pytest.mark.parametrize("forms", [("units", "bits"), ("words", "bits"), ("units", "units")])
 @pytest.mark.parametrize("fraction", [0.0, 0.001, 0.03, 0.1, 0.5])
 def test_a_large_bf16_stream_encodes_as_the_torch_path(fraction, forms):
-    from policyworker.ops import delta_triton
-
-    before = delta_triton.SCAN, delta_triton.GATHER
-    delta_triton.configure(scan=forms[0], gather=forms[1])
-    try:
-        _large_bf16_stream(fraction)
-    finally:
-        delta_triton.configure(scan=before[0], gather=before[1])
+    _configured(fraction, scan=forms[0], gather=forms[1])
 
 
 @pytest.mark.parametrize("finish", ["mixed", "torch", "fused", "tiles"])
 @pytest.mark.parametrize("fraction", [0.001, 0.03, 0.1])
 def test_a_large_bf16_stream_encodes_as_the_torch_path_under_each_finish(fraction, finish):
-    from policyworker.ops import delta_triton
-
-    before = delta_triton.FINISH
-    delta_triton.configure(finish=finish)
-    try:
-        _large_bf16_stream(fraction)
-    finally:
-        delta_triton.configure(finish=before)
+    _configured(fraction, finish=finish)
 
 
 @pytest.mark.parametrize("refresh", ["scan", "masked"])
 @pytest.mark.parametrize("fraction", [0.001, 0.03, 0.5])
 def test_a_large_bf16_stream_encodes_as_the_torch_path_with_the_scan_refreshing(fraction, refresh):
+    _configured(fraction, refresh=refresh)
+
+
+def _configured(fraction, **settings):
+    """:func:`_large_bf16_stream` under the kernels' ``settings``; the defaults restored after."""
     from policyworker.ops import delta_triton
 
-    before = delta_triton.REFRESH
-    delta_triton.configure(refresh=refresh)
+    before = {k: getattr(delta_triton, k.upper()) for k in settings}
+    delta_triton.configure(**settings)
     try:
         _large_bf16_stream(fraction)
     finally:
-        delta_triton.configure(refresh=before)
+        delta_triton.configure(**before)
 
 
 def _large_bf16_stream(fraction):
