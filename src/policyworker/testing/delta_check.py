@@ -189,7 +189,7 @@ def run(device: torch.device, scale: int = 1) -> dict:
         ahead = i % 4 < 2  # the scan's next step loaded before this one's work, or not
         out[f"encode tiles unit={unit} n={n * scale} changed={fraction} {where} tile={tile} B step={step} B"
             f"{' ahead' if ahead else ''}"] = check_encode(
-            ops, new, old, device, ("gather", "scan")[i % 2], FORMS[i % len(FORMS)], finish="tiles",
+            ops, new, old, device, ("gather", "scan", "masked")[i % 3], FORMS[i % len(FORMS)], finish="tiles",
             settings=dict(tile_bytes=tile, tile_step=step, tile_ahead=ahead))
     for i, c in enumerate(MASKED_CASES):  # the scan's masked refresh: each kind, unit, scan form and finish
         unit, n, fraction, where = ENCODE_CASES[c]
