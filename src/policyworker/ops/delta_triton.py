@@ -48,9 +48,9 @@ scattered partial writes); by the scan, which writes every tile it read whole
 with masked stores of the changed units (``"masked"``, the default: into the lines its
 load just brought into the cache; only the sectors holding a change go back to memory).
 ``benchmarks/bench_delta_encode.py --sweep`` times all three; on an H100 the encode with
-the refresh took 1.5–1.6 / 1.9 / 2.2–2.4 flat copies at 1 / 3 / 10% changed masked,
-against 1.8 / 2.6–2.7 / 4.3–4.5 in the gather and 1.9 / 2.1–2.2 / 2.3–2.4 whole
-(benchmarks/RESULTS.md, "the shadow's refresh in the scan").
+the refresh took 1.5–1.7 / 1.9–2.0 / 2.2–2.5 flat copies at 1 / 3 / 10% changed masked,
+against 1.8–2.0 / 2.6–2.8 / 4.3–4.5 in the gather and 1.9–2.0 / 2.1–2.2 / 2.3–2.4 whole
+(benchmarks/RESULTS.md, "Delta kernels: the shadow's refresh in the scan, masked").
 * :func:`checksums`, one read: the checksum's word sums of byte segments of one
   buffer (every copy of a transfer in one launch).
 
