@@ -140,6 +140,16 @@ def test_staging_none_a_layer_failing_mid_landing_is_torn_until_a_full_refit(wor
     assert all(r["ok"] for r in replies), replies
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["host", "none"])
+def test_staging_mode_a_finish_without_a_refit_and_a_failed_swap_as_documented(world, mode):
+    # A finish with nothing received: ConfigError, nothing changed; a swap failing on one
+    # rank: torn until a full refit ("device": the two cells above).
+    cases.staging_commit_failures(world, mode)
+    replies = world.connect(version=world.version)  # back to "auto"
+    assert all(r["ok"] for r in replies), replies
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["host", "none"])
 def test_staging_mode_a_trainer_stalled_past_the_deadline_fails_as_documented(world, mode):

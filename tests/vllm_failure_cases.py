@@ -216,6 +216,32 @@ def swap_fails_on_one_rank(world) -> None:
     refit_commits(world, v + 3)
 
 
+def staging_commit_failures(world, mode: str) -> None:
+    """Staging ``mode``: a finish without a complete refit is refused (``ConfigError``) with
+    nothing changed (live bytes, torn flag, vLLM's tokens); a swap failing on rank 0 marks
+    the engine torn on every rank, which refuses to commit until a full refit heals it."""
+    served_at_least_v1(world)
+    v = world.version
+    assert all(r["ok"] for r in world.connect(version=v, staging=mode))
+    before = live_digests(world)
+    world.llm.start_weight_update()
+    with pytest.raises(ConfigError, match=r"no complete refit was received"):
+        with typed_errors():
+            world.llm.finish_weight_update(weight_version=str(v + 1))
+    assert live_digests(world) == before and _engine_torn(world) == [False] * world.tp, mode
+    assert_serves(world, v)
+    _resend_and_commit(world, v + 1)  # in the session vLLM kept open
+    v = world.version
+    _received_then(world, v + 1, "commit")
+    assert _engine_torn(world) == [True] * world.tp, mode
+    with pytest.raises(TornWeights):
+        with typed_errors():
+            world.llm.finish_weight_update(weight_version=str(v + 1))
+    _resend_and_commit(world, v + 2)  # a full refit heals it
+    assert _engine_torn(world) == [False] * world.tp, mode
+    refit_commits(world, v + 3)
+
+
 def landing_fails_on_one_rank(world) -> None:
     """``staging="none"``: a layer's post-processing fails on rank 0 while the refit lands
     layer by layer (.landing): ``update_weights`` raises a typed error, the trainers learn
