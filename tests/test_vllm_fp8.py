@@ -28,6 +28,7 @@ import concurrent.futures
 import gc
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -202,6 +203,50 @@ def test_a_stage_built_after_vllms_reload_checks_the_layers_own_loaders(world):
     llm.reset_prefix_cache()
     assert _same(ours, llm.collective_rpc(_snapshot)[0]) == []
     assert world.tokens() == got != tokens
+
+
+def _loader_check_cases(worker) -> dict[str, str]:
+    """The stage's loader check against vLLM's loader of the fused ``qkv_proj`` weight, and
+    against two that misplace its boxes (runs in the vLLM worker; the loader put back after)."""
+    from policyworker.errors import PlanMismatch
+    from policyworker.integrations.vllm.loader_check import _own_loader, check_with_vllm_loaders
+    from policyworker.integrations.vllm.stage import VllmStage
+
+    engine = worker.weight_transfer_engine
+    stage = VllmStage(worker.model_runner.model, engine._targets, device=engine.device, staging="host")
+    slot = next(s for s in stage._slots if s.targets and s.targets[0].module == "model.layers.0.self_attn.qkv_proj")
+    own = _own_loader(slot.meta.weight_loader)
+    last = slot.targets[-1].shard
+
+    def shifted(param, loaded, *args):  # each box one row off
+        own(param, loaded, *args)
+        raw = param.data.view(torch.uint8)
+        raw.copy_(raw.roll(1, 0))
+
+    def stray(param, loaded, *args):  # every box in place, and a byte in the first box's rows after it
+        own(param, loaded, *args)
+        if args and args[0] == last:
+            param.data.view(torch.uint8)[0, 0] ^= 0x38
+
+    out = {}
+    try:
+        for name, loader in (("shifted", shifted), ("stray", stray), ("vLLM's", own)):
+            slot.meta.weight_loader = loader
+            try:
+                check_with_vllm_loaders(stage)
+                out[name] = "accepted"
+            except PlanMismatch as exc:
+                out[name] = str(exc)
+    finally:
+        slot.meta.weight_loader = own
+    return out
+
+
+def test_the_stage_checks_refuse_a_loader_that_misplaces_a_box(world):
+    got = world.llm.collective_rpc(_loader_check_cases)[0]
+    assert got["vLLM's"] == "accepted", got
+    for bad in ("shifted", "stray"):
+        assert "vLLM's loader places model.layers.0.self_attn.q_proj.weight" in got[bad], got
 
 
 W = "model.layers.0.mlp.gate_proj.weight"  # column-parallel: trainers split its rows

@@ -44,8 +44,12 @@ _RELOAD_WRAPPER = "online_process_loader"  # vllm.model_executor.model_loader.re
 def check_with_vllm_loaders(stage: VllmStage, seed: int = 0) -> None:
     """Random boxes through vLLM's weight loaders must land where ``stage``'s views put them.
 
-    Runs on scratch tensors, one parameter at a time (neither the staging set nor the
-    live model is touched). ``PlanMismatch`` names the first parameter that differs.
+    Runs on a scratch tensor, one parameter at a time (neither the staging set nor the
+    live model is touched). Each box, loaded by vLLM's loader, must be found bit for bit in
+    the stage's view of it, which is then zeroed; once every box of the parameter is
+    loaded, no byte of the scratch may be left (a loader that wrote elsewhere too).
+    ``PlanMismatch`` names the first parameter that differs. Memory: the scratch, the
+    loader's input (the full tensor before tensor-parallel cuts) and, on the host, the box.
     """
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
@@ -55,21 +59,32 @@ def check_with_vllm_loaders(stage: VllmStage, seed: int = 0) -> None:
             continue
         module = slot.owners[0][0]
         scratch = _materialize(slot.meta, module, stage.device)
-        mirror = _materialize(slot.meta, module, stage.device)
-        views = stage._slot_views(slot, mirror)
+        dtype = scratch.dtype
         loader = _own_loader(getattr(scratch, "weight_loader", default_weight_loader))
         for t in slot.targets:
-            shape = tuple(b - a for a, b in zip(t.need.start, t.need.stop))
-            box = torch.randn(shape, generator=gen).to(scratch.dtype)
-            carrier = torch.zeros(t.need.shape, dtype=scratch.dtype, device=scratch.device)
-            carrier[tuple(slice(a, b) for a, b in zip(t.need.start, t.need.stop))] = box
+            region = tuple(slice(a, b) for a, b in zip(t.need.start, t.need.stop))
+            box = torch.randn(tuple(r.stop - r.start for r in region), generator=gen).to(dtype)
+            carrier = torch.zeros(t.need.shape, dtype=dtype, device=scratch.device)
+            carrier[region] = box
             with torch.no_grad():
                 if isinstance(t.shard, dict):  # keyword arguments (vLLM's MoE loader)
                     loader(scratch, carrier, **t.shard)
                 else:
                     loader(scratch, carrier) if t.shard is None else loader(scratch, carrier, t.shard)
-                views[t.need.name].copy_(box)
-        # bit for bit (float8 has no torch.equal on CPU)
-        if not (mirror.dtype == scratch.dtype and torch.equal(mirror.view(torch.uint8), scratch.view(torch.uint8))):
-            raise PlanMismatch(f"vLLM's loader places {slot.targets[0].need.name} (and its fused members) "
-                               "elsewhere than the policyworker backend receives it; this layer is not supported")
+                del carrier
+                got = stage._slot_views(slot, scratch)[t.need.name]  # after the load: a loader may re-point
+                if scratch.dtype != dtype or not _same_bits(got, box):
+                    _refuse(slot)
+                got.zero_()
+        if scratch.view(torch.uint8).any():  # a byte no view accounts for
+            _refuse(slot)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # bit for bit (float8 has no torch.equal on CPU); ``b`` is on the host
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8))
+
+
+def _refuse(slot) -> None:
+    raise PlanMismatch(f"vLLM's loader places {slot.targets[0].need.name} (and its fused members) "
+                       "elsewhere than the policyworker backend receives it; this layer is not supported")
