@@ -139,10 +139,10 @@ def _encode_fused(ops, cur: torch.Tensor, old: torch.Tensor, update_old: bool, w
     """The Triton path: one scan of both sides (counts, bitmap, checksum shares), the tiles'
     starts and the totals, one read of the totals to the host, one gather that fills the blob."""
     n, unit = cur.numel(), cur.element_size()
-    in_scan = update_old and ops.REFRESH in ("scan", "masked")  # else the gather refreshes (changed units only)
+    refresh = ops.SCAN_REFRESH[ops.REFRESH] if update_old else 0
+    in_scan = refresh > 0  # else the gather refreshes (changed units only), when asked
     ops.mark("start")
-    scanned = ops.scan(cur, old, _BLOCK, refresh=(1 if ops.REFRESH == "scan" else 2) if in_scan else 0,
-                       update=update_old and not in_scan,
+    scanned = ops.scan(cur, old, _BLOCK, refresh=refresh, update=update_old and not in_scan,
                        cap=_sparse_cap(n, unit) if ops.FINISH == "fused" else 0)
     ops.mark("scan")
     starts, head = ops.plan(scanned, scanned.bitmap.numel() * 8 // ops.tile_units(unit))

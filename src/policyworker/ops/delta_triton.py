@@ -86,7 +86,7 @@ from policyworker.ops.delta_kernels import (_assemble_kernel, _fused_kernel, _ga
 from policyworker.ops.delta_tiles import _compact_kernel, _scan_tiles_kernel
 
 __all__ = ["FINISH", "GATHER", "LOOKBACK", "NUM_WARPS", "PLAN_CHUNK", "PLAN_WARPS", "PROFILE", "REFRESH", "SCAN",
-           "Scanned", "TILE_AHEAD", "TILE_BYTES", "TILE_SHARE", "TILE_STEP",
+           "SCAN_REFRESH", "Scanned", "TILE_AHEAD", "TILE_BYTES", "TILE_SHARE", "TILE_STEP",
            "checksums", "configure", "gather_into", "mark", "plan", "scan", "tile_cap", "tile_units"]
 
 #: Bytes of one stream a program covers (a power of two, 1 KiB .. 64 KiB), and warps per program.
@@ -95,6 +95,8 @@ NUM_WARPS = 4
 #: Which pass refreshes the old tensor when asked: "gather" (changed units), "scan" (whole tiles)
 #: or "masked" (the scan, changed units: the default, measured fastest at 1, 3 and 10% changed).
 REFRESH = "masked"
+#: The code :func:`scan` takes for each REFRESH (0: the scan leaves the old tensor alone).
+SCAN_REFRESH = {"gather": 0, "scan": 1, "masked": 2}
 #: The scan's form ("words" or "units") and the gather's ("bits" or "units").
 SCAN = "units"
 GATHER = "bits"
@@ -145,7 +147,7 @@ def configure(*, tile_bytes: int | None = None, num_warps: int | None = None, re
     if gather is not None:
         GATHER = _one_of("gather", gather, ("bits", "units"))
     if refresh is not None:
-        REFRESH = _one_of("refresh", refresh, ("gather", "scan", "masked"))
+        REFRESH = _one_of("refresh", refresh, tuple(SCAN_REFRESH))
     if tile_bytes is not None:
         TILE_BYTES = _power_of_two("tile_bytes", tile_bytes, 1024, 65536)
     if num_warps is not None:
@@ -214,7 +216,7 @@ def scan(cur: torch.Tensor, old: torch.Tensor, group: int, refresh: int = 0, upd
     FINISH "tiles": each tile's first :func:`tile_cap` changed units' offsets and values to the
     tile's slot of scratch tensors and, with ``update``, ``cur``'s changed units into ``old``.
     """
-    if refresh not in (0, 1, 2) or isinstance(refresh, bool):
+    if refresh not in SCAN_REFRESH.values() or isinstance(refresh, bool):
         raise ConfigError(f"delta kernels: refresh {refresh!r} is not 0 (none), 1 (whole tiles) or 2 (changed units)")
     n, t = cur.numel(), tile_units(cur.element_size())
     tiles = -(-n // t)
