@@ -99,7 +99,6 @@ def world(tmp_path_factory):
         if not amx:  # see the module docstring: the selection check only
             mp.setattr(CPUFp8BlockScaledMMKernel, "is_supported",
                        classmethod(lambda cls, compute_capability=None: (True, None)))
-        import torch
         from vllm import _custom_ops
 
         if not _custom_ops._supports_cpu_fp8_w8a16:  # vLLM's AVX2 build: the kernel's two ops in torch

@@ -71,23 +71,18 @@ def refused_version(world) -> None:
 
 
 def failed_commit(world) -> None:
+    """A finish without a complete refit is refused (``ConfigError``) with nothing changed
+    (live bytes, torn flag, vLLM's tokens)."""
     served_at_least_v1(world)
     v = world.version
+    before = live_digests(world)
     world.llm.start_weight_update()
     with pytest.raises(ConfigError, match=r"no complete refit was received"):
         with typed_errors():
             world.llm.finish_weight_update(weight_version=str(v + 1))
+    assert live_digests(world) == before and _engine_torn(world) == [False] * world.tp
     assert_serves(world, v)
-    # vLLM keeps the session open after a failed finish: receive, then finish again.
-    world.pool.send({"cmd": "refit", "version": v + 1})
-    world.llm.update_weights({"update_info": {"version": v + 1}})
-    world.llm.finish_weight_update(weight_version=str(v + 1))
-    world.llm.reset_prefix_cache()
-    replies = world.pool.replies(world.spec.refit_timeout_s)
-    assert [r["version"] for r in replies] == [v + 1] * world.spec.n_train, replies
-    got = world.tokens()
-    assert got == world.oracle(v + 1) and got != world.history[v]
-    world.version, world.history[v + 1] = v + 1, got
+    _resend_and_commit(world, v + 1)  # vLLM keeps the session open after a failed finish
     refit_commits(world, v + 2)
 
 
@@ -209,6 +204,7 @@ def swap_fails_on_one_rank(world) -> None:
     served_at_least_v1(world)
     v = world.version
     _received_then(world, v + 1, "commit")
+    assert _engine_torn(world) == [True] * world.tp
     with pytest.raises(TornWeights):  # every rank refuses until a full refit commits
         with typed_errors():
             world.llm.finish_weight_update(weight_version=str(v + 1))
@@ -217,29 +213,12 @@ def swap_fails_on_one_rank(world) -> None:
 
 
 def staging_commit_failures(world, mode: str) -> None:
-    """Staging ``mode``: a finish without a complete refit is refused (``ConfigError``) with
-    nothing changed (live bytes, torn flag, vLLM's tokens); a swap failing on rank 0 marks
-    the engine torn on every rank, which refuses to commit until a full refit heals it."""
+    """Staging ``mode``: :func:`failed_commit`, then :func:`swap_fails_on_one_rank`."""
     served_at_least_v1(world)
-    v = world.version
-    assert all(r["ok"] for r in world.connect(version=v, staging=mode))
-    before = live_digests(world)
-    world.llm.start_weight_update()
-    with pytest.raises(ConfigError, match=r"no complete refit was received"):
-        with typed_errors():
-            world.llm.finish_weight_update(weight_version=str(v + 1))
-    assert live_digests(world) == before and _engine_torn(world) == [False] * world.tp, mode
-    assert_serves(world, v)
-    _resend_and_commit(world, v + 1)  # in the session vLLM kept open
-    v = world.version
-    _received_then(world, v + 1, "commit")
-    assert _engine_torn(world) == [True] * world.tp, mode
-    with pytest.raises(TornWeights):
-        with typed_errors():
-            world.llm.finish_weight_update(weight_version=str(v + 1))
-    _resend_and_commit(world, v + 2)  # a full refit heals it
+    assert all(r["ok"] for r in world.connect(version=world.version, staging=mode))
+    failed_commit(world)
+    swap_fails_on_one_rank(world)
     assert _engine_torn(world) == [False] * world.tp, mode
-    refit_commits(world, v + 3)
 
 
 def landing_fails_on_one_rank(world) -> None:
